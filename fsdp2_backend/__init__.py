@@ -1,0 +1,1 @@
+"""The FSDP2 training engine: config, distributed setup, parallel plans, models, data, training."""

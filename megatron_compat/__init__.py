@@ -1,0 +1,1 @@
+"""Megatron-shaped front end: argument parser, translation to the native Config, and Megatron data formats."""

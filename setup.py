@@ -1,0 +1,35 @@
+"""Installs the Megatron-compatible FSDP2 training backend.
+
+torch is pinned to the CPU wheel CI can install; install it first (the Makefile does).
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-fsdp2",
+    version="0.1.0",
+    description="A Megatron-LM compatible drop-in FSDP2 training backend over Hugging Face models",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_compat", "megatron_compat.*", "fsdp2_backend",
+                                    "fsdp2_backend.*", "kernels", "kernels.*"]),
+    package_data={"megatron_compat": ["*.json", "*.txt"]},
+    install_requires=[
+        "torch==2.13.0",
+        "numpy",
+        "PyYAML",
+        "transformers>=5.0",
+        "tokenizers",
+        "safetensors",
+        "tiktoken",
+        "sentencepiece",
+    ],
+    extras_require={
+        # megatron-core is the reference implementation the tests compare against; never used at run time.
+        "test": ["pytest", "megatron-core==0.16.1"],
+        "triton": ["triton"],
+        "quant": ["torchao"],
+        "tensorboard": ["tensorboard"],
+        # Documented only; never installed by CI (torch_npu without the Ascend toolkit breaks `import torch`).
+        "npu": ["torch_npu", "triton-ascend"],
+    },
+    scripts=[],
+)
