@@ -1,0 +1,38 @@
+"""The one exception type for bad user input, and how it reaches the user.
+
+Anything a user can get wrong (a flag, a field, a file) raises `UsageError` with one or more messages of the
+form `<field or flag or file>: <what is wrong> — <what to do>`. Entry points call `exit_on_usage_error`, which
+prints each as `error: ...` on stderr and exits with code 2, never a traceback.
+"""
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+USAGE_EXIT_CODE = 2
+
+
+class UsageError(Exception):
+    """Bad user input; carries every problem found, one message each."""
+
+    def __init__(self, messages: str | Iterable[str]):
+        self.messages = [messages] if isinstance(messages, str) else list(messages)
+        super().__init__("\n".join(self.messages))
+
+
+def report_and_exit(messages: Iterable[str]) -> None:
+    """Prints `error: <message>` lines on stderr and exits with code 2."""
+    for message in messages:
+        print(f"error: {message}", file=sys.stderr)
+    sys.stderr.flush()
+    raise SystemExit(USAGE_EXIT_CODE)
+
+
+@contextmanager
+def exit_on_usage_error() -> Iterator[None]:
+    """Turns a UsageError raised inside the block into `error:` lines and exit code 2."""
+    try:
+        yield
+    except UsageError as exc:
+        report_and_exit(exc.messages)
