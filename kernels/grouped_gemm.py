@@ -37,8 +37,10 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when torch's grouped_mm accepts these operands (API present, 16-byte strides and addresses)."""
+    """True when torch's grouped_mm accepts these operands (API present, rows present, 16-byte strides/addresses)."""
     if not hasattr(F, "grouped_mm") or x.dim() != 2 or weight.dim() != 3:
+        return False
+    if x.shape[0] == 0:  # an EP rank that receives no tokens: grouped_mm's backward rejects empty operands
         return False
     return _aligned(x) and _aligned(weight)
 

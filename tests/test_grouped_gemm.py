@@ -57,6 +57,7 @@ def test_unaligned_layout_falls_back_to_loop():
     assert not grouped_mm_supported(x, weight)
     assert select_backend(x, weight, use_grouped_gemm=True) == "loop"
     assert select_backend(torch.randn(4, 8), torch.randn(2, 4, 8), use_grouped_gemm=False) == "loop"
+    assert select_backend(torch.randn(0, 8), torch.randn(2, 4, 8), use_grouped_gemm=True) == "loop"
     y = grouped_linear(x, weight, torch.tensor([1, 3]))
     torch.testing.assert_close(y, _naive(x, weight, torch.tensor([1, 3])))
 
