@@ -1,0 +1,271 @@
+"""Saving and resuming training checkpoints with torch.distributed.checkpoint (DCP).
+
+Owns what goes into a checkpoint and when it becomes visible: the sharded model and optimizer (through
+``get_state_dict`` / ``set_state_dict``, so FSDP2/TP DTensors reshard on load to any number of ranks), the
+LR scheduler, per-rank RNG states and the trainer's state (iteration, consumed samples, ...), plus the
+model config and tokenizer so that a checkpoint describes itself. The layout and the atomic commit live in
+``checkpoint_io``; the HF export in ``hf_export``.
+
+Flags follow Megatron: ``no_save_optim`` drops optimizer *and* scheduler, ``no_load_optim`` skips both,
+``no_load_rng`` skips RNG, ``finetune`` loads model weights only and leaves the trainer's state fresh
+(iteration 0, no consumed samples). ``save_only_model`` (the seed's field) saves model weights, trainer
+state and self-description only.
+
+Async saves: ``dcp.async_save`` stages a CPU copy of the state in the calling thread (that copy is the
+only stall) and runs the whole DCP save, collectives included, in a background thread. Those
+collectives use a gloo process group of their own, created once here, so they never interleave with the
+training loop's collectives on the default group. DCP gathers every rank's write result on rank 0 before
+it writes ``.metadata``, so when rank 0's save finishes every rank has written: rank 0 then renames the
+checkpoint into place (in a committer thread for async saves) with no further collective.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+
+from fsdp2_backend.training import checkpoint_io as io
+
+logger = logging.getLogger(__name__)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def train_state_to_dict(train_state: Any) -> dict:
+    """The trainer's state as a JSON-able dict (accepts a dataclass, an object with state_dict(), a dict)."""
+    if train_state is None:
+        return {}
+    if hasattr(train_state, "state_dict"):
+        return dict(train_state.state_dict())
+    if dataclasses.is_dataclass(train_state):
+        return dataclasses.asdict(train_state)
+    return dict(train_state)
+
+
+def train_state_from_dict(train_state: Any, saved: dict) -> Any:
+    """Restores ``saved`` into (a copy of) ``train_state``, keeping fields the checkpoint does not know."""
+    if train_state is None:
+        return dict(saved)
+    if hasattr(train_state, "load_state_dict"):
+        train_state.load_state_dict(saved)
+        return train_state
+    if dataclasses.is_dataclass(train_state):
+        names = {f.name for f in dataclasses.fields(train_state)}
+        return dataclasses.replace(train_state, **{k: v for k, v in saved.items() if k in names})
+    return {**train_state, **saved}
+
+
+class CheckpointManager:
+    """Writes checkpoints under ``save_dir``; construct it on every rank (it may create a process group).
+
+    ``save()`` at every save interval and at exit, ``finalize()`` before the process ends (waits for an
+    async save and commits it).
+    """
+
+    def __init__(self, save_dir: str | os.PathLike, *, save_total_limit: Optional[int] = None,
+                 async_save: bool = False, save_only_model: bool = False, no_save_optim: bool = False,
+                 no_save_rng: bool = False):
+        self.save_dir = Path(save_dir)
+        self.save_total_limit = save_total_limit
+        self.async_save = async_save
+        self.save_optim = not (save_only_model or no_save_optim)
+        self.save_scheduler = self.save_optim
+        self.save_rng = not (save_only_model or no_save_rng)
+        self._pending: Optional[Future] = None
+        self._pending_iteration: Optional[int] = None
+        self._last_saved: Optional[int] = None
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit") \
+            if async_save and _rank() == 0 else None
+        # A group of our own for the background save's collectives (gloo: DCP's async path needs CPU).
+        self._async_group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        if _rank() == 0:
+            self.save_dir.mkdir(parents=True, exist_ok=True)
+            io.remove_stale_partials(self.save_dir)
+        _barrier()
+
+    # ----------------------------------------------------------------------------------------- saving
+    def save(self, iteration: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+             scheduler: Any = None, train_state: Any = None, tokenizer: Any = None,
+             model_config: Any = None) -> Optional[Path]:
+        """Saves a checkpoint of ``iteration`` (collective); returns its final path, None if already saved.
+
+        With ``async_save`` it returns once the state is staged in CPU memory; the checkpoint appears
+        under its final name when the background write has finished everywhere.
+        """
+        if iteration in (self._last_saved, self._pending_iteration):
+            return None  # e.g. the exit save right after an interval save
+        self.wait()
+        started = time.perf_counter()
+        final_dir = self.save_dir / io.iter_dir_name(iteration)
+        tmp_dir = io.tmp_dir_for(final_dir)
+        rank = _rank()
+        tmp_dir.mkdir(parents=True, exist_ok=True)  # every rank: no barrier needed before writing
+        if self.save_rng:
+            io.rng_file(tmp_dir, rank).parent.mkdir(exist_ok=True)
+            torch.save(io.capture_rng_state(), io.rng_file(tmp_dir, rank))
+        if rank == 0:
+            self._write_rank0_files(tmp_dir, iteration, model, scheduler, train_state, tokenizer, model_config)
+
+        with_optim = optimizer is not None and self.save_optim
+        if with_optim:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optimizer": optim_sd}
+        else:
+            state = {"model": get_model_state_dict(model)}
+
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(tmp_dir), process_group=self._async_group)
+            upload = getattr(future, "upload_completion", future)  # AsyncSaveResponse in newer torch
+            self._pending = self._committer.submit(self._finish, upload, tmp_dir, final_dir, iteration) \
+                if rank == 0 else upload
+            self._pending_iteration = iteration
+            logger.info("checkpoint %s: staged in %.2fs, writing in the background",
+                        final_dir.name, time.perf_counter() - started)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp_dir))
+            if rank == 0:
+                io.commit(tmp_dir, final_dir, iteration, self.save_total_limit)
+            _barrier()
+            self._last_saved = iteration
+            logger.info("checkpoint %s saved in %.2fs", final_dir, time.perf_counter() - started)
+        return final_dir
+
+    def _finish(self, upload: Future, tmp_dir: Path, final_dir: Path, iteration: int) -> None:
+        upload.result()  # rank 0's save returns after all ranks' writes and the .metadata file
+        io.commit(tmp_dir, final_dir, iteration, self.save_total_limit)
+        logger.info("checkpoint %s committed (async)", final_dir)
+
+    def _write_rank0_files(self, tmp_dir: Path, iteration: int, model, scheduler, train_state, tokenizer,
+                           model_config) -> None:
+        io.write_json(tmp_dir / io.TRAIN_STATE_FILE, {**train_state_to_dict(train_state), "iteration": iteration})
+        if scheduler is not None and self.save_scheduler:
+            torch.save(scheduler.state_dict(), tmp_dir / io.SCHEDULER_FILE)
+        hf_meta = tmp_dir / io.HF_META_DIR
+        hf_meta.mkdir(exist_ok=True)
+        model_config = model_config if model_config is not None else getattr(model, "config", None)
+        if model_config is not None:
+            model_config.save_pretrained(str(hf_meta))
+        if isinstance(tokenizer, (str, os.PathLike)):
+            _copy_tokenizer_files(Path(tokenizer), hf_meta)
+        elif tokenizer is not None:
+            tokenizer.save_pretrained(str(hf_meta))
+        io.write_json(tmp_dir / io.META_FILE, {
+            "format": io.FORMAT, "iteration": iteration, "world_size": _world_size(),
+            "has_optimizer": self.save_optim, "has_scheduler": scheduler is not None and self.save_scheduler,
+            "has_rng": self.save_rng, "torch_version": torch.__version__,
+        })
+
+    def wait(self) -> None:
+        """Blocks until a pending async save is written and committed (collective when one is pending)."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        iteration, self._pending_iteration = self._pending_iteration, None
+        pending.result()
+        _barrier()
+        self._last_saved = iteration
+
+    def finalize(self) -> None:
+        """Waits for the last async save; call on every rank before the process group is destroyed."""
+        self.wait()
+        if self._committer is not None:
+            self._committer.shutdown(wait=True)
+            self._committer = None
+        if self._async_group is not None:
+            dist.destroy_process_group(self._async_group)
+            self._async_group = None
+
+
+def _copy_tokenizer_files(src: Path, dst: Path) -> None:
+    """Copies a tokenizer directory's files (not model weights) into the checkpoint."""
+    for path in src.iterdir():
+        if path.is_file() and not path.name.endswith((".safetensors", ".bin", ".pt", ".pth")):
+            shutil.copy2(path, dst / path.name)
+
+
+# -------------------------------------------------------------------------------------------------- loading
+def checkpoint_meta(checkpoint: str | os.PathLike) -> dict:
+    """What a checkpoint holds: format, iteration, world_size, has_optimizer, has_scheduler, has_rng."""
+    return io.read_json(Path(checkpoint) / io.META_FILE)
+
+
+def checkpoint_hf_dir(checkpoint: str | os.PathLike) -> Path:
+    """The directory in a checkpoint with config.json and the tokenizer files (AutoConfig/AutoTokenizer)."""
+    return Path(checkpoint) / io.HF_META_DIR
+
+
+def load_checkpoint(checkpoint: str | os.PathLike, model: torch.nn.Module,
+                    optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None,
+                    train_state: Any = None, *, no_load_optim: bool = False, no_load_rng: bool = False,
+                    finetune: bool = False) -> Any:
+    """Loads a complete checkpoint into an already sharded model (collective); returns the train state.
+
+    Any number of ranks can load what any number saved. ``train_state`` is the trainer's fresh state:
+    returned restored from the checkpoint, or unchanged with ``finetune``. Parts the checkpoint lacks
+    (saved with ``save_only_model`` / ``no_save_optim`` / ``no_save_rng``) are skipped with a warning.
+    """
+    checkpoint = Path(checkpoint)
+    meta = checkpoint_meta(checkpoint)
+    load_optim = optimizer is not None and not (no_load_optim or finetune)
+    if load_optim and not meta["has_optimizer"]:
+        logger.warning("%s holds no optimizer state: the optimizer starts fresh", checkpoint)
+        load_optim = False
+
+    if load_optim:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=str(checkpoint))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    else:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(checkpoint))
+        set_model_state_dict(model, state["model"])
+
+    if scheduler is not None and not (no_load_optim or finetune):
+        if meta["has_scheduler"]:
+            scheduler.load_state_dict(torch.load(checkpoint / io.SCHEDULER_FILE, weights_only=True))
+        else:
+            logger.warning("%s holds no scheduler state: the scheduler starts fresh", checkpoint)
+
+    if not (no_load_rng or finetune):
+        _load_rng(checkpoint, meta)
+
+    logger.info("loaded %s (iteration %s, saved by %s ranks, loaded by %s)%s", checkpoint, meta["iteration"],
+                meta["world_size"], _world_size(), " for finetuning: iteration reset to 0" if finetune else "")
+    if finetune:
+        return train_state
+    return train_state_from_dict(train_state, io.read_json(checkpoint / io.TRAIN_STATE_FILE))
+
+
+def _load_rng(checkpoint: Path, meta: dict) -> None:
+    path = io.rng_file(checkpoint, _rank())
+    if not meta["has_rng"]:
+        logger.warning("%s holds no RNG state: RNG states are left as they are", checkpoint)
+    elif not path.is_file():
+        # More ranks now than at save time: these ranks keep their seeded streams.
+        logger.warning("%s has no RNG state for rank %d (saved by %d ranks)", checkpoint, _rank(),
+                       meta["world_size"])
+    else:
+        io.restore_rng_state(torch.load(path, weights_only=True))

@@ -1,0 +1,88 @@
+"""Hugging Face export: a directory that plain ``AutoModelForCausalLM.from_pretrained`` loads.
+
+Two ways in, one writer: ``export_hf`` gathers a live (FSDP2/TP-sharded) model's full state dict on rank 0
+(``get_model_state_dict(full_state_dict=True, cpu_offload=True)``); ``convert_checkpoint`` reads the
+"model" entry of one of our DCP checkpoints in a single process (``_load_state_dict_from_keys``), with the
+model config and tokenizer the checkpoint carries. Both hand the state dict to transformers'
+``save_pretrained(state_dict=...)`` so that safetensors sharding, tied-weight handling and the config
+files are exactly what transformers itself writes. The directory appears under its final name only
+when complete (written as ``OUT.tmp``, then renamed).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from fsdp2_backend.errors import UsageError
+from fsdp2_backend.training import checkpoint_io as io
+
+_CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, tokenizer: Any = None) -> Path:
+    """Writes ``model`` (sharded or not; an HF PreTrainedModel) as an HF directory (collective)."""
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out_dir = Path(out_dir)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        write_hf_dir(model, state_dict, out_dir, tokenizer)
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir
+
+
+def write_hf_dir(model: torch.nn.Module, state_dict: dict, out_dir: Path, tokenizer: Any = None) -> None:
+    """Saves ``state_dict`` with ``model``'s ``save_pretrained`` (``model`` may live on the meta device),
+    plus the tokenizer (an object with ``save_pretrained`` or a directory of tokenizer files)."""
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), state_dict=state_dict)
+    if isinstance(tokenizer, (str, os.PathLike)):
+        for path in Path(tokenizer).iterdir():
+            if path.is_file() and path.name not in _CONFIG_FILES:
+                shutil.copy2(path, tmp / path.name)
+    elif tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+
+
+def load_model_state_dict(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model weights of one of our checkpoints, read in this process only."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        return _load_state_dict_from_keys({"model"}, checkpoint_id=str(checkpoint))["model"]
+
+
+def convert_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
+                       dtype: Optional[torch.dtype] = None) -> Path:
+    """Converts a checkpoint (an ``iter_*`` dir, or a save dir: its newest complete one) to an HF dir."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    resolved = io.resolve_checkpoint(checkpoint)
+    if resolved is None:
+        raise UsageError([f"{checkpoint}: no complete checkpoint there (no iter_* directory with "
+                          f"{io.META_FILE}) — pass an iter_* directory or the --save directory of a run"])
+    hf_meta = resolved / io.HF_META_DIR
+    if not (hf_meta / "config.json").is_file():
+        raise UsageError([f"{resolved}: the checkpoint carries no model config ({io.HF_META_DIR}/config."
+                          f"json) — it was saved without one; re-save it with the model's config"])
+    state_dict = load_model_state_dict(resolved)
+    if dtype is not None:
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    config = AutoConfig.from_pretrained(str(hf_meta))
+    if dtype is not None:
+        config.dtype = dtype
+    with torch.device("meta"):  # only the class, config and tied-weight rules are needed, not weights
+        model = AutoModelForCausalLM.from_config(config)
+    write_hf_dir(model, state_dict, Path(out_dir), tokenizer=hf_meta)
+    return Path(out_dir)
