@@ -1,0 +1,263 @@
+"""From the model arguments to a parallelised causal LM holding the right weights.
+
+Two ways, the same result:
+- normal: build the full model on CPU (`from_pretrained` for the native transformers model, or the registry
+  builder plus the safetensors loader), then let `parallelize` shard it;
+- `init_model_with_meta_device`: build on the meta device, `parallelize` (shards of meta tensors), allocate
+  only the local shards (`to_empty`), then fill them tensor by tensor — from the safetensors files, or by the
+  seeded initialisation — so no rank ever holds the whole model.
+
+Seeded initialisation (`train_from_scratch`, or no HF directory) runs the model's own HF `_init_weights` on
+each module in HF's order (children first) from `torch.manual_seed(seed)`, on a full-size stand-in of the
+module's tensors, and keeps this rank's shard: the weights are those of HF's `initialize_weights` whatever
+the sharding.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from fsdp2_backend.config import ModelArguments
+from fsdp2_backend.errors import UsageError
+from fsdp2_backend.models.registry import model_builder
+
+Parallelize = Callable[[nn.Module], nn.Module]
+
+
+def load_hf_config(model_args: ModelArguments):
+    """The HF config: from `model_name_or_path`, or built from `architecture`; checked against each other."""
+    from transformers import AutoConfig
+
+    arch = dict(model_args.architecture or {})
+    if model_args.model_name_or_path:
+        path = model_args.model_name_or_path
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+            if arch:
+                return _config_from_architecture(arch)
+            raise UsageError(f"model.model_name_or_path (--load): {path} has no config.json — point it at a "
+                             f"Hugging Face model directory, or give the architecture flags to train from scratch")
+        try:
+            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=model_args.trust_remote_code,
+                                                   cache_dir=model_args.cache_dir, revision=model_args.model_revision)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"model.model_name_or_path (--load): cannot read an HF config from {path} "
+                             f"({str(exc).splitlines()[0]}) — point it at a local Hugging Face model directory")
+        _check_architecture(hf_config, arch)
+        return hf_config
+    if not arch:
+        raise UsageError("model.model_name_or_path (--load): not set and no architecture given — give an HF "
+                         "model directory or the Megatron architecture flags")
+    return _config_from_architecture(arch)
+
+
+def _config_from_architecture(arch: Dict) -> object:
+    from transformers import AutoConfig
+
+    arch = dict(arch)
+    model_type = arch.pop("model_type", None)
+    if not model_type:
+        raise UsageError("model.architecture: no model_type — say which HF model family to build (e.g. qwen3)")
+    try:
+        return AutoConfig.for_model(model_type, **{k: v for k, v in arch.items() if v is not None})
+    except ValueError as exc:
+        raise UsageError(f"model.architecture: model_type '{model_type}' is unknown to transformers ({exc}) — "
+                         f"use an HF model type such as qwen3")
+
+
+def _check_architecture(hf_config, arch: Dict) -> None:
+    """Megatron flags that disagree with config.json are reported (the checkpoint would not fit)."""
+    problems = []
+    for key, want in arch.items():
+        if want is None or key == "vocab_size" or not hasattr(hf_config, key):
+            continue  # vocab rows may be padded or resized; unknown keys are the model's business
+        have = getattr(hf_config, key)
+        if have != want:
+            problems.append(f"model.architecture.{key}: {want!r} disagrees with {have!r} in the checkpoint's "
+                            f"config.json — fix the flag or drop it")
+    if problems:
+        raise UsageError(problems)
+
+
+def weights_available(model_args: ModelArguments) -> bool:
+    """True when weights are to be loaded (an HF directory with safetensors, and not training from scratch)."""
+    path = model_args.model_name_or_path
+    if model_args.train_from_scratch or not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return False
+    return bool(_safetensors_files(path))
+
+
+def _safetensors_files(path: str) -> List[Path]:
+    return sorted(Path(path).glob("*.safetensors")) if os.path.isdir(path) else []
+
+
+def build_model(model_args: ModelArguments, hf_config, *, on_meta: bool) -> nn.Module:
+    """The model's modules in fp32, weights not yet meaningful (on meta when `on_meta`)."""
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device("meta") if on_meta else torch.device("cpu")
+    with device:
+        if model_args.model_id:
+            return model_builder(model_args.model_id)(hf_config).float()
+        return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=model_args.trust_remote_code,
+                                                dtype=torch.float32)
+
+
+def _module_tensors(module: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
+    yield from module.named_parameters(recurse=False)
+    yield from ((n, b) for n, b in module.named_buffers(recurse=False) if b is not None)
+
+
+def _full_shape(tensor: torch.Tensor) -> torch.Size:
+    return tensor.shape  # a DTensor reports its global shape
+
+
+def _assign_full(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Writes `full` (the whole tensor) into `target`, which may be a sharded DTensor: keep the local shard."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full = full.to(dtype=target.dtype)
+    if isinstance(target, DTensor):
+        # Every rank holds the same full tensor, so slicing locally (src_data_rank=None) needs no comms.
+        local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        target.to_local().copy_(local)
+    else:
+        target.copy_(full)
+
+
+@torch.no_grad()
+def seeded_initialize(model: nn.Module, seed: int, *, buffers_only: bool = False) -> None:
+    """HF's `initialize_weights` from `manual_seed(seed)`, written shard-wise into possibly sharded tensors.
+
+    `buffers_only` recomputes just the buffers (e.g. rotary frequencies) after weights were loaded.
+    """
+    init_fn = getattr(model, "_init_weights", None)
+    if init_fn is None:
+        raise UsageError(f"model.train_from_scratch: {type(model).__name__} has no HF _init_weights — this model "
+                         f"can only be loaded from a checkpoint")
+    torch.manual_seed(seed)
+    seen = set()
+    for module in _children_first(model):
+        names = list(_module_tensors(module))
+        if not names:
+            continue
+        stand_in = _stand_in(module)
+        fresh = {}
+        for name, tensor in names:
+            full = torch.empty(_full_shape(tensor), dtype=tensor.dtype, device="cpu")
+            is_param = name in module._parameters
+            if (is_param and (buffers_only or id(tensor) in seen)):
+                full._is_hf_initialized = True  # loaded or tied: HF's init functions skip flagged tensors
+            else:
+                fresh[name] = full
+            seen.add(id(tensor))
+            (stand_in._parameters if is_param else stand_in._buffers)[name] = (
+                nn.Parameter(full, requires_grad=False) if is_param else full)
+        if not fresh:
+            continue
+        stand_in.__dict__.pop("_is_hf_initialized", None)
+        init_fn(stand_in)
+        for name, full in fresh.items():
+            written = stand_in._parameters.get(name, stand_in._buffers.get(name))
+            _assign_full(getattr(module, name), written.data)
+
+
+def _stand_in(module: nn.Module) -> nn.Module:
+    """A shallow copy of `module` as its own class (not FSDP's subclass), with tensor dicts of its own."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    stand_in = object.__new__(cls)
+    stand_in.__dict__.update(module.__dict__)
+    stand_in._parameters, stand_in._buffers = dict(module._parameters), dict(module._buffers)
+    return stand_in
+
+
+def _children_first(module: nn.Module) -> Iterator[nn.Module]:
+    for child in module.children():
+        yield from _children_first(child)
+    yield module
+
+
+@torch.no_grad()
+def load_safetensors(model: nn.Module, path: str, new_rows: Optional[Callable] = None) -> None:
+    """Fills every parameter of `model` (full or sharded) from the safetensors files under `path`.
+
+    Checkpoint keys must equal parameter names. A parameter with more rows than its checkpoint tensor
+    (a resized vocabulary) gets the checkpoint rows plus `new_rows(old_full, n_new)`.
+    """
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    found = set()
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for key in handle.keys():
+                if key not in params:
+                    continue
+                full = handle.get_tensor(key)
+                target = params[key]
+                if full.shape[0] < target.shape[0] and full.shape[1:] == target.shape[1:] and new_rows:
+                    full = torch.cat([full.float(), new_rows(full.float(), target.shape[0] - full.shape[0])])
+                if full.shape != target.shape:
+                    raise UsageError(f"model.model_name_or_path: {key} has shape {tuple(full.shape)} in {file.name}"
+                                     f" but the model expects {tuple(target.shape)} — the checkpoint does not "
+                                     f"match the model config")
+                _assign_full(target, full)
+                found.add(key)
+    missing = sorted(set(params) - found - _tied_names(model))
+    if missing:
+        raise UsageError(f"model.model_name_or_path: {path} lacks {len(missing)} weights the model needs (first: "
+                         f"{', '.join(missing[:3])}) — use a checkpoint of this model, or train_from_scratch")
+
+
+def _tied_names(model: nn.Module) -> set:
+    """Parameter names that are another parameter under a second name (tied embeddings)."""
+    everything = dict(model.named_parameters(remove_duplicate=False))
+    unique = dict(model.named_parameters())
+    return set(everything) - set(unique)
+
+
+def create_model(model_args: ModelArguments, hf_config, *, seed: int, device: torch.device,
+                 parallelize: Parallelize, new_rows: Optional[Callable] = None) -> nn.Module:
+    """The parallelised model with its weights: loaded from the HF directory, or seeded-initialised.
+
+    `hf_config.vocab_size` may exceed the checkpoint's (a resized vocabulary): the extra rows come from
+    `new_rows(old_full, n_new)`.
+    """
+    load = weights_available(model_args)
+    if model_args.model_name_or_path and not model_args.train_from_scratch and not load and \
+            not model_args.architecture:
+        raise UsageError(f"model.model_name_or_path (--load): {model_args.model_name_or_path} holds no "
+                         f"*.safetensors weights — convert the checkpoint to safetensors, or set train_from_scratch")
+    if model_args.init_model_with_meta_device:
+        model = parallelize(build_model(model_args, hf_config, on_meta=True))
+        model.to_empty(device=device)
+        if load:
+            load_safetensors(model, model_args.model_name_or_path, new_rows)
+        seeded_initialize(model, seed, buffers_only=load)
+        return model
+    if load and not model_args.model_id and _checkpoint_vocab(model_args) == hf_config.vocab_size:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            model_args.model_name_or_path, config=hf_config, dtype=torch.float32,
+            trust_remote_code=model_args.trust_remote_code, cache_dir=model_args.cache_dir,
+            revision=model_args.model_revision)
+    else:
+        model = build_model(model_args, hf_config, on_meta=False)
+        if load:
+            load_safetensors(model, model_args.model_name_or_path, new_rows)
+        else:
+            seeded_initialize(model, seed)
+    return parallelize(model.to(device))
+
+
+def _checkpoint_vocab(model_args: ModelArguments) -> Optional[int]:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code,
+                                      cache_dir=model_args.cache_dir, revision=model_args.model_revision).vocab_size

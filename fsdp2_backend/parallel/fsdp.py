@@ -1,0 +1,107 @@
+"""FSDP2 (`fully_shard`) over the modules named by `fsdp_modules`, then the root.
+
+- Each matched module becomes its own FSDP unit (one all-gather / reduce-scatter each), in model order; the
+  root takes whatever is left (final norm, tied weights...).
+- Modules whose parameters are shared with another matched module (tied embeddings) are not wrapped on their
+  own: a parameter can belong to one unit only, so the root keeps it.
+- `ignored_modules`: their parameters stay out of FSDP (not sharded, not reduced — a later stage owns them).
+- Mixed precision from `param_dtype` / `reduce_dtype`; parameters stay fp32 (the optimizer's master copy).
+- `shard_placement_fn` is a dotted import path `package.module.function`.
+- Explicit prefetch: each unit all-gathers the next `num_to_forward_prefetch` units in forward and the
+  previous `num_to_backward_prefetch` units in backward.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable, List, Optional, Sequence, Set
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from fsdp2_backend.config import ParallelArguments
+from fsdp2_backend.errors import UsageError
+from fsdp2_backend.parallel.plans import require_matches
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def import_dotted(path: str, field: str) -> Callable:
+    """The object at `package.module.name`; a bad path is a usage error naming `field`."""
+    module_name, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise UsageError(f"{field}: cannot import '{path}' ({exc}) — give a dotted path package.module.function "
+                         f"importable on every rank")
+
+
+def mixed_precision_policy(parallel: ParallelArguments) -> MixedPrecisionPolicy:
+    """Compute in `param_dtype`, reduce gradients in `reduce_dtype`."""
+    return MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[parallel.param_dtype],
+                                reduce_dtype=TORCH_DTYPES[parallel.reduce_dtype])
+
+
+def _ignored_params(model: nn.Module, patterns: Optional[Sequence[str]]) -> Set[nn.Parameter]:
+    if not patterns:
+        return set()
+    return {p for _, module in require_matches(model, patterns, "parallel.ignored_modules")
+            for p in module.parameters()}
+
+
+def _units(model: nn.Module, patterns: Sequence[str], ignored: Set[nn.Parameter]) -> List[nn.Module]:
+    """The matched modules to wrap, in model order, without tied ones and ones with nothing to shard."""
+    matched = require_matches(model, patterns, "parallel.fsdp_modules")
+    owners = {}
+    for _, module in matched:
+        for p in module.parameters():
+            owners.setdefault(p, []).append(module)
+    units = []
+    for _, module in matched:
+        params = [p for p in module.parameters() if p not in ignored]
+        # Shared with a matched module that is neither its ancestor nor its descendant: a tie, leave to root.
+        tied = any(other is not module and not _nested(module, other) for p in params for other in owners[p])
+        if params and not tied:
+            units.append(module)
+    return units
+
+
+def _nested(a: nn.Module, b: nn.Module) -> bool:
+    return any(m is b for m in a.modules()) or any(m is a for m in b.modules())
+
+
+def apply_fsdp(model: nn.Module, parallel: ParallelArguments, mesh: DeviceMesh,
+               extra_ignored: Optional[Set[nn.Parameter]] = None) -> nn.Module:
+    """Shards `model` in place per `parallel`'s FSDP fields; returns the root FSDP module."""
+    ignored = _ignored_params(model, parallel.ignored_modules) | set(extra_ignored or ())
+    placement = (import_dotted(parallel.shard_placement_fn, "parallel.shard_placement_fn")
+                 if parallel.shard_placement_fn else None)
+    common = dict(mesh=mesh, mp_policy=mixed_precision_policy(parallel), shard_placement_fn=placement,
+                  ignored_params=ignored or None)
+    units = _units(model, parallel.fsdp_modules, ignored)
+    # Innermost first: fully_shard on a parent after its children leaves the children's parameters to them.
+    for module in sorted(units, key=lambda m: -_depth(model, m)):
+        fully_shard(module, reshard_after_forward=parallel.reshard_after_forward, **common)
+    # The root's parameters are needed again at once for backward: keep them gathered.
+    fully_shard(model, reshard_after_forward=False, **common)
+    _set_prefetch([m for m in units if isinstance(m, FSDPModule)], parallel.num_to_forward_prefetch,
+                  parallel.num_to_backward_prefetch)
+    return model
+
+
+def _depth(root: nn.Module, target: nn.Module) -> int:
+    for name, module in root.named_modules():
+        if module is target:
+            return name.count(".") + 1
+    return 0
+
+
+def _set_prefetch(units: List[FSDPModule], forward: int, backward: int) -> None:
+    if forward > 0:
+        for i, unit in enumerate(units[:-1]):
+            unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + forward])
+    if backward > 0:
+        for i in range(1, len(units)):
+            units[i].set_modules_to_backward_prefetch(list(reversed(units[max(0, i - backward):i])))
+

@@ -1,0 +1,51 @@
+"""Glob plans: which submodules a parallel stage applies to, named by patterns over module paths.
+
+A pattern matches a module's dotted name (as in `model.named_modules()`) as a whole:
+- `{}` or `{*}` stands for exactly one path component, e.g. `model.layers.{}` is every decoder layer;
+- `*` stands for any run of characters, dots included, e.g. `*.q_proj` is every q_proj anywhere;
+- everything else is literal (`model.embed_tokens`, `lm_head`).
+"""
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Iterable, List, Sequence, Tuple
+
+from torch import nn
+
+from fsdp2_backend.errors import UsageError
+
+
+@lru_cache(maxsize=None)
+def compile_pattern(pattern: str) -> "re.Pattern[str]":
+    """The regex for one plan pattern (anchored at both ends)."""
+    parts = re.split(r"(\{\*?\}|\*)", pattern)
+    regex = []
+    for part in parts:
+        if part in ("{}", "{*}"):
+            regex.append(r"[^.]+")
+        elif part == "*":
+            regex.append(r".*")
+        else:
+            regex.append(re.escape(part))
+    return re.compile("".join(regex) + r"\Z")
+
+
+def matches(name: str, patterns: Iterable[str]) -> bool:
+    """True when `name` matches any of `patterns`."""
+    return any(compile_pattern(p).match(name) for p in patterns)
+
+
+def match_modules(model: nn.Module, patterns: Sequence[str]) -> List[Tuple[str, nn.Module]]:
+    """(name, module) for every submodule matching a pattern, in the model's registration order."""
+    return [(name, module) for name, module in model.named_modules() if name and matches(name, patterns)]
+
+
+def require_matches(model: nn.Module, patterns: Sequence[str], field: str) -> List[Tuple[str, nn.Module]]:
+    """Like `match_modules`, but a pattern that matches nothing is a usage error naming `field`."""
+    names = [name for name, _ in model.named_modules() if name]
+    unmatched = [p for p in patterns if not any(compile_pattern(p).match(n) for n in names)]
+    if unmatched:
+        raise UsageError([f"{field}: pattern '{p}' matches no module of {type(model).__name__} — use module "
+                          f"paths such as 'model.layers.{{*}}' or '*.q_proj'" for p in unmatched])
+    return match_modules(model, patterns)

@@ -1,0 +1,28 @@
+"""Activation recomputation: the modules named by `recompute_modules` keep no activations in forward.
+
+Each matched module's forward runs under non-reentrant `torch.utils.checkpoint`, installed on the instance so
+module names (and so state-dict keys and later plans) stay exactly as they were — no wrapper module. Applied
+before FSDP: FSDP's hooks sit around the module call, so the recomputed forward in backward sees the
+all-gathered parameters.
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Sequence
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fsdp2_backend.parallel.plans import require_matches
+
+
+def _checkpointed(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def apply_recompute(model: nn.Module, patterns: Sequence[str]) -> List[str]:
+    """Recomputes every module matching `patterns` in backward; returns the names of those modules."""
+    matched = require_matches(model, patterns, "parallel.recompute_modules")
+    for _, module in matched:
+        module.forward = functools.partial(_checkpointed, module.forward)
+    return [name for name, _ in matched]
