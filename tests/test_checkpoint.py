@@ -1,0 +1,261 @@
+"""Checkpoint save/resume on a real Qwen3 sharded with FSDP2 and a real AdamW.
+
+Two ranks train and save (sync, then async with rotation); one rank loads (DCP resharding) and is compared
+with full state dicts the two ranks gathered at save time. The loader-side flags, save_only_model,
+asynchrony and a crash before the commit are checked in the same one-rank process to keep the suite short.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import run_distributed, tiny_qwen3_config, train_bytelevel_tokenizer
+
+
+@dataclasses.dataclass
+class _State:
+    """Stands for the trainer's TrainState: a dataclass with iteration and consumed samples."""
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def _build(world_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_qwen3_config())
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    return model, optimizer, scheduler
+
+
+def _train_step(model, optimizer, scheduler, step: int) -> None:
+    batch = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(step))
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()
+
+
+def _full_state(model, optimizer=None):
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model, options=options)}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        state = {"model": model_sd, "optimizer": optim_sd}
+    # A copy: unsharded tensors (AdamW's `step`) are the optimizer's own and change with the next step.
+    return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, state)
+
+
+def _rng_draws():
+    return [random.random(), float(np.random.rand()), float(torch.rand(1))]
+
+
+def _assert_close(actual, expected, path="state"):
+    if isinstance(expected, torch.Tensor):
+        assert torch.allclose(actual.float(), expected.float(), atol=1e-6, rtol=0), path
+    elif isinstance(expected, dict):
+        assert set(actual) == set(expected), path
+        for key in expected:
+            _assert_close(actual[key], expected[key], f"{path}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), path
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            _assert_close(a, e, f"{path}[{i}]")
+    else:
+        assert actual == expected, path
+
+
+def _save_two_ranks(rank, world_size, root, tokenizer_dir):
+    from fsdp2_backend.training.checkpoint import CheckpointManager
+
+    root = Path(root)
+    model, optimizer, scheduler = _build(world_size)
+    for step in range(2):
+        _train_step(model, optimizer, scheduler, step)
+    manager = CheckpointManager(root / "sync")
+    manager.save(2, model, optimizer, scheduler, _State(2, 64), tokenizer=tokenizer_dir)
+    reference = _full_state(model, optimizer)
+    draws = _rng_draws()
+    if rank == 0:
+        torch.save({"state": reference, "draws": draws}, root / "sync_reference.pt")
+
+    # Async with rotation: params change right after each save returns, while the write may still run.
+    manager = CheckpointManager(root / "async", async_save=True, save_total_limit=2)
+    for iteration in (3, 4, 5):
+        reference = _full_state(model, optimizer)
+        manager.save(iteration, model, optimizer, scheduler, _State(iteration, 32 * iteration))
+        _train_step(model, optimizer, scheduler, iteration)
+    manager.finalize()
+    if rank == 0:
+        torch.save(reference, root / "async_reference.pt")
+
+
+def _blocking_writes(release: threading.Event):
+    """Holds every DCP file write until `release` is set: shows who waits for the write and who does not."""
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+    original = _FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        release.wait(timeout=60)
+        return original(self, plan, planner)
+
+    _FileSystemWriter.write_data = write_data
+
+
+def _load_one_rank(rank, world_size, root):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from fsdp2_backend.training import checkpoint_io as io
+    from fsdp2_backend.training.checkpoint import CheckpointManager, checkpoint_meta, load_checkpoint
+
+    root = Path(root)
+    saved = torch.load(root / "sync_reference.pt", weights_only=True)
+    sync_ckpt = io.find_resume_checkpoint(None, str(root / "sync"))
+    assert sync_ckpt == root / "sync" / "iter_0000002"
+    assert checkpoint_meta(sync_ckpt)["world_size"] == 2
+
+    # Full resume on one rank: model, optimizer, scheduler, trainer state and rank 0's RNG streams.
+    model, optimizer, scheduler = _build(world_size)
+    state = load_checkpoint(sync_ckpt, model, optimizer, scheduler, _State())
+    draws = _rng_draws()
+    _assert_close(_full_state(model, optimizer), saved["state"])
+    assert state == _State(2, 64)
+    assert scheduler.last_epoch == 2
+    assert draws == saved["draws"]
+
+    # --no-load-optim: weights and trainer state, but neither optimizer nor scheduler.
+    model, optimizer, scheduler = _build(world_size)
+    state = load_checkpoint(sync_ckpt, model, optimizer, scheduler, _State(), no_load_optim=True)
+    _assert_close(_full_state(model), {"model": saved["state"]["model"]})
+    assert not optimizer.state and scheduler.last_epoch == 0 and state == _State(2, 64)
+
+    # --no-load-rng: RNG streams stay as seeded here.
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    fresh_draws = _rng_draws()
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    load_checkpoint(sync_ckpt, model, optimizer, scheduler, _State(), no_load_rng=True)
+    assert _rng_draws() == fresh_draws
+
+    # --finetune: weights only; iteration and consumed samples stay 0, RNG stays as seeded.
+    model, optimizer, scheduler = _build(world_size)
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    state = load_checkpoint(sync_ckpt, model, optimizer, scheduler, _State(), finetune=True)
+    assert state == _State() and not optimizer.state and scheduler.last_epoch == 0
+    assert _rng_draws() == fresh_draws
+    _assert_close(_full_state(model), {"model": saved["state"]["model"]})
+
+    # Async + rotation: two newest kept, the marker names the last, contents as at save time.
+    async_dir = root / "async"
+    assert sorted(p.name for p in async_dir.iterdir()) == [
+        "iter_0000004", "iter_0000005", "latest_checkpointed_iteration.txt"]
+    assert io.read_latest_marker(async_dir) == 5
+    model, optimizer, scheduler = _build(world_size)
+    state = load_checkpoint(async_dir / "iter_0000005", model, optimizer, scheduler, _State())
+    _assert_close(_full_state(model, optimizer), torch.load(root / "async_reference.pt", weights_only=True))
+    assert state == _State(5, 160)
+
+    # save_only_model: the DCP holds model weights only; no scheduler, no RNG; loading warns and goes on.
+    only = CheckpointManager(root / "only_model", save_only_model=True)
+    only_ckpt = only.save(7, model, optimizer, scheduler, _State(7, 7))
+    keys = FileSystemReader(str(only_ckpt)).read_metadata().state_dict_metadata
+    assert keys and all(k.startswith("model.") for k in keys)
+    assert not (only_ckpt / io.SCHEDULER_FILE).exists() and not (only_ckpt / io.RNG_DIR).exists()
+    meta = checkpoint_meta(only_ckpt)
+    assert (meta["has_optimizer"], meta["has_scheduler"], meta["has_rng"]) == (False, False, False)
+    fresh_model, fresh_optimizer, fresh_scheduler = _build(world_size)
+    assert load_checkpoint(only_ckpt, fresh_model, fresh_optimizer, fresh_scheduler, _State()) == _State(7, 7)
+    assert not fresh_optimizer.state
+    _assert_close(_full_state(fresh_model), _full_state(model))
+
+    # Async really is: save() returns while the write is held; nothing visible until finalize().
+    release = threading.Event()
+    _blocking_writes(release)
+    pending = CheckpointManager(root / "held", async_save=True)
+    final = pending.save(8, model, optimizer, scheduler, _State(8, 8))
+    assert not final.exists() and io.find_resume_checkpoint(None, str(root / "held")) is None
+    release.set()
+    pending.finalize()
+    assert io.is_complete_checkpoint(final) and io.read_latest_marker(root / "held") == 8
+
+    # A crash after the write and before the rename: the .tmp copy is never picked, and is cleared.
+    import shutil
+    shutil.copytree(final, root / "held" / "iter_0000009.tmp")
+    assert io.find_resume_checkpoint(str(root / "sync"), str(root / "held")) == final
+    CheckpointManager(root / "held")
+    assert not (root / "held" / "iter_0000009.tmp").exists()
+
+
+def test_two_ranks_save_one_rank_resumes(tmp_path):
+    tokenizer_dir = tmp_path / "tokenizer"
+    train_bytelevel_tokenizer(tokenizer_dir, vocab_size=300, texts=["def f(x):\n    return x + 1\n"] * 20)
+    run_distributed(_save_two_ranks, 2, str(tmp_path), str(tokenizer_dir))
+    run_distributed(_load_one_rank, 1, str(tmp_path))
+    # Self-describing: config and tokenizer travel with the checkpoint.
+    hf_meta = tmp_path / "sync" / "iter_0000002" / "hf_meta"
+    assert json.loads((hf_meta / "config.json").read_text())["model_type"] == "qwen3"
+    from transformers import AutoTokenizer
+    assert AutoTokenizer.from_pretrained(str(hf_meta)).encode("def f") == \
+        AutoTokenizer.from_pretrained(str(tokenizer_dir)).encode("def f")
+
+
+def test_discovery_prefers_save_dir_and_skips_partials(tmp_path):
+    """Real single-process DCP saves of a plain module: rotation, marker, resume order, restarts."""
+    from fsdp2_backend.training import checkpoint_io as io
+    from fsdp2_backend.training.checkpoint import CheckpointManager, load_checkpoint
+
+    model = torch.nn.Linear(4, 4)
+    load_manager = CheckpointManager(tmp_path / "pretrained")
+    load_manager.save(100, model, train_state=_State(100, 1000))
+    save_dir = tmp_path / "run"
+    assert io.find_resume_checkpoint(str(tmp_path / "pretrained"), str(save_dir)) == \
+        tmp_path / "pretrained" / "iter_0000100"
+
+    manager = CheckpointManager(save_dir, save_total_limit=2)
+    for iteration in (10, 20, 30):
+        manager.save(iteration, model, train_state=_State(iteration, iteration))
+    assert manager.save(30, model) is None  # the exit save right after an interval save
+    assert [i for i, _ in io.complete_checkpoints(save_dir)] == [20, 30]
+    found = io.find_resume_checkpoint(str(tmp_path / "pretrained"), str(save_dir))
+    assert found == save_dir / "iter_0000030" and io.is_restart(found, str(save_dir))
+    assert not io.is_restart(tmp_path / "pretrained" / "iter_0000100", str(save_dir))
+    # A --load that names an iter_* directory directly, and one with no checkpoint (HF weights).
+    assert io.find_resume_checkpoint(str(save_dir / "iter_0000020"), None) == save_dir / "iter_0000020"
+    assert io.find_resume_checkpoint(str(tmp_path), None) is None
+
+    # Kill between rename and marker: the marker lags; the newer complete checkpoint still wins.
+    (save_dir / io.LATEST_FILE).write_text("20")
+    assert io.newest_checkpoint(save_dir) == save_dir / "iter_0000030"
+    # A directory with a final name but without metadata is not a checkpoint.
+    (save_dir / "iter_0000040").mkdir()
+    assert io.newest_checkpoint(save_dir) == save_dir / "iter_0000030"
+
+    restored = torch.nn.Linear(4, 4)
+    assert load_checkpoint(found, restored, train_state=_State()) == _State(30, 30)
+    assert torch.equal(restored.weight, model.weight)
+
+
+def test_convert_rejects_a_directory_without_checkpoint(tmp_path):
+    from fsdp2_backend.errors import UsageError
+    from fsdp2_backend.training.hf_export import convert_checkpoint
+
+    with pytest.raises(UsageError, match="no complete checkpoint"):
+        convert_checkpoint(tmp_path, tmp_path / "out")
