@@ -1,0 +1,102 @@
+"""Small shared pieces of the Megatron dataset stack: the Split enum, weight normalisation, Megatron's
+blend-list and split-string parsing, and the rank queries that decide who builds index caches.
+
+Facts reproduced from megatron-core 0.16.1 (`datasets/utils.py`, `blended_megatron_dataset_config.py`):
+weights are normalised in float64; a split string keeps every `[.0-9]+` run, pads to three entries with
+zeros and normalises; the split matrix holds each split's (begin, end) book-ends, None for an empty one.
+"""
+from __future__ import annotations
+
+import os
+import re
+from enum import Enum
+from itertools import accumulate
+from typing import List, Optional, Tuple
+
+import numpy
+
+
+class Split(Enum):
+    train = 0
+    valid = 1
+    test = 2
+
+
+def normalize(weights: List[float]) -> List[float]:
+    """Divides by the sum in float64 (megatron-core's rounding, so blends come out identical)."""
+    w = numpy.array(weights, dtype=numpy.float64)
+    return (w / numpy.sum(w)).tolist()
+
+
+def get_blend_from_list(blend: Optional[List[str]]) -> Optional[Tuple[List[str], Optional[List[float]]]]:
+    """["30", "p1", "70", "p2"] -> (["p1", "p2"], [30.0, 70.0]); ["p1", "p2"] -> (["p1", "p2"], None)."""
+    if blend is None:
+        return None
+    weights: Optional[List[float]] = None
+    prefixes = blend
+    if len(blend) % 2 == 0:
+        try:
+            weights = [float(blend[i]) for i in range(0, len(blend), 2)]
+            prefixes = [blend[i] for i in range(1, len(blend), 2)]
+        except ValueError:
+            weights = None  # an even-length list of plain prefixes
+    return [p.strip() for p in prefixes], weights
+
+
+def parse_and_normalize_split(split: str) -> List[float]:
+    """"969,30,1" -> [0.969, 0.03, 0.001]; missing entries count as 0."""
+    values = [float(v) for v in re.findall(r"[.0-9]+", split)]
+    values += [0.0] * (len(Split) - len(values))
+    if len(values) != len(Split) or sum(values) <= 0:
+        raise ValueError(f"split {split!r}: expected up to three non-negative weights with a positive sum, "
+                         f"e.g. '969,30,1'")
+    return normalize(values)
+
+
+def convert_split_vector_to_split_matrix(vector_a: List[float], vector_b: Optional[List[float]] = None
+                                         ) -> List[Optional[Tuple[float, float]]]:
+    """Book-ends per split, intersected with a second vector's when given; None where a split is empty."""
+    vector_b = vector_a if vector_b is None else vector_b
+    ends_a = list(accumulate(vector_a, initial=0))
+    ends_b = list(accumulate(vector_b, initial=0))
+    matrix: List[Optional[Tuple[float, float]]] = []
+    for (a0, a1), (b0, b1) in zip(zip(ends_a[:-1], ends_a[1:]), zip(ends_b[:-1], ends_b[1:])):
+        lo, hi = max(a0, b0), min(a1, b1)
+        matrix.append(None if hi <= lo else (lo, hi))
+    return matrix
+
+
+def _dist():
+    """torch.distributed when a process group is up, else None (torch is imported lazily)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a hard dependency of the datasets anyway
+        return None
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def global_rank() -> int:
+    dist = _dist()
+    return dist.get_rank() if dist is not None else 0
+
+
+def barrier() -> None:
+    """A barrier over all ranks, or nothing in a single process."""
+    dist = _dist()
+    if dist is not None:
+        dist.barrier()
+
+
+def distributed() -> bool:
+    return _dist() is not None
+
+
+def builds_caches_first(shared_storage: bool) -> bool:
+    """Whether this rank writes index caches for the others: global rank 0 when the cache folder is shared by
+    all nodes, otherwise each node's local rank 0 (LOCAL_RANK, as torchrun sets it)."""
+    dist = _dist()
+    if dist is None:
+        return True
+    if shared_storage:
+        return dist.get_rank() == 0
+    return int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
