@@ -1,13 +1,15 @@
 """The qwen3_moe model against transformers' Qwen3-MoE (its per-expert loop) for the same weights."""
 import copy
+import json
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from fsdp2_backend.models.moe.experts import GroupedExperts
-from fsdp2_backend.models.qwen3_moe import (Qwen3MoeRouter, build_qwen3_moe, checkpoint_keys, configure_moe,
-                                            from_hf_checkpoint, param_from_checkpoint, to_hf_checkpoint)
+from fsdp2_backend.models.qwen3_moe import (Qwen3MoeGroupedForCausalLM, Qwen3MoeRouter, build_qwen3_moe,
+                                            checkpoint_keys, configure_moe, from_hf_checkpoint, param_from_checkpoint,
+                                            to_hf_checkpoint)
 
 
 def tiny_moe_config(**overrides):
@@ -97,6 +99,21 @@ def test_checkpoint_layout_is_transformers_save_pretrained(tmp_path):
     torch.testing.assert_close(reloaded(**_batch()).logits, ours(**_batch()).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_save_pretrained_writes_stock_transformers_checkpoint(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf, ours = _pair()
+    ours.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in load_file(str(tmp_path / "model.safetensors"))
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    again = Qwen3MoeGroupedForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(stock).__name__ == "Qwen3MoeForCausalLM"
+    assert isinstance(again.model.layers[1].mlp.experts, GroupedExperts)
+    for model in (stock, again):
+        torch.testing.assert_close(model(**_batch()).logits, ours(**_batch()).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_init_weights_initialises_grouped_experts_like_transformers():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -110,5 +127,5 @@ def test_init_weights_initialises_grouped_experts_like_transformers():
     hf._init_weights(theirs)
     torch.manual_seed(5)
     ours._init_weights(mine)
-    assert float(mine.gate_up_proj.std()) > 0
+    assert float(mine.gate_up_proj.detach().std()) > 0
     assert torch.equal(mine.gate_up_proj, theirs.gate_up_proj) and torch.equal(mine.down_proj, theirs.down_proj)

@@ -7,9 +7,9 @@ The model is transformers' `Qwen3MoeForCausalLM` (attention, norms, rotary, the 
   to an expert-parallel dispatcher;
 - `mlp.gate` → `Qwen3MoeRouter`, transformers' top-k router (softmax, top-k, `norm_topk_prob`
   renormalisation) plus `fix_router`.
-State dicts therefore equal transformers' in-memory ones. Checkpoints on disk (and what transformers'
-`save_pretrained` writes) hold one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, `up_proj`,
-`down_proj`); `checkpoint_keys` / `param_from_checkpoint` / `param_to_checkpoint` convert one parameter at
+State dicts therefore equal transformers' in-memory ones, and transformers' `from_pretrained` /
+`save_pretrained` convert to and from the on-disk layout, which holds one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, `up_proj`,
+`down_proj`). Outside transformers, `checkpoint_keys` / `param_from_checkpoint` / `param_to_checkpoint` convert one parameter at
 a time (for streaming loaders and exporters), `to_hf_checkpoint` / `from_hf_checkpoint` whole state dicts.
 
 The auxiliary load-balancing loss is transformers': with `output_router_logits` (set when
@@ -91,6 +91,14 @@ class Qwen3MoeGroupedForCausalLM(Qwen3MoeForCausalLM):
 
             init.normal_(module.gate_up_proj, mean=0.0, std=self.config.initializer_range)
             init.normal_(module.down_proj, mean=0.0, std=self.config.initializer_range)
+
+    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+        """transformers' save (it writes the per-expert layout), naming transformers' own class in config.json
+        so that any HF loader builds the stock Qwen3-MoE from the export."""
+        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        if is_main_process:
+            self.config.architectures = [Qwen3MoeForCausalLM.__name__]
+            self.config.save_pretrained(save_directory)
 
 
 def build_qwen3_moe(hf_config) -> Qwen3MoeGroupedForCausalLM:
