@@ -1,0 +1,127 @@
+"""Hooks our context-parallel attention into Hugging Face models through transformers' AttentionInterface.
+
+HF attention modules compute q/k/v (with RoPE from the per-shard `position_ids`) and then call
+`ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mask, ...)`. `enable_context_parallel`
+registers one function under `ATTENTION_NAME`, switches the model to it, and attaches a `ContextParallelSpec`
+(the cp group, the algorithm, the attention the model used before) to every attention module — the model code
+stays untouched and no state is global: the function reads the spec from the module it is called with.
+Ulysses wraps the model's previous attention (eager is run as SDPA: the same math, and it needs no mask);
+ring uses `ring.ring_attention`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from fsdp2_backend.errors import UsageError
+from fsdp2_backend.parallel.context_parallel.ring import ring_attention
+from fsdp2_backend.parallel.context_parallel.ulysses import heads_to_seq, replicate_kv_heads, seq_to_heads
+from fsdp2_backend.parallel.tp_cp_checks import normalize_cp_type
+
+ATTENTION_NAME = "fsdp2_context_parallel"
+SPEC_ATTRIBUTE = "context_parallel_spec"
+_SUPPORTED_LAYER_TYPES = {"full_attention"}
+
+
+@dataclass(frozen=True)
+class ContextParallelSpec:
+    """What the registered attention function needs to know, attached to each attention module."""
+
+    group: dist.ProcessGroup
+    cp_type: str  # "ulysses" | "ring"
+    inner_attention: str  # the model's attention implementation before CP (used by Ulysses)
+
+
+class _LocalHeadsView:
+    """The attention module as the inner attention should see it after Ulysses' head split.
+
+    Inner HF attention functions read `module.num_key_value_groups` to expand GQA heads; after the split the
+    ratio of local query to key/value heads can differ from the module's (when kv heads were repeated).
+    """
+
+    def __init__(self, module: nn.Module, num_key_value_groups: int):
+        self._module = module
+        self.num_key_value_groups = num_key_value_groups
+        self.is_causal = True
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _inner_attention(name: str) -> Callable:
+    if name in ("eager", "sdpa", None):
+        return sdpa_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
+                               dropout: float = 0.0, sliding_window: Optional[int] = None, **kwargs):
+    """The function registered as `ATTENTION_NAME`; q [b, h, s_local, d], k/v [b, hkv, s_local, d]."""
+    spec: Optional[ContextParallelSpec] = getattr(module, SPEC_ATTRIBUTE, None)
+    if spec is None:
+        raise RuntimeError(f"{type(module).__name__} has no {SPEC_ATTRIBUTE}: call enable_context_parallel")
+    if attention_mask is not None:
+        raise UsageError("attention_mask: padding or packed-document masks are not supported with context "
+                         "parallel — train on full, unpadded sequences (no reset_attention_mask) with cp_size > 1")
+    if sliding_window is not None:
+        raise UsageError("context parallel: sliding-window attention layers are not supported — use cp_size 1")
+    if dropout:
+        raise UsageError("attention_dropout: must be 0 with context parallel — set it to 0")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if spec.cp_type == "ring":
+        return ring_attention(query, key, value, scale, spec.group).transpose(1, 2), None
+    cp = dist.get_world_size(spec.group)
+    query = seq_to_heads(query, spec.group)
+    key = seq_to_heads(replicate_kv_heads(key, cp), spec.group)
+    value = seq_to_heads(replicate_kv_heads(value, cp), spec.group)
+    # Positions are already in q/k (RoPE); the gathered sequence is contiguous, so no position_ids / packing info
+    # may reach the inner function (it would read this shard's ids as document boundaries).
+    for name in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+        kwargs.pop(name, None)
+    view = _LocalHeadsView(module, query.shape[1] // key.shape[1])
+    out, _ = _inner_attention(spec.inner_attention)(view, query, key, value, None, dropout=0.0, scaling=scale,
+                                                    is_causal=True, **kwargs)
+    return heads_to_seq(out, spec.group), None
+
+
+AttentionInterface.register(ATTENTION_NAME, context_parallel_attention)
+
+
+def _attention_modules(model: nn.Module):
+    """Modules that call the attention interface: HF names them `*Attention` and gives them `layer_idx`."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
+def enable_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: str) -> nn.Module:
+    """Makes every attention layer of an HF model attend across the cp ranks of `cp_mesh` (1-D).
+
+    Call after tensor parallel and before FSDP. Inputs must then be split with `batch.shard_batch_for_cp`
+    (with the same cp_type) and the loss reduced as `loss.cp_token_mean` explains.
+    """
+    cp_type = normalize_cp_type(cp_type)
+    config = model.config
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if not layer_types <= _SUPPORTED_LAYER_TYPES:
+        raise UsageError(f"cp_size (--context-parallel-size): layer types {sorted(layer_types - _SUPPORTED_LAYER_TYPES)}"
+                         f" of model_type {config.model_type} are not supported by context parallel — use cp_size 1")
+    modules = _attention_modules(model)
+    if not modules:
+        raise UsageError(f"cp_size (--context-parallel-size): found no attention layers in {type(model).__name__} — "
+                         "use cp_size 1")
+    inner = config._attn_implementation
+    if inner == ATTENTION_NAME:
+        raise RuntimeError("enable_context_parallel called twice on the same model")
+    spec = ContextParallelSpec(group=cp_mesh.get_group(), cp_type=cp_type, inner_attention=inner)
+    for module in modules:
+        setattr(module, SPEC_ATTRIBUTE, spec)
+    model.set_attn_implementation(ATTENTION_NAME)
+    return model

@@ -1,0 +1,105 @@
+"""Ring attention: causal attention over a sequence split across the cp ranks, K/V blocks passed around.
+
+Written here because torch's `context_parallel` has no CPU sharding rules. Layout contract (see `batch.py`):
+the sequence is cut into 2*cp chunks and rank r holds chunks r and 2*cp-1-r ("head-tail"), so every rank does
+the same amount of causal work. With that layout, at ring step s rank r holds the K/V of rank src=(r-s) mod cp:
+- s == 0: its own block, plain causal attention (its two chunks are in increasing position order);
+- src < r: all local queries see the *first* chunk of src, not its second;
+- src > r: only the local *second* chunk of queries sees src, and it sees both of src's chunks.
+So no step needs a mask other than the diagonal one. Partial results merge by log-sum-exp.
+
+The backward is a second ring pass (custom autograd.Function): K/V travel again together with their gradient
+accumulators; after cp steps each accumulator has visited every rank and one last hop brings it home.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from fsdp2_backend.parallel.context_parallel.blockwise import block_backward, block_forward, merge_into
+
+Tensor = torch.Tensor
+
+
+def _ring_exchange(send: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Sends `send` to the next cp rank and returns what the previous one sent (same shape)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    recv = torch.empty_like(send)
+    ops = [dist.P2POp(dist.isend, send.contiguous(), dist.get_global_rank(group, (rank + 1) % size), group),
+           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - 1) % size), group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return recv
+
+
+def _step_slices(step: int, rank: int, size: int, half: int) -> Tuple[slice, slice, bool]:
+    """(query rows, key rows, causal) that rank `rank` attends at ring step `step`; see the module docstring."""
+    src = (rank - step) % size
+    if step == 0:
+        return slice(None), slice(None), True
+    if src < rank:
+        return slice(None), slice(0, half), False
+    return slice(half, None), slice(None), False
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup):
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        half = q.shape[2] // 2
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(size):
+            rows, cols, causal = _step_slices(step, rank, size, half)
+            block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale)
+            merge_into(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            # The hop is synchronous (not overlapped with the block): simpler, and exactness does not depend on it.
+            if step + 1 < size:
+                kv = _ring_exchange(kv, group)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.group = scale, group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        half = q.shape[2] // 2
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        for step in range(size):
+            rows, cols, causal = _step_slices(step, rank, size, half)
+            block_dq, block_dk, block_dv = block_backward(
+                dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
+                lse[:, :, rows], causal, scale)
+            dq[:, :, rows] += block_dq.float()
+            dkv[0][:, :, cols] += block_dk.float()
+            dkv[1][:, :, cols] += block_dv.float()
+            # K/V go on to the next rank with their gradient so far; after the last step only the gradient
+            # travels, and that hop brings it back to the rank that owns the block.
+            if step + 1 < size:
+                kv, dkv = _exchange_pair(kv, dkv, group)
+            else:
+                dkv = _ring_exchange(dkv, group)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def _exchange_pair(kv: Tensor, dkv: Tensor, group: dist.ProcessGroup) -> Tuple[Tensor, Tensor]:
+    """One ring hop for K/V and their fp32 gradient accumulator together."""
+    flat: List[Tensor] = [kv.float().reshape(-1), dkv.reshape(-1)]
+    received = _ring_exchange(torch.cat(flat), group)
+    kv_part, dkv_part = received.split([kv.numel(), dkv.numel()])
+    return kv_part.view(kv.shape).to(kv.dtype), dkv_part.view(dkv.shape)
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup) -> Tensor:
+    """Causal attention of this rank's head-tail shard; q [b, h, 2c, d], k/v [b, hkv, 2c, d] → [b, h, 2c, d]."""
+    if q.shape[2] % 2:
+        raise ValueError(f"ring attention needs an even local sequence (two chunks), got {q.shape[2]}")
+    return _RingAttention.apply(q, k, v, scale, group)
