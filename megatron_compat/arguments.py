@@ -1,0 +1,295 @@
+"""The Megatron command line: an argparse parser that knows every Megatron-LM argument and the MindSpeed dialects.
+
+The parser is built from data, not hand-written `add_argument` calls: `megatron_lm_arguments.json` (all 839
+Megatron-LM arguments with their option strings, action, nargs, type, choices and default) and
+`mindspeed_flags.json` (MindSpeed-LLM's arguments, the MindSpeed core features its scripts pass, and the extra
+arguments of Megatron-LM's inference example scripts). Both files ship as package data next to this module.
+
+Parse errors never print argparse's usage: every problem becomes one `UsageError` message
+`--flag: <why> — <what to do>`, and unknown flags are all listed at once. No torch import here (dry-run speed).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
+
+from fsdp2_backend.errors import UsageError
+
+_HERE = Path(__file__).resolve().parent
+MEGATRON_TABLE = _HERE / "megatron_lm_arguments.json"
+DIALECT_TABLE = _HERE / "mindspeed_flags.json"
+MINDSPEED_NAMES = _HERE / "mindspeed_llm_flag_names.txt"
+
+# Which table an argument came from, for reports and the migration table.
+SOURCE_MEGATRON = "megatron-lm"
+DIALECT_SOURCES = {"mindspeed_llm": "mindspeed-llm", "mindspeed": "mindspeed", "megatron_inference_scripts":
+                   "megatron-inference-script"}
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+@lru_cache(maxsize=None)
+def megatron_table() -> Tuple[Dict[str, Any], ...]:
+    """The Megatron-LM argument records (flags, dest, group, action, nargs, default, type, choices)."""
+    with open(MEGATRON_TABLE, encoding="utf-8") as f:
+        return tuple(json.load(f))
+
+
+@lru_cache(maxsize=None)
+def dialect_table() -> Dict[str, Any]:
+    """The dialect specs: {'extend_choices': {...}, 'mindspeed_llm': {...}, 'mindspeed': {...}, ...}."""
+    with open(DIALECT_TABLE, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def mindspeed_llm_names() -> List[str]:
+    """Every MindSpeed-LLM flag name, as listed in the shipped names file."""
+    return MINDSPEED_NAMES.read_text(encoding="utf-8").split()
+
+
+# --- value types -------------------------------------------------------------------------------------------------
+
+def _bool(text: str) -> bool:
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _freq(text: str) -> Any:
+    """Megatron's layer-frequency arguments: an integer N (every N-th layer) or a Python list expression."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = _eval_list_expression(text)
+    except (ValueError, SyntaxError, TypeError):
+        raise argparse.ArgumentTypeError(f"expected an integer or a list such as ([0]*3+[1]*11), got {text!r}")
+    return value
+
+
+def _eval_list_expression(text: str) -> List[int]:
+    """Evaluates `([0]*3+[1]*11)`-style expressions (lists of ints, `*` with an int, `+`) without eval()."""
+    def ev(node: ast.AST) -> Any:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.List):
+            return [ev(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Add)):
+            left, right = ev(node.left), ev(node.right)
+            return left * right if isinstance(node.op, ast.Mult) else left + right
+        raise ValueError("unsupported expression")
+    value = ev(ast.parse(text.strip(), mode="eval"))
+    if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+        raise ValueError("not a list of integers")
+    return value
+
+
+def _int_tuple(text: str) -> Tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.strip("()[] ").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 127,0, got {text!r}")
+
+
+_TYPES = {"int": int, "float": float, "str": str, None: None, "bool": _bool, "moe_freq_type": _freq,
+          "no_rope_freq_type": _freq, "la_freq_type": _freq, "tuple_type": _int_tuple,
+          "_parse_cuda_graph_modules_arg": str, "enum_type_handler": str}
+
+
+def _default(record: Dict[str, Any]) -> Any:
+    """The JSON stores some defaults as their repr ('[]', "['p2p']", '<AttnBackend.auto: 5>')."""
+    value = record["default"]
+    if isinstance(value, str) and value.startswith("[") and value.endswith("]"):
+        return ast.literal_eval(value)
+    match = re.fullmatch(r"<\w+\.(\w+): .*>", value) if isinstance(value, str) else None
+    return match.group(1) if match else value
+
+
+def _choices(record: Dict[str, Any], extra: Sequence[str]) -> Optional[List[Any]]:
+    choices = record["choices"]
+    if choices is None:
+        return None
+    if record["type"] == "enum_type_handler":
+        if not all(isinstance(c, str) for c in choices):
+            return None  # --exit-signal: signal names or numbers, checked by nobody here (no effect anyway)
+        choices = [c.split(".", 1)[1] for c in choices]  # 'AttnBackend.flash' → 'flash', as users type it
+    return list(choices) + list(extra)
+
+
+# --- the parser --------------------------------------------------------------------------------------------------
+
+class _ParseFailure(Exception):
+    """argparse's error(), caught and turned into UsageError messages."""
+
+
+class MegatronArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser that raises instead of printing usage and exiting."""
+
+    def error(self, message: str):  # noqa: D401 — argparse's hook
+        raise _ParseFailure(message)
+
+
+def _add_megatron(parser: argparse.ArgumentParser, extend: Dict[str, List[str]]) -> None:
+    for record in megatron_table():
+        action, flags = record["action"], record["flags"]
+        if action == "_HelpAction":
+            continue  # argparse's own -h/--help
+        kwargs: Dict[str, Any] = {"dest": record["dest"], "default": _default(record)}
+        if action == "_StoreTrueAction":
+            kwargs["action"] = "store_true"
+        elif action == "_StoreFalseAction":
+            kwargs["action"] = "store_false"
+        elif action == "BooleanOptionalAction":
+            kwargs["action"] = argparse.BooleanOptionalAction
+            flags = [flags[0]]  # argparse derives the --no- form itself
+        else:
+            kwargs["type"] = _TYPES[record["type"]]
+            if record["nargs"] is not None:
+                kwargs["nargs"] = record["nargs"]
+            kwargs["choices"] = _choices(record, extend.get(flags[0], ()))
+        parser.add_argument(*flags, **kwargs)
+
+
+def _add_dialect(parser: argparse.ArgumentParser, specs: Dict[str, Any]) -> None:
+    known = parser._option_string_actions  # the public API has no lookup by option string
+    for flag, spec in specs.items():
+        if flag in known:
+            continue  # a Megatron-LM argument under the same name: Megatron's definition wins
+        if spec == "store_true":
+            parser.add_argument(flag, action="store_true", default=False)
+            continue
+        spec = {"type": spec} if isinstance(spec, str) else dict(spec)
+        spec["type"] = _TYPES[spec.get("type")]
+        spec.setdefault("default", None)
+        parser.add_argument(flag, **spec)
+
+
+@lru_cache(maxsize=None)
+def _cached_parser() -> MegatronArgumentParser:
+    return build_parser()
+
+
+def build_parser() -> MegatronArgumentParser:
+    """A parser knowing every Megatron-LM argument plus the MindSpeed-LLM, MindSpeed and inference-script ones."""
+    parser = MegatronArgumentParser(prog="pretrain_fsdp2.py", description="Megatron-LM / MindSpeed-LLM arguments",
+                                    allow_abbrev=False)  # Megatron disables abbreviations too
+    dialects = dialect_table()
+    _add_megatron(parser, dialects["extend_choices"])
+    for section in DIALECT_SOURCES:
+        _add_dialect(parser, dialects[section])
+    return parser
+
+
+def flag_sources() -> Dict[str, str]:
+    """dest → which table defines it (megatron-lm, mindspeed-llm, mindspeed, megatron-inference-script)."""
+    sources = {record["dest"]: SOURCE_MEGATRON for record in megatron_table()}
+    megatron_flags = {flag for record in megatron_table() for flag in record["flags"]}
+    for section, name in DIALECT_SOURCES.items():
+        for flag in dialect_table()[section]:
+            if flag not in megatron_flags:
+                sources.setdefault(flag[2:].replace("-", "_"), name)
+    return sources
+
+
+# --- parsing -----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ParsedArgs:
+    """The parsed namespace and the dests the command line named explicitly."""
+
+    namespace: argparse.Namespace
+    given: FrozenSet[str]
+
+
+def _friendly(message: str) -> str:
+    """argparse's 'argument --x/--y: why' → '--x: why — what to do'."""
+    match = re.match(r"argument (\S+?)(?:/\S+)?: (.*)", message)
+    if not match:
+        return f"{message} — check the command line"
+    flag, why = match.groups()
+    if "expected" in why and "argument" in why:
+        hint = "give it a value"
+    elif "invalid choice" in why:
+        hint = "use one of the listed values"
+    elif "ignored explicit argument" in why:
+        hint = "this flag takes no value; drop the '=...'"
+    else:
+        hint = "fix the value"
+    return f"{flag}: {why} — {hint}"
+
+
+def _unknown_messages(parser: argparse.ArgumentParser, extras: List[str]) -> List[str]:
+    known = list(parser._option_string_actions)
+    messages, strays = [], []
+    for token in extras:
+        if token.startswith("-") and not _is_number(token):
+            flag = token.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1)
+            hint = f"did you mean {close[0]}?" if close else "remove it"
+            messages.append(f"{flag}: not a Megatron-LM or MindSpeed-LLM argument — {hint}")
+        else:
+            strays.append(token)
+    if strays:
+        shown = " ".join(repr(s) for s in strays[:8]) + (" ..." if len(strays) > 8 else "")
+        messages.append(f"{shown}: value(s) that no flag takes — quote values containing spaces, or remove them")
+    return messages
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+        return True
+    except ValueError:
+        return False
+
+
+def given_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> FrozenSet[str]:
+    """Dests whose option string appears in argv (abbreviations are off, so an exact match is the rule)."""
+    actions = parser._option_string_actions
+    return frozenset(actions[t.split("=", 1)[0]].dest for t in argv
+                     if t.startswith("--") and t.split("=", 1)[0] in actions)
+
+
+def parse_megatron(argv: Sequence[str]) -> ParsedArgs:
+    """Parses a Megatron/MindSpeed command line; raises UsageError listing every problem."""
+    parser = _cached_parser()
+    argv = list(argv)
+    try:
+        namespace, extras = parser.parse_known_args(argv)
+    except _ParseFailure as exc:
+        raise UsageError(_friendly(str(exc))) from None
+    if extras:
+        raise UsageError(_unknown_messages(parser, extras))
+    return ParsedArgs(namespace, given_dests(parser, argv))
+
+
+def parse_megatron_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The namespace Megatron's parse_args would produce for argv (UsageError on bad input)."""
+    return parse_megatron(argv).namespace
+
+
+def defaults() -> Dict[str, Any]:
+    """dest → default of every known argument."""
+    return {action.dest: action.default for action in _cached_parser()._actions if action.dest != "help"}
+
+
+def option_strings() -> Dict[str, List[str]]:
+    """dest → the option strings that set it (several for store_false twins and --no- forms)."""
+    out: Dict[str, List[str]] = {}
+    for action in _cached_parser()._actions:
+        if action.dest != "help":
+            out.setdefault(action.dest, []).extend(action.option_strings)
+    return out
