@@ -1,0 +1,65 @@
+"""Test-only helpers for parity with megatron-core 0.16.1 (the reference implementation; never imported by
+package code): tiny corpora written by megatron-core's own IndexedDatasetBuilder, a minimal tokenizer object
+carrying the ids the datasets read, and a sample-by-sample comparison.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional
+
+import numpy
+import torch
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+warnings.filterwarnings("ignore", message=".*pad token id.*")
+
+EOD = 0
+
+
+class IdsTokenizer:
+    """The attributes GPT datasets read from a tokenizer: eod, vocab_size, optionally pad; and the
+    `unique_identifiers` megatron-core puts in its cache description."""
+
+    def __init__(self, vocab_size: int = 1000, eod: int = EOD, pad: Optional[int] = None):
+        self.vocab_size = vocab_size
+        self.eod = eod
+        if pad is not None:
+            self.pad = pad
+        self.unique_identifiers = {"class": "IdsTokenizer", "vocab_size": vocab_size, "eod": eod, "pad": pad}
+
+
+def write_corpus(prefix: str, num_docs: int, seed: int, max_len: int = 80, vocab_size: int = 1000,
+                 empty_every: int = 0) -> str:
+    """Random documents ending in EOD, written by megatron-core's builder; every `empty_every`-th one empty."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    rng = numpy.random.default_rng(seed)
+    dtype = numpy.uint16 if vocab_size < 65500 else numpy.int32
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+    for i in range(num_docs):
+        if empty_every and i % empty_every == empty_every - 1:
+            tokens = numpy.zeros(0, dtype=numpy.int64)
+        else:
+            tokens = rng.integers(1, vocab_size, int(rng.integers(1, max_len)))
+            tokens[-1] = EOD
+            tokens[rng.random(len(tokens)) < 0.03] = EOD  # EODs inside documents too
+        builder.add_item(torch.from_numpy(tokens))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def assert_same_samples(reference, ours, indices=None) -> None:
+    """Equal length and, for every (or the given) index, the same keys, dtypes and values."""
+    assert len(reference) == len(ours)
+    for i in range(len(reference)) if indices is None else indices:
+        expected, got = reference[i], ours[i]
+        assert sorted(expected) == sorted(got), (i, sorted(expected), sorted(got))
+        for key, value in expected.items():
+            if isinstance(value, torch.Tensor):
+                assert value.dtype == got[key].dtype, (i, key, value.dtype, got[key].dtype)
+                assert torch.equal(value, got[key]), (i, key)
+            else:
+                assert int(value) == int(got[key]), (i, key)
