@@ -1,0 +1,110 @@
+"""The tokenizer of a run, the tokens it adds, and the vocabulary size the model gets from it.
+
+- `model.tokenizer_type` set: Megatron's tokenizer of that type (`megatron_compat.data.tokenizer`);
+  otherwise the HF `AutoTokenizer` of `tokenizer_name_or_path` (default: `model_name_or_path`) with
+  `use_fast_tokenizer`, `split_special_tokens`, `trust_remote_code`, `cache_dir`, `model_revision`.
+- `add_tokens` / `add_special_tokens` (comma-separated) extend an HF tokenizer.
+- `model_vocab_size` decides the embedding rows: the checkpoint's, grown to the tokenizer with
+  `resize_vocab`; from scratch, the tokenizer's padded like Megatron (`make_vocab_size_divisible_by` x TP).
+- New rows (a resized vocabulary) are `noise_init`: the mean of the existing rows plus Gaussian noise of
+  std 1/sqrt(hidden). `desc_init` variants are declined until the SFT work brings descriptions.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+from fsdp2_backend.config import ModelArguments
+from fsdp2_backend.errors import UsageError
+
+
+def _split(tokens: Optional[str]) -> list:
+    return [t.strip() for t in (tokens or "").split(",") if t.strip()]
+
+
+def load_tokenizer(model_args: ModelArguments):
+    """The run's tokenizer: an HF tokenizer, or a Megatron-surface one when `tokenizer_type` is set."""
+    if model_args.new_special_tokens_config or model_args.init_special_tokens != "noise_init":
+        raise UsageError(f"model.init_special_tokens: '{model_args.init_special_tokens}' (and "
+                         f"new_special_tokens_config) is not available in this version yet — use noise_init "
+                         f"with add_special_tokens")
+    if model_args.tokenizer_type:
+        from megatron_compat.data.tokenizer import build_tokenizer
+
+        tokenizer = build_tokenizer(model_args.tokenizer_type, tokenizer_model=model_args.tokenizer_model,
+                                    tokenizer_name_or_path=model_args.tokenizer_name_or_path,
+                                    vocab_file=model_args.vocab_file, merge_file=model_args.merge_file,
+                                    vocab_size=model_args.vocab_size, trust_remote_code=model_args.trust_remote_code,
+                                    use_fast=model_args.use_fast_tokenizer)
+        hf = getattr(tokenizer, "hf", None)
+    else:
+        hf = tokenizer = _load_hf_tokenizer(model_args)
+    if model_args.add_tokens or model_args.add_special_tokens:
+        if hf is None:
+            raise UsageError(f"model.add_tokens / add_special_tokens: the {model_args.tokenizer_type} tokenizer "
+                             f"cannot take new tokens — use an HF tokenizer")
+        hf.add_tokens(_split(model_args.add_tokens))
+        hf.add_special_tokens({"additional_special_tokens": _split(model_args.add_special_tokens)},
+                              replace_extra_special_tokens=False)
+        if hf is not tokenizer:
+            tokenizer.vocab_size = len(hf)
+    return tokenizer
+
+
+def _load_hf_tokenizer(model_args: ModelArguments):
+    from transformers import AutoTokenizer
+
+    path = model_args.tokenizer_name_or_path or model_args.model_name_or_path
+    if not path:
+        raise UsageError("model.tokenizer_name_or_path (--tokenizer-name-or-path): no tokenizer given — name a "
+                         "tokenizer directory or a --tokenizer-type")
+    try:
+        return AutoTokenizer.from_pretrained(path, use_fast=model_args.use_fast_tokenizer,
+                                             split_special_tokens=model_args.split_special_tokens,
+                                             trust_remote_code=model_args.trust_remote_code,
+                                             cache_dir=model_args.cache_dir, revision=model_args.model_revision)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"model.tokenizer_name_or_path: cannot load a tokenizer from {path} "
+                         f"({str(exc).splitlines()[0]}) — give a local HF tokenizer directory")
+
+
+def tokenizer_size(tokenizer) -> int:
+    """Token ids the tokenizer can produce (added tokens included)."""
+    return len(tokenizer) if hasattr(tokenizer, "__len__") else int(tokenizer.vocab_size)
+
+
+def padded_vocab_size(size: int, divisible_by: int, tp_size: int) -> int:
+    """Megatron's padding: up to a multiple of make_vocab_size_divisible_by x tensor-parallel size."""
+    multiple = max(divisible_by, 1) * max(tp_size, 1)
+    return int(math.ceil(size / multiple) * multiple)
+
+
+def model_vocab_size(model_args: ModelArguments, config_vocab: Optional[int], tokenizer, *, from_checkpoint: bool,
+                     tp_size: int = 1) -> int:
+    """Embedding rows for the model: see the module docstring. A tokenizer larger than a checkpoint's
+    vocabulary without `resize_vocab` is a usage error (its ids would index past the embedding)."""
+    tokens = tokenizer_size(tokenizer)
+    if not from_checkpoint:
+        if config_vocab and config_vocab >= tokens:
+            return config_vocab
+        return padded_vocab_size(tokens, model_args.make_vocab_size_divisible_by, tp_size)
+    if tokens <= config_vocab:
+        return config_vocab
+    if not model_args.resize_vocab:
+        raise UsageError(f"model.resize_vocab: the tokenizer has {tokens} tokens but the checkpoint's vocabulary "
+                         f"has {config_vocab} rows — set resize_vocab to grow the embedding and lm_head")
+    return padded_vocab_size(tokens, model_args.make_vocab_size_divisible_by, tp_size)
+
+
+def noise_init_rows(seed: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """`new_rows(old, n)`: n rows = mean of `old`'s rows + N(0, 1/hidden) noise, from a seeded generator."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def new_rows(old: torch.Tensor, count: int) -> torch.Tensor:
+        mean = old.float().mean(dim=0, keepdim=True)
+        noise = torch.randn(count, old.shape[1], generator=generator) / math.sqrt(old.shape[1])
+        return (mean + noise).to(old.dtype)
+
+    return new_rows

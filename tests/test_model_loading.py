@@ -1,0 +1,156 @@
+"""Model ids, HF directories, architecture flags, tokenizers and vocabulary resizing — on one real rank.
+
+References: transformers' own `from_pretrained` / `AutoTokenizer` on the same directory.
+"""
+import pytest
+import torch
+
+from fsdp2_backend.config import Config
+from fsdp2_backend.errors import UsageError
+from tests.helpers import tiny_qwen3_config, train_bytelevel_tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny Qwen3 checkpoint whose vocabulary equals its locally trained tokenizer's."""
+    from transformers import Qwen3ForCausalLM
+
+    path = tmp_path_factory.mktemp("qwen3_dir")
+    tokenizer = train_bytelevel_tokenizer(path, vocab_size=300)
+    torch.manual_seed(3)
+    Qwen3ForCausalLM(tiny_qwen3_config(vocab_size=len(tokenizer))).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    from fsdp2_backend.distributed.context import ParallelContext
+
+    context = ParallelContext.create(Config().parallel)
+    yield context
+    context.close()
+
+
+def _config(hf_dir, **model_fields):
+    config = Config()
+    config.model.model_name_or_path = hf_dir
+    config.parallel.param_dtype = "fp32"
+    for key, value in model_fields.items():
+        setattr(config.model, key, value)
+    return config
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_single_process_context_is_one_rank_cpu(ctx):
+    assert (ctx.world_size, ctx.rank, ctx.dp_size, ctx.device.type, ctx.device.backend) == (1, 0, 1, "cpu", "gloo")
+    assert ctx.fsdp_mesh.size() == 1 and ctx.ep_mesh is None
+
+
+@pytest.mark.parametrize("model_id", [None, "qwen3"])
+def test_hf_dir_loads_the_checkpoint(hf_dir, ctx, model_id):
+    from transformers import AutoModelForCausalLM
+
+    from fsdp2_backend.models.setup import setup_model_and_tokenizer
+
+    bundle = setup_model_and_tokenizer(_config(hf_dir, model_id=model_id), ctx)
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    ids = torch.randint(0, 300, (2, 12))
+    torch.testing.assert_close(_logits(bundle.model, ids), _logits(reference, ids), rtol=0, atol=0)
+    assert len(bundle.tokenizer) == 300
+
+
+def test_unknown_model_id_and_missing_weights_are_usage_errors(tmp_path, hf_dir):
+    from fsdp2_backend.models.loading import create_model, load_hf_config
+    from fsdp2_backend.models.registry import model_builder
+
+    with pytest.raises(UsageError, match="model.model_id: 'step35'"):
+        model_builder("step35")
+    (tmp_path / "config.json").write_text((__import__("pathlib").Path(hf_dir) / "config.json").read_text())
+    config = _config(str(tmp_path))
+    with pytest.raises(UsageError, match="holds no \\*.safetensors"):
+        create_model(config.model, load_hf_config(config.model), seed=0, device=torch.device("cpu"),
+                     parallelize=lambda m: m)
+
+
+def test_architecture_flags_build_from_scratch_and_are_checked(hf_dir, ctx):
+    from fsdp2_backend.models.setup import setup_model_and_tokenizer
+
+    arch = dict(model_type="qwen3", num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+    config = _config(None, architecture=arch, tokenizer_name_or_path=hf_dir, make_vocab_size_divisible_by=128)
+    bundle = setup_model_and_tokenizer(config, ctx)
+    assert bundle.hf_config.num_hidden_layers == 1 and bundle.hf_config.hidden_size == 32
+    assert bundle.model.lm_head.weight.shape[0] == 384  # 300 tokens padded to a multiple of 128, like Megatron
+    again = setup_model_and_tokenizer(config, ctx)
+    for a, b in zip(bundle.model.parameters(), again.model.parameters()):  # seeded: the same every time
+        assert torch.equal(a.full_tensor(), b.full_tensor())
+    wrong = _config(hf_dir, architecture=dict(model_type="qwen3", hidden_size=128, num_hidden_layers=2))
+    with pytest.raises(UsageError, match="architecture.hidden_size: 128 disagrees with 64"):
+        setup_model_and_tokenizer(wrong, ctx)
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_added_tokens_resize_embedding_and_lm_head_with_noise_init(hf_dir, ctx, meta):
+    from transformers import AutoModelForCausalLM
+
+    from fsdp2_backend.models.setup import setup_model_and_tokenizer
+
+    config = _config(hf_dir, add_tokens="hello_world,foo_bar", add_special_tokens="<|tool|>", resize_vocab=True,
+                     init_model_with_meta_device=meta)
+    bundle = setup_model_and_tokenizer(config, ctx)
+    tokenizer = bundle.tokenizer
+    assert len(tokenizer) == 303 and tokenizer.convert_tokens_to_ids("<|tool|>") == 302
+    assert "<|tool|>" in tokenizer.all_special_tokens
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        got = dict(bundle.model.named_parameters())[name].full_tensor()
+        old = dict(reference.named_parameters())[name]
+        assert got.shape == (303, 64)
+        assert torch.equal(got[:300], old)
+        new = got[300:]
+        # mean of the old rows plus noise of std 1/sqrt(hidden): centred on the mean, spread ~0.125
+        assert (new - old.mean(0)).std().item() == pytest.approx(64 ** -0.5, rel=0.3)
+        assert not torch.equal(new[0], new[1])
+
+
+def test_tokenizer_without_resize_or_with_desc_init_is_declined(hf_dir, ctx):
+    from fsdp2_backend.models.setup import setup_model_and_tokenizer
+
+    with pytest.raises(UsageError, match="model.resize_vocab"):
+        setup_model_and_tokenizer(_config(hf_dir, add_tokens="brand_new_token"), ctx)
+    with pytest.raises(UsageError, match="init_special_tokens: 'desc_init'"):
+        setup_model_and_tokenizer(_config(hf_dir, init_special_tokens="desc_init"), ctx)
+
+
+def test_split_special_tokens_and_slow_tokenizer_flags_reach_the_tokenizer(hf_dir):
+    from transformers import AutoTokenizer
+
+    from fsdp2_backend.models.tokenizer import load_tokenizer
+
+    text = "a<|endoftext|>b"
+    for split in (False, True):
+        ours = load_tokenizer(_config(hf_dir, split_special_tokens=split).model)
+        ref = AutoTokenizer.from_pretrained(hf_dir, split_special_tokens=split)
+        assert ours(text).input_ids == ref(text).input_ids
+    assert load_tokenizer(_config(hf_dir).model)(text).input_ids != \
+        load_tokenizer(_config(hf_dir, split_special_tokens=True).model)(text).input_ids
+
+
+def test_plan_patterns():
+    from transformers import Qwen3ForCausalLM
+
+    from fsdp2_backend.parallel.plans import match_modules, require_matches
+
+    model = Qwen3ForCausalLM(tiny_qwen3_config(num_hidden_layers=3))
+    names = lambda patterns: [n for n, _ in match_modules(model, patterns)]  # noqa: E731
+    assert names(["model.layers.{}"]) == names(["model.layers.{*}"]) == [f"model.layers.{i}" for i in range(3)]
+    assert names(["*.q_proj"]) == [f"model.layers.{i}.self_attn.q_proj" for i in range(3)]
+    assert names(["model.layers.{*}.mlp.down_proj", "lm_head"]) == \
+        [f"model.layers.{i}.mlp.down_proj" for i in range(3)] + ["lm_head"]
+    assert names(["model.layers"]) == ["model.layers"]  # literal, whole-name match
+    with pytest.raises(UsageError, match="parallel.fsdp_modules: pattern 'model.blocks.{}' matches no module"):
+        require_matches(model, ["model.blocks.{}"], "parallel.fsdp_modules")
