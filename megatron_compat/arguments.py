@@ -281,9 +281,19 @@ def parse_megatron_args(argv: Sequence[str]) -> argparse.Namespace:
     return parse_megatron(argv).namespace
 
 
+def takes_value(option: str) -> bool:
+    """Whether the option (e.g. '--lr') consumes a value."""
+    action = _cached_parser()._option_string_actions.get(option.split("=", 1)[0])
+    return action is not None and action.nargs != 0 and "=" not in option
+
+
 def defaults() -> Dict[str, Any]:
     """dest → default of every known argument."""
-    return {action.dest: action.default for action in _cached_parser()._actions if action.dest != "help"}
+    out: Dict[str, Any] = {}
+    for action in _cached_parser()._actions:  # the first action of a shared dest sets it, as in argparse
+        if action.dest != "help":
+            out.setdefault(action.dest, action.default)
+    return out
 
 
 def option_strings() -> Dict[str, List[str]]:

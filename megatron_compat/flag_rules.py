@@ -43,7 +43,8 @@ _NO_EFFECT: Dict[str, str] = {
         use_deter_comp lora_fusion disable_bf16_reduced_precision_matmul use_mcore_models
         attention_softmax_in_fp32 mtp_mem_efficient_logits kv_head_repeat_before_uly_alltoall spec
         batch_invariant_mode batch_invariant_backend jit_compile topk_softmax_in_fp32 router_gating_in_fp32
-        moe_revert_type_after_topk sparse_mode pre_tockens next_tockens""",
+        moe_revert_type_after_topk sparse_mode pre_tockens next_tockens loss_compute_mode
+        flash_decode te_rng_tracker inference_rng_tracker moe_pad_experts_for_cuda_graph_inference enable_experimental""",
     "a communication-overlap or scheduling setting of Megatron's own schedules; FSDP2 overlaps its own way":
         """tp_comm_overlap no_tp_comm_bulk_wgrad no_tp_comm_bulk_dgrad no_tp_comm_overlap_ag no_tp_comm_overlap_rs
         tp_comm_overlap_rs_dgrad no_tp_comm_split_ag no_tp_comm_split_rs tp_comm_bootstrap_backend tp_comm_overlap_cfg
@@ -78,7 +79,8 @@ _NO_EFFECT: Dict[str, str] = {
         distribute_saved_activations moe_layer_recompute gtp_remat_opt_in_modules recompute_in_advance
         moe_adaptive_recompute_activation moe_without_activation no_clone_scatter_output_in_embedding
         mhc_recompute_layer_num use_precision_aware_optimizer mamba_training_ssm_states_dtype
-        reuse_grad_buf_for_mxfp8_param_ag keep_fp8_transpose_cache fp8_param_gather fp4_param_gather""",
+        reuse_grad_buf_for_mxfp8_param_ag keep_fp8_transpose_cache fp8_param_gather fp4_param_gather
+        recompute_activation_function recompute_activation_function_num_layers recompute_norm recompute_norm_num_layers""",
     "a Megatron DDP / distributed-optimizer layout; FSDP2 shards parameters, gradients and optimizer state itself":
         """use_distributed_optimizer use_megatron_fsdp use_torch_fsdp2 data_parallel_sharding_strategy
         outer_dp_sharding_strategy enable_full_sharding_in_hsdp num_distributed_optimizer_instances
@@ -132,12 +134,14 @@ _NO_EFFECT: Dict[str, str] = {
         per_dataset_sequences_path no_shared_storage allow_ambiguous_pad_tokens""",
     "a BERT/T5/SFT-data setting that GPT pretraining does not read":
         """mask_prob short_seq_prob sample_rate encoder_num_layers encoder_seq_length
-        vocab_extra_ids handler_name dataset_impl json_keys split_sentences keep_newlines""",
+        vocab_extra_ids handler_name dataset_impl json_keys split_sentences keep_newlines tokenizer_padding_side""",
     "the same function as a standard norm whose weight is 1 + gamma (weights are loaded or initialised to match)":
         """apply_layernorm_1p add_rmsnorm_offset""",
     "a precision detail of Megatron's kernels (norms and routers already run in fp32 here)":
         """rmsnorm_weight_in_fp32 init_norm_weight_in_fp32 input_layernorm_in_fp32 fp16_lm_cross_entropy
         moe_router_dtype output_logit_dtype""",
+    "rotary-embedding models have no learned position table; the flag changes nothing for them":
+        """no_position_embedding""",
     "loss scaling for fp16 (bf16/fp32 need none; fp16 uses a dynamic scaler here)":
         """loss_scale initial_loss_scale min_loss_scale loss_scale_window hysteresis""",
     "an optimizer setting read only by an optimizer this script does not select":
@@ -183,7 +187,7 @@ _DECLINED: Dict[str, str] = {
         """is_instruction_dataset prompt_type prompt_type_path variable_seq_lengths no_pad_to_seq_lengths
         padded_samples full_shuffle_instruction_dataset instruction_template hf_datasets_params
         dataset_additional_keys map_keys no_chat_template history_turns enable_thinking drop_thinking
-        add_eos_token tokenizer_padding_side cut_max_seqlen no_cut_token pad_to_multiple_of neat_pack
+        add_eos_token cut_max_seqlen no_cut_token pad_to_multiple_of neat_pack
         sft sft_tokenizer_prompt_format stage streaming datasets dataset_dir cache_dir overwrite_cache
         max_samples mix_strategy interleave_probs""",
     "a checkpoint-conversion tool argument, not a training argument — run MindSpeed's convert_ckpt.py, or load "
@@ -217,8 +221,10 @@ _DECLINED: Dict[str, str] = {
         """decoder_num_layers decoder_seq_length bert_no_binary_head output_bert_embeddings bert_embedder_type
         relative_attention_num_buckets relative_attention_max_distance""",
     "freezing or per-layer learning-rate changes are not implemented and would change results — drop it":
-        """freeze_all_layers head_lr_mult apply_wd_to_qk_layernorm no_weight_decay_cond_type moe_upcycling_granularity
+        """freeze_all_layers head_lr_mult no_weight_decay_cond_type moe_upcycling_granularity
         moe_use_upcycling""",
+    "weight decay on the QK-layernorm weights is not implemented (1-D parameters get none) — drop it":
+        """apply_wd_to_qk_layernorm""",
     "`--warmup` is Megatron's removed warmup argument — use --lr-warmup-fraction, --lr-warmup-iters or "
     "--lr-warmup-samples":
         """warmup""",

@@ -1,0 +1,327 @@
+"""Megatron model-architecture flags → `model.architecture`, Hugging Face config keys.
+
+Two cases. With `--load` naming an HF directory, that directory defines the model: only the flags the script
+gives become keys (named as the HF config names them), and config validation checks them against its
+config.json. Without `--load` (train from scratch), or with `--load` equal to `--save` (Megatron's resume
+pattern), the flags are the whole model: Megatron's defaults fill what the script leaves out (ffn = 4h or the
+SwiGLU rule, kv_channels = h / heads, the padded vocabulary) and the flags must describe a model type that
+transformers can build (`model_type`, e.g. llama, qwen2, qwen3, gpt2, mixtral, qwen3_moe, deepseek_v3); a flag
+selecting anything else is declined with what to do. Flags that only Megatron's own layer specs read fall to
+"no effect" when an HF directory defines the model.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional
+
+# Flags read here; every one of them gets exactly one disposition from `apply`.
+ARCHITECTURE_DESTS = frozenset("""
+num_layers hidden_size ffn_hidden_size num_attention_heads group_query_attention num_query_groups kv_channels
+max_position_embeddings position_embedding_type use_rotary_position_embeddings rotary_base rope_theta rotary_percent
+partial_rotary_factor normalization layernorm_epsilon swiglu squared_relu openai_gelu gelu_tanh geglu quick_geglu
+add_bias_linear add_qkv_bias add_dense_bias qk_layernorm untie_embeddings_and_output_weights padded_vocab_size
+vocab_size init_method_std embedding_init_method_std hidden_dropout attention_dropout num_experts moe_router_topk
+moe_ffn_hidden_size moe_intermediate_size moe_aux_loss_coeff moe_z_loss_coeff moe_shared_expert_intermediate_size
+n_shared_experts moe_shared_expert_gate shared_expert_gate moe_layer_freq first_k_dense_replace
+moe_router_num_groups n_group moe_router_group_topk topk_group moe_router_topk_scaling_factor routed_scaling_factor
+norm_topk_prob moe_router_pre_softmax moe_router_score_function moe_router_enable_expert_bias
+moe_router_bias_update_rate moe_router_load_balancing_type seq_aux multi_latent_attention
+multi_head_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_nope_head_dim qk_pos_emb_head_dim
+qk_rope_head_dim v_head_dim
+""".split())
+
+# Flags that describe architecture features no buildable model type here has; from scratch they are declined,
+# with an HF directory they are that model's business (no effect).
+HF_DEFINED_DESTS = frozenset("""
+rotary_interleaved rotary_seq_len_interpolation_factor use_rope_scaling rope_scaling_factor rope_type
+yarn_original_max_position_embeddings yarn_beta_fast yarn_beta_slow yarn_correction_range_round_to_int
+rotary_scaling_factor mscale mscale_all_dim beta_fast beta_slow rope_scaling_type rope_scaling_mscale
+rope_scaling_mscale_all_dim rope_scaling_original_max_position_embeddings rope_scaling_beta_fast
+rope_scaling_beta_slow rope_factor low_freq_factor high_freq_factor original_max_position_embeddings long_factor
+short_factor long_mscale short_mscale longrope_freqs_type dynamic_factor use_glm_rope mrope_section no_rope_freq
+window_size window_attn_skip_freq sliding_window sliding_window_size interleave_sliding_window softmax_type
+glu_linear_offset activation_func_clamp_value swiglu_limit enable_gpt_oss export_force_local_attention
+attention_output_gate qk_l2_norm qk_clip qk_clip_alpha qk_clip_threshold fp32_residual_connection
+apply_residual_connection_post_layernorm apply_query_key_layer_scaling experimental_attention_variant
+linear_attention_freq linear_conv_kernel_dim linear_key_head_dim linear_value_head_dim linear_num_key_heads
+linear_num_value_heads full_attention_interval mamba_chunk_size mamba_d_conv mamba_d_ssm mamba_expand
+mamba_state_dim mamba_head_dim mamba_num_groups mamba_num_heads use_mamba_mem_eff_path gdp_num_householder
+gdp_cutedsl_kernel gdp_num_chunk_states_to_recompute is_hybrid_model hybrid_layer_pattern hybrid_override_pattern
+dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk dsa_indexer_topk_freq dsa_indexer_skip_topk_offset
+dsa_indexer_loss_coeff dsa_indexer_use_sparse_loss dsa_kernel_backend dsa_indexer_rope_interleaved
+dsa_indexer_rotate_activation dsa_indexer_scoring_relu dsa_indexer_k_norm_epsilon dsa_indexer_k_norm_fp32
+enable_dsa_indexer index_head_dim index_n_heads index_topk index_topk_freq indexer_loss_coeff
+enable_mhc_connections mhc_num_residual_streams mhc_sinkhorn_iterations mhc_init_gating_factor enable_mhc hc_eps
+hc_mult hc_sinkhorn_iters n_hash_layers o_lora_rank o_groups kv_compress compress_ratios compress_rope_theta
+original_seq_len moe_latent_size moe_shared_expert_glu_interleave_size moe_mlp_glu_interleave_size
+moe_expert_capacity_factor moe_pad_expert_input_to_capacity moe_token_drop_policy moe_apply_probs_on_input
+moe_router_quantile_balancing_ema moe_expert_rank_capacity_factor moe_comm_aux_loss_coeff
+moe_device_level_aux_loss_coeff num_zero_experts use_global_aux_loss shared_expert_gate_output_dimension
+post_norm no_post_layer_norm input_embeds_norm output_logit_softcapping attn_logit_softcapping
+query_pre_attn_scalar embedding_multiplier_scale output_multiplier_scale add_output_layer_bias skip_bias_add
+cla_share_factor share_kvstates square_alibi_mask fill_neg_inf alibi_fusion_attn_type attention_mask_type
+cp_attention_mask_type cp_window_size use_moba_attn moba_calc_method moba_chunk_size moba_topk
+no_enable_linear_qkv onnx_safe fix_sub_seq_length output_layer_slice_num
+""".split())
+
+_MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
+
+
+class Arch:
+    """Collects the keys and the dispositions of the architecture flags for one translation."""
+
+    def __init__(self, ns, active, from_scratch: bool, record: Callable[[str, str, str], None]):
+        self.ns, self.active, self.from_scratch, self.record = ns, active, from_scratch, record
+        self.keys: Dict[str, Any] = {}
+        self.declined: Dict[str, str] = {}
+
+    def get(self, dest: str, default: Any = None) -> Any:
+        return getattr(self.ns, dest, default)
+
+    def put(self, dest: Optional[str], key: str, value: Any) -> None:
+        """Sets a key; with an HF directory only when the flag was given (the directory defines the rest)."""
+        if value is None:
+            return
+        if self.from_scratch or (dest is not None and dest in self.active):
+            self.keys[key] = value
+        if dest is not None and dest in self.active:
+            self.record(dest, "mapped", f"model.architecture.{key}")
+
+    def decline(self, dest: str, why: str) -> None:
+        self.declined.setdefault(dest, why)
+
+
+def _family(a: Arch) -> str:
+    g = a.get
+    if g("multi_latent_attention") or g("multi_head_latent_attention"):
+        return "deepseek_v3"
+    if g("num_experts"):
+        if g("moe_shared_expert_intermediate_size") or g("n_shared_experts"):
+            return "qwen2_moe"
+        return "qwen3_moe" if g("qk_layernorm") else "mixtral"
+    gated = g("swiglu") or g("geglu")
+    if g("position_embedding_type") == "learned_absolute" and not g("use_rotary_position_embeddings") and not gated:
+        return "gpt2"
+    if g("qk_layernorm"):
+        return "qwen3"
+    if g("add_qkv_bias") and not g("add_bias_linear"):
+        return "qwen2"
+    return "llama"
+
+
+def _check_buildable(a: Arch, family: str) -> None:
+    """From scratch, the flags must describe the chosen HF model type exactly; decline what differs."""
+    g = a.get
+    rope = g("position_embedding_type") in ("rope",) or g("use_rotary_position_embeddings")
+    gated = g("swiglu") or g("geglu")
+    if family == "gpt2":
+        if g("normalization") != "LayerNorm":
+            a.decline("normalization", "RMSNorm with learned absolute positions has no HF model type to build — "
+                                       "use --position-embedding-type rope with --swiglu (a Llama-style model)")
+        if not g("add_bias_linear"):
+            a.decline("add_bias_linear", "a GPT-2-style model without linear biases has no HF model type to "
+                                         "build — drop --disable-bias-linear or use a Llama-style model")
+        if g("group_query_attention"):
+            a.decline("group_query_attention", "GPT-2-style models have no grouped-query attention — use "
+                                               "--position-embedding-type rope --swiglu --normalization RMSNorm")
+        if g("squared_relu"):
+            a.decline("squared_relu", "no buildable HF model type uses squared ReLU — give --load with an HF "
+                                      "directory of that model")
+        return
+    if not rope:
+        a.decline("position_embedding_type", f"a {family}-style model needs rotary embeddings — use "
+                                             "--position-embedding-type rope, or give --load with an HF directory")
+    if g("normalization") != "RMSNorm":
+        a.decline("normalization", f"a {family}-style model uses RMSNorm — use --normalization RMSNorm, or give "
+                                   "--load with an HF directory")
+    if not gated:
+        a.decline("swiglu", f"a {family}-style model has a gated MLP — add --swiglu, or give --load with an HF "
+                            "directory")
+    if g("hidden_dropout"):
+        a.decline("hidden_dropout", f"HF {family} models have no hidden dropout — set --hidden-dropout 0")
+
+
+def _ffn(a: Arch) -> Optional[int]:
+    g = a.get
+    if g("ffn_hidden_size") is not None or g("hidden_size") is None:
+        return g("ffn_hidden_size")
+    if g("swiglu") or g("geglu"):
+        return int((4 * g("hidden_size") * 2 / 3) / 64) * 64  # Megatron's SwiGLU default, a multiple of 64
+    return 4 * g("hidden_size")
+
+
+def _vocab(a: Arch) -> Optional[int]:
+    """Megatron pads the vocabulary to a multiple of make-vocab-size-divisible-by × tensor-parallel size."""
+    g = a.get
+    if g("padded_vocab_size"):
+        return g("padded_vocab_size")
+    if g("vocab_size") is None:
+        return None
+    multiple = g("make_vocab_size_divisible_by") * g("tensor_model_parallel_size")
+    return -(-g("vocab_size") // multiple) * multiple
+
+
+def _act(a: Arch) -> str:
+    g = a.get
+    if g("squared_relu"):
+        return "relu2"
+    if g("openai_gelu"):
+        return "gelu_new"
+    if g("gelu_tanh"):
+        return "gelu_pytorch_tanh"
+    return "silu" if g("swiglu") else "gelu"
+
+
+def _dense_keys(a: Arch, family: str) -> None:
+    g = a.get
+    heads, hidden = g("num_attention_heads"), g("hidden_size")
+    kv_heads = g("num_query_groups") if g("group_query_attention") else heads  # Megatron ignores groups otherwise
+    head_dim = g("kv_channels") or (hidden // heads if hidden and heads else None)
+    names = _GPT2_NAMES if family == "gpt2" else {}
+    put = lambda dest, key, value: a.put(dest, names.get(key, key), value)  # noqa: E731
+    put("num_layers", "num_hidden_layers", g("num_layers"))
+    put("hidden_size", "hidden_size", hidden)
+    put("num_attention_heads", "num_attention_heads", heads)
+    put("ffn_hidden_size", "intermediate_size", _ffn(a))
+    put("max_position_embeddings", "max_position_embeddings", g("max_position_embeddings") or g("seq_length"))
+    put("layernorm_epsilon", "rms_norm_eps", g("layernorm_epsilon"))
+    put("init_method_std", "initializer_range", g("init_method_std"))
+    put("attention_dropout", "attention_dropout", g("attention_dropout"))
+    put("untie_embeddings_and_output_weights", "tie_word_embeddings",
+        not g("untie_embeddings_and_output_weights"))
+    vocab_dest = "padded_vocab_size" if g("padded_vocab_size") else "vocab_size"
+    put(vocab_dest, "vocab_size", _vocab(a))
+    for dest in ("swiglu", "squared_relu", "openai_gelu", "gelu_tanh", "geglu"):
+        put(dest, "hidden_act", _act(a))
+    if family == "gpt2":
+        put("hidden_dropout", "hidden_dropout", g("hidden_dropout"))
+        a.put(None, "embd_pdrop", g("hidden_dropout"))
+        return
+    put("group_query_attention", "num_key_value_heads", kv_heads)
+    put("num_query_groups", "num_key_value_heads", kv_heads)
+    put("kv_channels", "head_dim", head_dim)
+    rope_theta = g("rope_theta") if g("rope_theta") is not None else g("rotary_base")
+    put("rope_theta" if g("rope_theta") is not None else "rotary_base", "rope_theta", float(rope_theta))
+    partial = g("partial_rotary_factor") or g("rotary_percent")
+    if partial != 1.0 or not a.from_scratch:
+        put("partial_rotary_factor" if g("partial_rotary_factor") else "rotary_percent", "partial_rotary_factor",
+            partial)
+    if family in ("llama", "qwen3", "mixtral", "qwen3_moe"):
+        put("add_bias_linear", "attention_bias", bool(g("add_bias_linear") or g("add_qkv_bias")))
+        put("add_qkv_bias", "attention_bias", bool(g("add_bias_linear") or g("add_qkv_bias")))
+    if family == "llama":
+        put("add_bias_linear", "mlp_bias", bool(g("add_bias_linear")))
+    if family == "qwen2" and g("add_bias_linear"):
+        a.decline("add_bias_linear", "Qwen2-style models have biases on q/k/v only — add --disable-bias-linear")
+    if family == "qwen2":
+        put("add_qkv_bias", "attention_bias", True)
+    put("qk_layernorm", "qk_layernorm", True if g("qk_layernorm") else None)
+
+
+_GPT2_NAMES = {"num_hidden_layers": "n_layer", "hidden_size": "n_embd", "num_attention_heads": "n_head",
+               "intermediate_size": "n_inner", "max_position_embeddings": "n_positions",
+               "rms_norm_eps": "layer_norm_epsilon", "hidden_act": "activation_function",
+               "attention_dropout": "attn_pdrop", "hidden_dropout": "resid_pdrop"}
+
+
+def _moe_keys(a: Arch, family: str) -> None:
+    g = a.get
+    experts_key = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts"}.get(family, "num_experts")
+    a.put("num_experts", experts_key, g("num_experts"))
+    a.put("moe_router_topk", "num_experts_per_tok", g("moe_router_topk"))
+    moe_ffn = g("moe_ffn_hidden_size") or g("moe_intermediate_size") or _ffn(a)
+    ffn_dest = "moe_intermediate_size" if g("moe_intermediate_size") else "moe_ffn_hidden_size"
+    if family == "mixtral":
+        a.put(ffn_dest, "intermediate_size", moe_ffn)
+    else:
+        a.put(ffn_dest, "moe_intermediate_size", moe_ffn)
+    balancing = g("moe_router_load_balancing_type")
+    balancing = balancing[0] if isinstance(balancing, list) else balancing
+    coeff = g("moe_aux_loss_coeff")
+    coeff = coeff[0] if isinstance(coeff, list) else coeff
+    if balancing not in ("aux_loss", "none"):
+        a.decline("moe_router_load_balancing_type", f"'{balancing}' load balancing is not implemented (only "
+                  "aux_loss and none) — use --moe-router-load-balancing-type aux_loss")
+    else:
+        a.put("moe_router_load_balancing_type", "output_router_logits", balancing == "aux_loss" and coeff > 0)
+    a.put("moe_aux_loss_coeff", "router_aux_loss_coef", 0.0 if balancing == "none" else coeff)
+    if g("moe_z_loss_coeff"):
+        a.decline("moe_z_loss_coeff", "the router z-loss is not implemented — drop --moe-z-loss-coeff")
+    elif "moe_z_loss_coeff" in a.active:
+        a.record("moe_z_loss_coeff", "no_effect", "")
+    if g("seq_aux"):
+        a.decline("seq_aux", "the sequence-level auxiliary loss is not implemented — drop --seq-aux")
+    norm = g("norm_topk_prob") or not g("moe_router_pre_softmax")  # Megatron: top-k then softmax = normalised
+    for dest in ("norm_topk_prob", "moe_router_pre_softmax"):
+        a.put(dest, "norm_topk_prob", norm if family != "mixtral" else None)
+    if family == "mixtral" and g("moe_router_pre_softmax"):
+        a.decline("moe_router_pre_softmax", "Mixtral-style routing renormalises the top-k weights — drop it")
+    shared = g("moe_shared_expert_intermediate_size")
+    if family == "deepseek_v3":
+        n_shared = g("n_shared_experts") or (shared // moe_ffn if shared and moe_ffn else None)
+        a.put("n_shared_experts" if g("n_shared_experts") else "moe_shared_expert_intermediate_size",
+              "n_shared_experts", n_shared)
+    elif family == "qwen2_moe":
+        a.put("moe_shared_expert_intermediate_size", "shared_expert_intermediate_size", shared)
+        if g("n_shared_experts") and moe_ffn:
+            a.put("n_shared_experts", "shared_expert_intermediate_size", g("n_shared_experts") * moe_ffn)
+    for dest, key in (("moe_router_num_groups", "n_group"), ("n_group", "n_group"),
+                      ("moe_router_group_topk", "topk_group"), ("topk_group", "topk_group"),
+                      ("moe_router_topk_scaling_factor", "routed_scaling_factor"),
+                      ("routed_scaling_factor", "routed_scaling_factor"),
+                      ("first_k_dense_replace", "first_k_dense_replace")):
+        a.put(dest, key, g(dest))
+    freq = g("moe_layer_freq")
+    if isinstance(freq, list):
+        a.put("moe_layer_freq", "mlp_only_layers", [i for i, moe in enumerate(freq) if not moe])
+    elif freq not in (None, 1):
+        a.put("moe_layer_freq", "decoder_sparse_step", freq)
+
+
+def _mla_keys(a: Arch) -> None:
+    g = a.get
+    a.put("q_lora_rank", "q_lora_rank", g("q_lora_rank"))
+    a.put("kv_lora_rank", "kv_lora_rank", g("kv_lora_rank"))
+    a.put("qk_nope_head_dim" if g("qk_nope_head_dim") else "qk_head_dim", "qk_nope_head_dim",
+          g("qk_nope_head_dim") or g("qk_head_dim"))
+    a.put("qk_rope_head_dim" if g("qk_rope_head_dim") else "qk_pos_emb_head_dim", "qk_rope_head_dim",
+          g("qk_rope_head_dim") or g("qk_pos_emb_head_dim"))
+    a.put("v_head_dim", "v_head_dim", g("v_head_dim"))
+
+
+def apply(ns, active, from_scratch: bool, record: Callable[[str, str, str], None]) -> Dict[str, Any]:
+    """Fills the architecture keys, records every active architecture flag; returns {dest: why} to decline."""
+    a = Arch(ns, active, from_scratch, record)
+    family = _family(a)
+    if from_scratch:
+        a.keys["model_type"] = family
+        _check_buildable(a, family)
+    _dense_keys(a, family)
+    if family in _MOE_FAMILIES and a.get("num_experts"):
+        _moe_keys(a, family)
+    if family == "deepseek_v3":
+        _mla_keys(a)
+        for dest in ("multi_latent_attention", "multi_head_latent_attention"):
+            a.put(dest, "model_type", "deepseek_v3" if from_scratch else None)
+    if family == "qwen2_moe" and from_scratch and not (a.get("moe_shared_expert_gate") or a.get("shared_expert_gate")):
+        a.decline("moe_shared_expert_intermediate_size", "Qwen2-MoE-style shared experts are gated — add "
+                  "--moe-shared-expert-gate, or give --load with an HF directory")
+    for dest in ("moe_shared_expert_gate", "shared_expert_gate"):
+        a.put(dest, "shared_expert_gate", True if a.get(dest) else None)
+    for dest in ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_bias_update_rate"):
+        if dest in active:
+            if from_scratch and family != "deepseek_v3" and a.get(dest) not in ("softmax", False):
+                a.decline(dest, "sigmoid scores and expert bias are DeepSeek-V3 routing — give --load with an HF "
+                                "DeepSeek-V3 directory or use softmax routing")
+            else:
+                record(dest, "no_effect", "routing is defined by the HF model type")
+    for dest in sorted(set(active) & HF_DEFINED_DESTS):
+        if from_scratch:
+            a.decline(dest, "this architecture feature cannot be built from flags — give --load with an HF "
+                            "directory of that model")
+        else:
+            record(dest, "no_effect", "defined by the HF model in --load")
+    for dest in sorted(set(active) & ARCHITECTURE_DESTS):
+        record(dest, "mapped_if_unrecorded", "model.architecture")
+    for dest, why in a.declined.items():
+        record(dest, "declined", why)
+    return a.keys

@@ -1,0 +1,156 @@
+"""Megatron-LM / MindSpeed command line → native configuration fields, with a report of every flag's fate.
+
+`translate_megatron(argv, world_size)` parses the line (`arguments`), then gives each flag the command line
+sets exactly one disposition: mapped to a native field (the handlers below and `architecture`), accepted
+without effect under FSDP2, or declined (`flag_rules`). Megatron's own defaults are applied for everything that
+changes results (its lr schedule, Adam betas, seed, log interval, fp32 without --bf16/--fp16, ...), since the
+native defaults differ. If anything is declined, a UsageError lists every declined flag as
+`--flag: <why> — <what to do>`. No torch import here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Sequence, Tuple
+
+from fsdp2_backend.errors import UsageError
+from megatron_compat import architecture, flag_rules, shell_words
+from megatron_compat.arguments import defaults, megatron_table, option_strings, parse_megatron, takes_value
+from megatron_compat.translate_handlers import DERIVED_STEPS, HANDLERS
+
+GROUP_NAMES = ("model", "data", "parallel", "training", "profiling", "inference", "optimization")
+_PRECEDENCE = {"mapped_if_unrecorded": 0, "no_effect": 1, "mapped": 2, "declined": 3}
+
+
+@dataclass
+class TranslationReport:
+    """What became of each flag the command line set."""
+
+    mapped: List[Tuple[str, str]] = field(default_factory=list)
+    no_effect: List[str] = field(default_factory=list)
+    declined: List[Tuple[str, str]] = field(default_factory=list)
+    warnings: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Translation:
+    """Native fields by group ({group: {field: value}}, only what the script determines) and the report."""
+
+    fields: Dict[str, Dict[str, Any]]
+    report: TranslationReport
+
+
+class Context:
+    """One translation in progress: the namespace, the fields being filled and each flag's disposition."""
+
+    def __init__(self, ns, active: Dict[str, Any], world_size: int, argv: Sequence[str]):
+        self.ns, self.active, self.world_size = ns, active, world_size
+        self.fields: Dict[str, Dict[str, Any]] = {group: {} for group in GROUP_NAMES}
+        self.dispositions: Dict[str, Tuple[str, str]] = {}
+        self.warnings: List[str] = []
+        options = option_strings()
+        used = {t.split("=", 1)[0] for t in argv if t.startswith("--")}
+        # The option the user typed names the flag in messages (e.g. --no-rope-fusion, not the dest).
+        self.flag_names = {dest: next((o for o in opts if o in used), opts[0]) for dest, opts in options.items()}
+
+    def get(self, dest: str, default: Any = None) -> Any:
+        return getattr(self.ns, dest, default)
+
+    def set(self, target: str, value: Any) -> None:
+        group, name = target.split(".", 1)
+        self.fields[group][name] = value
+
+    def record(self, dest: str, kind: str, text: str) -> None:
+        """Gives a flag its disposition; a stronger one (declined > mapped > no effect) replaces a weaker one."""
+        if dest not in self.active:
+            return
+        old = self.dispositions.get(dest)
+        if old is None or _PRECEDENCE[kind] > _PRECEDENCE[old[0]]:
+            self.dispositions[dest] = (kind, text)
+
+    def decline(self, dest: str, why: str) -> None:
+        self.record(dest, "declined", why)
+
+    def warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+
+
+def _active(parsed) -> Dict[str, Any]:
+    """Flags the command line sets: named explicitly, or holding a value other than their default."""
+    ns, out = parsed.namespace, {}
+    for dest, default in defaults().items():
+        value = getattr(ns, dest)
+        if dest in parsed.given or value != default:
+            out[dest] = value
+    return out
+
+
+def _static(ctx: Context, groups: Dict[str, str]) -> None:
+    """Flags no handler maps: their rule from flag_rules, for values other than the default."""
+    default = defaults()
+    options = option_strings()
+    for dest in ctx.active:
+        if dest in ctx.dispositions or dest in HANDLERS:
+            continue
+        if ctx.get(dest) == default[dest]:
+            continue  # named with its default value: nothing to honour
+        rule = flag_rules.static_rule(options[dest], groups.get(dest))
+        if rule is None:
+            ctx.decline(dest, "no FSDP2 meaning is known for this flag — drop it (or report it as missing)")
+        else:
+            ctx.record(dest, rule.kind, rule.text)
+
+
+def translate_megatron(argv: Sequence[str], world_size: int = 1) -> Translation:
+    """Translates a Megatron/MindSpeed launch line; raises UsageError on bad input or any declined flag."""
+    argv, warnings = shell_words.clean(argv, takes_value)
+    parsed = parse_megatron(argv)
+    active = _active(parsed)
+    ctx = Context(parsed.namespace, active, world_size, argv)
+    ctx.warnings.extend(warnings)
+    for dest, (target, handler) in HANDLERS.items():
+        handler(ctx, ctx.get(dest))
+        if dest not in ctx.dispositions:  # the handler may have declined it or found it without effect
+            ctx.record(dest, "mapped", target)
+    for step in DERIVED_STEPS:
+        step(ctx)
+    from_scratch = "model.model_name_or_path" not in _flat(ctx)
+    arch = architecture.apply(ctx.ns, active, from_scratch, ctx.record)
+    if arch:
+        ctx.set("model.architecture", arch)
+    for dest, (kind, text) in list(ctx.dispositions.items()):
+        if kind == "mapped_if_unrecorded":
+            ctx.dispositions[dest] = ("mapped", text)
+    _static(ctx, {record["dest"]: record["group"] for record in megatron_table()})
+    report = _report(ctx)
+    if report.declined:
+        raise UsageError([f"{flag}: {why}" for flag, why in report.declined])
+    return Translation({g: v for g, v in ctx.fields.items() if v}, report)
+
+
+def _flat(ctx: Context) -> Dict[str, Any]:
+    return {f"{g}.{k}": v for g, values in ctx.fields.items() for k, v in values.items()}
+
+
+def _report(ctx: Context) -> TranslationReport:
+    report = TranslationReport(warnings=list(ctx.warnings))
+    for dest in ctx.active:
+        kind, text = ctx.dispositions.get(dest, (None, None))
+        flag = ctx.flag_names[dest]
+        if kind == "mapped":
+            report.mapped.append((flag, text))
+        elif kind == "no_effect":
+            report.no_effect.append(flag)
+        elif kind == "declined":
+            report.declined.append((flag, text))
+    return report
+
+
+def report_lines(report: TranslationReport) -> List[str]:
+    """The flag report as printed by --dry-run: mapped flags, one line of flags without effect, warnings."""
+    lines = [f"mapped: {flag} → {target}" for flag, target in report.mapped]
+    if report.no_effect:
+        lines.append("accepted without effect under FSDP2: " + ", ".join(report.no_effect))
+    lines += [f"declined: {flag}: {why}" for flag, why in report.declined]
+    lines += [f"warning: {message}" for message in report.warnings]
+    return lines
