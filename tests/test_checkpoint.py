@@ -217,8 +217,10 @@ def test_two_ranks_save_one_rank_resumes(tmp_path):
         AutoTokenizer.from_pretrained(str(tokenizer_dir)).encode("def f")
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_discovery_prefers_save_dir_and_skips_partials(tmp_path):
     """Real single-process DCP saves of a plain module: rotation, marker, resume order, restarts."""
+    from fsdp2_backend.errors import UsageError
     from fsdp2_backend.training import checkpoint_io as io
     from fsdp2_backend.training.checkpoint import CheckpointManager, load_checkpoint
 
@@ -251,6 +253,30 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path):
     restored = torch.nn.Linear(4, 4)
     assert load_checkpoint(found, restored, train_state=_State()) == _State(30, 30)
     assert torch.equal(restored.weight, model.weight)
+
+    # The trainer's one call: --finetune resets a checkpoint from --load, never a restart of this run.
+    pretrained = str(tmp_path / "pretrained")
+    assert io.choose_resume(pretrained, str(tmp_path / "fresh"), finetune=True) == \
+        (tmp_path / "pretrained" / "iter_0000100", True)
+    assert io.choose_resume(pretrained, str(save_dir), finetune=True) == (save_dir / "iter_0000030", False)
+    assert io.choose_resume(pretrained, str(save_dir), str(save_dir / "iter_0000020")) == \
+        (save_dir / "iter_0000020", False)
+    assert io.choose_resume(str(tmp_path), None) == (None, False)
+    with pytest.raises(UsageError, match="resume_from_checkpoint"):
+        io.choose_resume(None, None, str(tmp_path / "fresh"))
+
+
+def test_manager_from_training_args(tmp_path):
+    from fsdp2_backend.config import TrainingArguments
+    from fsdp2_backend.training.checkpoint import CheckpointManager
+
+    training = TrainingArguments(output_dir=str(tmp_path / "out"), save_total_limit=1, save_only_model=True)
+    manager = CheckpointManager.from_training_args(training)
+    assert manager.save_dir == tmp_path / "out" and manager.save_total_limit == 1
+    assert (manager.save_optim, manager.save_rng, manager.async_save) == (False, False, False)
+    training = TrainingArguments(output_dir=str(tmp_path / "out"), no_save_optim=True)
+    manager = CheckpointManager.from_training_args(training)
+    assert (manager.save_optim, manager.save_scheduler, manager.save_rng) == (False, False, True)
 
 
 def test_convert_rejects_a_directory_without_checkpoint(tmp_path):

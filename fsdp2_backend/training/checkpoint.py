@@ -105,6 +105,13 @@ class CheckpointManager:
             io.remove_stale_partials(self.save_dir)
         _barrier()
 
+    @classmethod
+    def from_training_args(cls, training) -> "CheckpointManager":
+        """From ``Config.training`` (output_dir, save_total_limit, save_async, save_only_model, no_save_*)."""
+        return cls(training.output_dir, save_total_limit=training.save_total_limit,
+                   async_save=training.save_async, save_only_model=training.save_only_model,
+                   no_save_optim=training.no_save_optim, no_save_rng=training.no_save_rng)
+
     # ----------------------------------------------------------------------------------------- saving
     def save(self, iteration: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
              scheduler: Any = None, train_state: Any = None, tokenizer: Any = None,

@@ -32,6 +32,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from fsdp2_backend.errors import UsageError
+
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -138,6 +140,28 @@ def find_resume_checkpoint(load_dir: Optional[str], save_dir: Optional[str]) -> 
 def is_restart(checkpoint: os.PathLike | str, save_dir: Optional[str]) -> bool:
     """True when ``checkpoint`` lies in ``save_dir``: a restart of this run (``--finetune`` must not reset it)."""
     return bool(save_dir) and Path(checkpoint).resolve().parent == Path(save_dir).resolve()
+
+
+def choose_resume(load_dir: Optional[str], save_dir: Optional[str], resume_from_checkpoint: Optional[str] = None,
+                  finetune: bool = False) -> tuple[Optional[Path], bool]:
+    """The trainer's one call: (checkpoint to load or None, whether to load it as ``--finetune``).
+
+    An explicit ``resume_from_checkpoint`` (an ``iter_*`` dir, or a dir whose newest one is taken) wins and
+    must hold a complete checkpoint; otherwise ``find_resume_checkpoint``. ``finetune`` applies to a
+    checkpoint from elsewhere only: a restart of this run continues it instead of resetting it again.
+    """
+    if resume_from_checkpoint:
+        found = resolve_checkpoint(resume_from_checkpoint)
+        if found is None:
+            raise UsageError(f"training.resume_from_checkpoint: {resume_from_checkpoint} holds no complete "
+                             f"checkpoint (an iter_* directory with {META_FILE}) — point it at an iter_* "
+                             f"directory or at the --save directory of a run, or unset it")
+        logger.info("resuming from %s (resume_from_checkpoint)", found)
+    else:
+        found = find_resume_checkpoint(load_dir, save_dir)
+    if found is None:
+        return None, False
+    return found, finetune and not is_restart(found, save_dir)
 
 
 def remove_stale_partials(root: Path) -> None:
