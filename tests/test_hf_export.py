@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers import run_distributed, tiny_qwen3_config, train_bytelevel_tokenizer
@@ -92,3 +93,31 @@ def test_converter_bad_input_exits_2(tmp_path):
                              str(tmp_path / "missing"), str(tmp_path / "out")], capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_moe_export_and_converter_write_per_expert_hf_layout(tmp_path):
+    """The project's grouped-GEMM Qwen3-MoE keeps stacked experts in memory; both exports must write
+    transformers' per-expert files, which plain transformers loads back to the same logits."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from fsdp2_backend.models.qwen3_moe import build_qwen3_moe
+    from fsdp2_backend.training.checkpoint import CheckpointManager
+    from fsdp2_backend.training.hf_export import convert_checkpoint, export_hf
+
+    config = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = build_qwen3_moe(config).eval()
+    export_hf(model, tmp_path / "hf")
+    CheckpointManager(tmp_path / "ckpt").save(1, model)
+    convert_checkpoint(tmp_path / "ckpt", tmp_path / "converted")
+
+    ours, theirs = _tensors(tmp_path / "hf"), _tensors(tmp_path / "converted")
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in ours
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    batch = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "converted")).eval()
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=batch).logits, model(input_ids=batch).logits, atol=1e-6, rtol=0)
