@@ -1,0 +1,103 @@
+"""ParamScheduler against megatron-core's OptimizerParamScheduler (test-only reference) at sampled steps."""
+import math
+import warnings
+
+import pytest
+import torch
+
+from fsdp2_backend.config import TrainingArguments
+from fsdp2_backend.errors import UsageError
+from fsdp2_backend.training.scheduler import ParamScheduler, scheduler_steps
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+GBS = 8
+
+
+def _opt():
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.0)
+
+
+def _reference(kw):
+    return OptimizerParamScheduler(
+        _opt(), init_lr=kw["init_lr"], max_lr=kw["max_lr"], min_lr=kw["min_lr"],
+        lr_warmup_steps=kw["lr_warmup_steps"], lr_decay_steps=kw["lr_decay_steps"],
+        lr_decay_style=kw["lr_decay_style"], start_wd=kw["start_wd"], end_wd=kw["end_wd"],
+        wd_incr_steps=kw["wd_incr_steps"], wd_incr_style=kw["wd_incr_style"],
+        wsd_decay_steps=kw["wsd_decay_steps"], lr_wsd_decay_style=kw["lr_wsd_decay_style"])
+
+
+def _compare(kw, iters):
+    ours, opt = None, _opt()
+    ours = ParamScheduler(opt, **kw)
+    ref = _reference(kw)
+    lrs = []
+    for it in range(iters + 5):  # past the end: min_lr
+        assert opt.param_groups[0]["lr"] == pytest.approx(ref.optimizer.param_groups[0]["lr"], rel=1e-12, abs=0)
+        assert opt.param_groups[0]["weight_decay"] == pytest.approx(
+            ref.optimizer.param_groups[0]["weight_decay"], rel=1e-12)
+        lrs.append(opt.param_groups[0]["lr"])
+        ours.step(GBS)
+        ref.step(GBS)
+    return lrs
+
+
+CASES = [
+    dict(lr_scheduler_type="cosine", warmup_ratio=0.1),
+    dict(lr_scheduler_type="linear", warmup_ratio=0.0, lr_warmup_iters=3, lr_warmup_init=1e-5),
+    dict(lr_scheduler_type="constant", warmup_ratio=0.2),
+    dict(lr_scheduler_type="inverse-square-root", warmup_ratio=0.0, lr_warmup_iters=4),
+    dict(lr_scheduler_type="cosine", warmup_ratio=0.05, lr_decay_iters=30),
+] + [dict(lr_scheduler_type="WSD", warmup_ratio=0.1, lr_wsd_decay_style=s, lr_wsd_decay_iters=12)
+     for s in ("linear", "cosine", "exponential", "minus_sqrt")]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c["lr_scheduler_type"] + "-" + c.get("lr_wsd_decay_style", ""))
+def test_lr_matches_megatron_by_iterations(case):
+    t = TrainingArguments(lr=3e-4, min_lr=3e-5, max_steps=40, weight_decay=0.1, **case)
+    lrs = _compare(scheduler_steps(t, GBS), 40)
+    assert max(lrs) == pytest.approx(3e-4, rel=1e-2)  # warmup may end between two steps
+    if case["lr_scheduler_type"] not in ("constant", "inverse-square-root"):
+        assert lrs[-1] == pytest.approx(3e-5)  # decayed to min_lr
+
+
+def test_lr_matches_megatron_by_samples():
+    t = TrainingArguments(lr=1e-3, min_lr=0.0, train_samples=200, lr_warmup_samples=20, warmup_ratio=0.0,
+                          lr_decay_samples=150, lr_scheduler_type="WSD", lr_wsd_decay_samples=50)
+    kw = scheduler_steps(t, GBS)
+    assert (kw["lr_decay_steps"], kw["lr_warmup_steps"], kw["wsd_decay_steps"]) == (150, 20, 50)
+    _compare(kw, 200 // GBS)
+
+
+def test_weight_decay_increment_styles_match_megatron():
+    for style in ("linear", "cosine"):
+        kw = dict(max_lr=1e-3, min_lr=1e-4, init_lr=0.0, lr_warmup_steps=16, lr_decay_steps=160,
+                  lr_decay_style="cosine", wsd_decay_steps=None, lr_wsd_decay_style=None,
+                  start_wd=0.01, end_wd=0.1, wd_incr_steps=120, wd_incr_style=style)
+        _compare(kw, 20)
+
+
+def test_no_decay_groups_keep_zero_weight_decay_and_state_roundtrip():
+    p1, p2 = torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([{"params": [p1], "wd_mult": 1.0}, {"params": [p2], "wd_mult": 0.0}])
+    t = TrainingArguments(lr=1e-3, min_lr=1e-4, max_steps=10, weight_decay=0.05)
+    sched = ParamScheduler(opt, **scheduler_steps(t, GBS))
+    for _ in range(4):
+        sched.step(GBS)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
+    resumed = ParamScheduler(_opt(), **scheduler_steps(t, GBS))
+    resumed.load_state_dict(sched.state_dict())
+    assert resumed.num_steps == 4 * GBS and resumed.get_lr() == sched.get_lr()
+    assert math.isclose(resumed.optimizer.param_groups[0]["lr"], opt.param_groups[0]["lr"])
+
+
+def test_bad_schedule_reports_usage_errors():
+    t = TrainingArguments(lr=1e-3, min_lr=1e-2, max_steps=10, warmup_ratio=1.0, lr_scheduler_type="WSD")
+    with pytest.raises(UsageError) as err:
+        ParamScheduler(_opt(), **scheduler_steps(t, GBS))
+    text = "\n".join(err.value.messages)
+    assert "min_lr" in text and "warmup" in text and "lr_wsd_decay_iters" in text
+    with pytest.raises(UsageError):
+        scheduler_steps(TrainingArguments(max_steps=-1), GBS)
