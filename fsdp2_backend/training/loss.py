@@ -1,0 +1,108 @@
+"""Megatron's language-model loss: per-micro-batch masked sums, their scaling for backward, and the reported loss.
+
+Megatron's loss function returns, per micro-batch, the SUM of token losses times the loss mask and the number
+of unmasked tokens. Without `calculate_per_token_loss`, backward runs on sum / max(tokens, 1) / num_microbatches
+and gradients are averaged over data-parallel ranks; with it, backward runs on the plain sum and gradients are
+divided by the token count of the whole global batch after the reduction. The reported `lm loss` is always
+token-weighted over the global batch.
+
+Every cross-rank reduction here is an explicit all_reduce(SUM) followed by a division: FSDP2's AVG reduction
+can sum instead of average on gloo (pytorch#162338), so the trainer must run FSDP with a divide factor of 1
+(`fsdp_module.set_gradient_divide_factor(1.0)`: gradients are SUMMED over data-parallel ranks) and the 1/dp of
+Megatron's averaging is folded into the backward loss by `GlobalBatchLoss.backward_loss`.
+
+Labels are already shifted (Megatron's `labels[i] = tokens[i + 1]`), so logits[:, i] scores labels[:, i].
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+
+def masked_loss_sum(logits: Tensor, labels: Tensor, loss_mask: Tensor) -> Tuple[Tensor, Tensor]:
+    """(sum of cross entropy × loss_mask, number of unmasked tokens), both fp32 scalars.
+
+    logits [..., V] aligned with labels [...]; loss_mask has labels' shape (0/1 or bool).
+    """
+    losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), reduction="none")
+    mask = loss_mask.reshape(-1).float()
+    return (losses * mask).sum(), mask.sum()
+
+
+def chunked_masked_loss_sum(hidden: Tensor, lm_head: Callable[[Tensor], Tensor], labels: Tensor,
+                            loss_mask: Tensor, chunk_size: int) -> Tuple[Tensor, Tensor]:
+    """`masked_loss_sum` computed `chunk_size` tokens at a time from the final hidden states (`chunk_loss_size`).
+
+    `lm_head` maps hidden [n, H] to logits [n, V] (the model's output layer). Each chunk's logits are recomputed
+    in backward (non-reentrant checkpoint), so at most one chunk of logits lives at a time; the loss and the
+    gradients equal the unchunked computation up to summation order.
+    """
+    flat_hidden = hidden.reshape(-1, hidden.size(-1))
+    flat_labels, flat_mask = labels.reshape(-1), loss_mask.reshape(-1)
+
+    def chunk_sum(h: Tensor, y: Tensor, m: Tensor) -> Tensor:
+        return (F.cross_entropy(lm_head(h).float(), y, reduction="none") * m.float()).sum()
+
+    total = flat_hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, flat_hidden.size(0), chunk_size):
+        end = start + chunk_size
+        total = total + checkpoint(chunk_sum, flat_hidden[start:end], flat_labels[start:end],
+                                   flat_mask[start:end], use_reentrant=False)
+    return total, flat_mask.float().sum()
+
+
+class GlobalBatchLoss:
+    """One global batch's loss bookkeeping: the backward scaling of each micro-batch and the reported lm loss.
+
+    Call `backward_loss(sum, tokens)` per micro-batch and `.backward()` the result; after the last backward
+    (FSDP has reduce-scattered gradients with a SUM), call `finish(parameters)`: it all-reduces the summed
+    losses and token counts over `dp_group`, applies the per-token gradient scaling when
+    `calculate_per_token_loss`, and returns the token-weighted global lm loss (a Python float; nan if
+    non-finite, which the trainer counts as a nan iteration). `dp_group` is the data-parallel group (with
+    context parallel later: the dp×cp group); None with dp_size > 1 means the default (world) group.
+    """
+
+    def __init__(self, *, num_microbatches: int, dp_size: int, calculate_per_token_loss: bool,
+                 dp_group: Optional[dist.ProcessGroup] = None):
+        self.num_microbatches, self.dp_size = num_microbatches, dp_size
+        self.per_token = calculate_per_token_loss
+        self.dp_group = dp_group
+        self._loss_sum: Optional[Tensor] = None
+        self._tokens: Optional[Tensor] = None
+
+    def backward_loss(self, loss_sum: Tensor, num_tokens: Tensor) -> Tensor:
+        """The scalar to call `.backward()` on for this micro-batch (also records it for the report)."""
+        detached = torch.stack([loss_sum.detach().float(), num_tokens.detach().float()])
+        if self._loss_sum is None:
+            self._loss_sum, self._tokens = detached[0].clone(), detached[1].clone()
+        else:
+            self._loss_sum += detached[0]
+            self._tokens += detached[1]
+        if self.per_token:
+            return loss_sum
+        # Megatron: mean over this micro-batch's tokens, averaged over micro-batches and (via 1/dp with a SUM
+        # reduction) over data-parallel ranks.
+        return loss_sum / num_tokens.clamp(min=1) / (self.num_microbatches * self.dp_size)
+
+    def finish(self, parameters: Iterable[torch.nn.Parameter] = ()) -> float:
+        """All-reduces (SUM) the loss sums and counts; per-token mode divides gradients by the global count."""
+        totals = torch.stack([self._loss_sum, self._tokens])
+        if self.dp_size > 1:
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.dp_group)
+        loss_sum, tokens = totals.tolist()
+        if self.per_token and tokens > 0:
+            grads = [_local(p.grad) for p in parameters if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, 1.0 / tokens)
+        self._loss_sum = self._tokens = None
+        return loss_sum / tokens if tokens > 0 else float("nan")
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """The local shard of a DTensor (in-place ops on it change the DTensor), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
