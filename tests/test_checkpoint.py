@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from fsdp2_backend.training.loss_scaler import LossScaler
 from tests.helpers import run_distributed, tiny_qwen3_config, train_bytelevel_tokenizer
 
 
@@ -90,8 +91,12 @@ def _save_two_ranks(rank, world_size, root, tokenizer_dir):
     model, optimizer, scheduler = _build(world_size)
     for step in range(2):
         _train_step(model, optimizer, scheduler, step)
+    scaler = LossScaler.for_dtype("fp16")
+    for _ in range(2):
+        scaler.update(found_non_finite=True)  # halves the scale: no longer the fresh value
     manager = CheckpointManager(root / "sync")
-    manager.save(2, model, optimizer, scheduler, _State(2, 64), tokenizer=tokenizer_dir)
+    manager.save(2, model, optimizer, scheduler, _State(2, 64), tokenizer=tokenizer_dir,
+                 extra_states={"loss_scaler": scaler})
     reference = _full_state(model, optimizer)
     draws = _rng_draws()
     if rank == 0:
@@ -135,8 +140,10 @@ def _load_one_rank(rank, world_size, root):
 
     # Full resume on one rank: model, optimizer, scheduler, trainer state and rank 0's RNG streams.
     model, optimizer, scheduler = _build(world_size)
-    state = load_checkpoint(sync_ckpt, model, optimizer, scheduler, _State())
+    scaler = LossScaler.for_dtype("fp16")
+    state = load_checkpoint(sync_ckpt, model, optimizer, scheduler, _State(), extra_states={"loss_scaler": scaler})
     draws = _rng_draws()
+    assert scaler.scale == 2.0 ** 31
     _assert_close(_full_state(model, optimizer), saved["state"])
     assert state == _State(2, 64)
     assert scheduler.last_epoch == 2
@@ -144,9 +151,12 @@ def _load_one_rank(rank, world_size, root):
 
     # --no-load-optim: weights and trainer state, but neither optimizer nor scheduler.
     model, optimizer, scheduler = _build(world_size)
-    state = load_checkpoint(sync_ckpt, model, optimizer, scheduler, _State(), no_load_optim=True)
+    scaler = LossScaler.for_dtype("fp16")
+    state = load_checkpoint(sync_ckpt, model, optimizer, scheduler, _State(), no_load_optim=True,
+                            extra_states={"loss_scaler": scaler})
     _assert_close(_full_state(model), {"model": saved["state"]["model"]})
     assert not optimizer.state and scheduler.last_epoch == 0 and state == _State(2, 64)
+    assert scaler.scale == 2.0 ** 32
 
     # --no-load-rng: RNG streams stay as seeded here.
     torch.manual_seed(1), random.seed(1), np.random.seed(1)

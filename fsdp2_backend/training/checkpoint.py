@@ -115,8 +115,11 @@ class CheckpointManager:
     # ----------------------------------------------------------------------------------------- saving
     def save(self, iteration: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
              scheduler: Any = None, train_state: Any = None, tokenizer: Any = None,
-             model_config: Any = None) -> Optional[Path]:
+             model_config: Any = None, extra_states: Optional[dict] = None) -> Optional[Path]:
         """Saves a checkpoint of ``iteration`` (collective); returns its final path, None if already saved.
+
+        ``extra_states``: more optimizer-side objects with state_dict/load_state_dict, equal on every rank
+        (e.g. {"loss_scaler": scaler}); saved and loaded like the scheduler.
 
         With ``async_save`` it returns once the state is staged in CPU memory; the checkpoint appears
         under its final name when the background write has finished everywhere.
@@ -133,7 +136,8 @@ class CheckpointManager:
             io.rng_file(tmp_dir, rank).parent.mkdir(exist_ok=True)
             torch.save(io.capture_rng_state(), io.rng_file(tmp_dir, rank))
         if rank == 0:
-            self._write_rank0_files(tmp_dir, iteration, model, scheduler, train_state, tokenizer, model_config)
+            self._write_rank0_files(tmp_dir, iteration, model, scheduler, train_state, tokenizer, model_config,
+                                    extra_states)
 
         with_optim = optimizer is not None and self.save_optim
         if with_optim:
@@ -165,10 +169,12 @@ class CheckpointManager:
         logger.info("checkpoint %s committed (async)", final_dir)
 
     def _write_rank0_files(self, tmp_dir: Path, iteration: int, model, scheduler, train_state, tokenizer,
-                           model_config) -> None:
+                           model_config, extra_states) -> None:
         io.write_json(tmp_dir / io.TRAIN_STATE_FILE, {**train_state_to_dict(train_state), "iteration": iteration})
         if scheduler is not None and self.save_scheduler:
             torch.save(scheduler.state_dict(), tmp_dir / io.SCHEDULER_FILE)
+        if extra_states and self.save_optim:
+            torch.save({name: obj.state_dict() for name, obj in extra_states.items()}, tmp_dir / io.EXTRA_FILE)
         hf_meta = tmp_dir / io.HF_META_DIR
         hf_meta.mkdir(exist_ok=True)
         model_config = model_config if model_config is not None else getattr(model, "config", None)
@@ -226,7 +232,7 @@ def checkpoint_hf_dir(checkpoint: str | os.PathLike) -> Path:
 def load_checkpoint(checkpoint: str | os.PathLike, model: torch.nn.Module,
                     optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None,
                     train_state: Any = None, *, no_load_optim: bool = False, no_load_rng: bool = False,
-                    finetune: bool = False) -> Any:
+                    finetune: bool = False, extra_states: Optional[dict] = None) -> Any:
     """Loads a complete checkpoint into an already sharded model (collective); returns the train state.
 
     Any number of ranks can load what any number saved. ``train_state`` is the trainer's fresh state:
@@ -255,6 +261,14 @@ def load_checkpoint(checkpoint: str | os.PathLike, model: torch.nn.Module,
             scheduler.load_state_dict(torch.load(checkpoint / io.SCHEDULER_FILE, weights_only=True))
         else:
             logger.warning("%s holds no scheduler state: the scheduler starts fresh", checkpoint)
+    if extra_states and not (no_load_optim or finetune):
+        saved = torch.load(checkpoint / io.EXTRA_FILE, weights_only=True) if (checkpoint / io.EXTRA_FILE).is_file() \
+            else {}
+        for name, obj in extra_states.items():
+            if name in saved:
+                obj.load_state_dict(saved[name])
+            else:
+                logger.warning("%s holds no %s state: it starts fresh", checkpoint, name)
 
     if not (no_load_rng or finetune):
         _load_rng(checkpoint, meta)

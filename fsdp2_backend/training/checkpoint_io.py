@@ -8,6 +8,7 @@ A save directory looks like Megatron's::
         checkpoint_meta.json                      # format, iteration, world size, what is inside
         train_state.json                          # iteration, consumed samples, ... (the trainer's state)
         scheduler.pt                              # the LR scheduler's state_dict
+        extra_state.pt                            # other optimizer-side states, by name (loss scaler)
         rng/rank_00000.pt                         # python / numpy / torch cpu / device RNG, one file per rank
         hf_meta/config.json, tokenizer files      # self-description: the model config and the tokenizer
 
@@ -40,6 +41,7 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 META_FILE = "checkpoint_meta.json"
 TRAIN_STATE_FILE = "train_state.json"
 SCHEDULER_FILE = "scheduler.pt"
+EXTRA_FILE = "extra_state.pt"
 HF_META_DIR = "hf_meta"
 RNG_DIR = "rng"
 FORMAT = "fsdp2-dcp-v1"
