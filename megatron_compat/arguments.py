@@ -193,6 +193,12 @@ def build_parser() -> MegatronArgumentParser:
     return parser
 
 
+@lru_cache(maxsize=None)
+def megatron_groups() -> Dict[str, str]:
+    """dest → the Megatron-LM argument group it belongs to."""
+    return {record["dest"]: record["group"] for record in megatron_table()}
+
+
 def flag_sources() -> Dict[str, str]:
     """dest → which table defines it (megatron-lm, mindspeed-llm, mindspeed, megatron-inference-script)."""
     sources = {record["dest"]: SOURCE_MEGATRON for record in megatron_table()}
@@ -287,8 +293,9 @@ def takes_value(option: str) -> bool:
     return action is not None and action.nargs != 0 and "=" not in option
 
 
+@lru_cache(maxsize=None)
 def defaults() -> Dict[str, Any]:
-    """dest → default of every known argument."""
+    """dest → default of every known argument (shared: do not modify)."""
     out: Dict[str, Any] = {}
     for action in _cached_parser()._actions:  # the first action of a shared dest sets it, as in argparse
         if action.dest != "help":
@@ -296,8 +303,9 @@ def defaults() -> Dict[str, Any]:
     return out
 
 
+@lru_cache(maxsize=None)
 def option_strings() -> Dict[str, List[str]]:
-    """dest → the option strings that set it (several for store_false twins and --no- forms)."""
+    """dest → the option strings that set it, several for store_false twins and --no- forms (shared)."""
     out: Dict[str, List[str]] = {}
     for action in _cached_parser()._actions:
         if action.dest != "help":

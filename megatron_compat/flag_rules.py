@@ -66,7 +66,10 @@ _NO_EFFECT: Dict[str, str] = {
         moe_tp_extend_ep async_log_allreduce use_nanopipe use_pipe_experts moe_experts_pipeline_degree
         enable_cuda_graph cuda_graph_warmup_steps external_cuda_graph cuda_graph_impl inference_cuda_graph_scope
         optimizer_cuda_graph mlp_chunks_for_prefill mlp_chunks_for_training deterministic_mode
-        ulysses_degree_in_cp tp_2d tp_x tp_y""",
+        ulysses_degree_in_cp tp_2d tp_x tp_y symmetric_ar_type""",
+    "an inference-engine setting; pretraining does not use it":
+        """nccl_all_reduce_for_prefill inference_fuse_tp_communication inference_disable_triton_nvls_kernels
+        inference_grouped_gemm_backend inference_moe_disable_fused_quant_kernels cache_mla_latents""",
     "a memory-saving setting with no effect on the results; FSDP2 manages memory itself":
         """cpu_offloading_num_layers cpu_offloading_retain_pinned_cpu_buffers fine_grained_activation_offloading
         offload_modules min_offloaded_tensor_size delay_offload_until_cuda_graph delta_offload_bytes_across_pp_ranks
@@ -112,7 +115,7 @@ _NO_EFFECT: Dict[str, str] = {
         use_mp_args_from_checkpoint_args no_use_tokenizer_model_from_checkpoint_args load_main_params_from_ckpt
         exit_on_missing_checkpoint save_retain_interval use_checkpoint_opt_param_scheduler
         override_opt_param_scheduler enable_hf2mg_convert enable_mg2hf_convert model_type_hf hf_cfg_dir
-        load_checkpoint_loosely verify_integrity replication replication_jump replication_factor""",
+        load_checkpoint_loosely verify_integrity no_ckpt_fully_parallel_save replication replication_jump replication_factor""",
     "a logging or monitoring extra without a counterpart here (the Megatron log line is printed as usual)":
         """log_params_norm log_throughput log_progress timing_log_level timing_log_option tensorboard_log_interval
         tensorboard_queue_size log_timers_to_tensorboard no_log_loss_scale_to_tensorboard
@@ -124,7 +127,9 @@ _NO_EFFECT: Dict[str, str] = {
         record_memory_history memory_snapshot_path nvtx_ranges use_pytorch_profiler pytorch_profiler_collect_chakra
         save_params_interval save_activations_interval save_tokens_per_expert_interval save_wgrads_interval
         save_dgrads_interval dump_param_to_param_group_map check_weight_hash_across_dp_replicas_interval
-        gpu_sniff_test_interval train_sync_interval no_record_throughput""",
+        gpu_sniff_test_interval train_sync_interval no_record_throughput flight_recorder_dump_path
+        flight_recorder_trace_buffer_size no_flight_recorder_dump_on_timeout flight_recorder_include_stack_trace
+        no_flight_recorder_include_only_active no_flight_recorder_extra_dump_on_exec""",
     "a fault-tolerance or signal-handling setting; it does not change what is trained":
         """exit_signal_handler exit_signal exit_signal_handler_for_dataloader exit_signal_handler_for_training
         no_check_for_nan_in_loss_and_grad check_for_large_grads result_rejected_tracker_filename check_for_spiky_loss
@@ -132,9 +137,10 @@ _NO_EFFECT: Dict[str, str] = {
     "a data-loading speed setting; the samples are the same":
         """num_dataset_builder_threads dataloader_fast_cache_load dataloader_defer_npy_index_mmap
         per_dataset_sequences_path no_shared_storage allow_ambiguous_pad_tokens""",
-    "a BERT/T5/SFT-data setting that GPT pretraining does not read":
+    "a data-preprocessing or BERT/T5 setting that GPT pretraining does not read":
         """mask_prob short_seq_prob sample_rate encoder_num_layers encoder_seq_length
-        vocab_extra_ids handler_name dataset_impl json_keys split_sentences keep_newlines tokenizer_padding_side""",
+        vocab_extra_ids handler_name dataset_impl json_keys split_sentences keep_newlines tokenizer_padding_side
+        merge_group_keys""",
     "the same function as a standard norm whose weight is 1 + gamma (weights are loaded or initialised to match)":
         """apply_layernorm_1p add_rmsnorm_offset""",
     "a precision detail of Megatron's kernels (norms and routers already run in fp32 here)":
@@ -159,7 +165,8 @@ _DECLINED: Dict[str, str] = {
         """fp8_format fp8_recipe fp8_quantizer_factory fp8_margin fp8_interval fp8_amax_history_len
         fp8_amax_compute_algo no_fp8_wgrad fp8_output_proj first_last_layers_bf16 num_layers_at_start_in_bf16
         num_layers_at_end_in_bf16 fp4_format fp4_recipe fp4_quantizer_factory te_precision_config_file
-        moe_router_padding_for_quantization moe_router_padding_for_fp8 exp_avg_dtype exp_avg_sq_dtype""",
+        moe_router_padding_for_quantization moe_router_padding_for_fp8 exp_avg_dtype exp_avg_sq_dtype
+        moe_dispatch_fwd_dtype moe_combine_bwd_dtype""",
     "multi-token prediction (MTP) heads and their loss are not implemented; without them the loss differs — "
     "drop the MTP flags":
         """mtp_num_layers mtp_loss_scaling_factor mtp_use_repeated_layer mtp_detach_heads mtp_hsm
@@ -217,7 +224,7 @@ _DECLINED: Dict[str, str] = {
         """tiktoken_pattern tiktoken_num_special_tokens tokenizer_metadata tokenizer_special_tokens tokenizer_sentencepiece_legacy
         no_tokenizer_sentencepiece_ignore_extra_whitespaces tokenizer_hf_no_include_special_tokens null_tokenizer_eod_id
         null_tokenizer_pad_id chat_template use_gigatoken no_pad_vocab_size pad_vocab_size_to""",
-    "an encoder-decoder / BERT model setting; this backend trains decoder-only causal LMs":
+    "an encoder-decoder / BERT model setting — this backend trains decoder-only causal LMs; use Megatron-LM":
         """decoder_num_layers decoder_seq_length bert_no_binary_head output_bert_embeddings bert_embedder_type
         relative_attention_num_buckets relative_attention_max_distance""",
     "freezing or per-layer learning-rate changes are not implemented and would change results — drop it":
@@ -225,6 +232,8 @@ _DECLINED: Dict[str, str] = {
         moe_use_upcycling""",
     "weight decay on the QK-layernorm weights is not implemented (1-D parameters get none) — drop it":
         """apply_wd_to_qk_layernorm""",
+    "Megatron's YAML config files are not read — pass the flags on the command line, or write the native YAML":
+        """yaml_cfg""",
     "`--warmup` is Megatron's removed warmup argument — use --lr-warmup-fraction, --lr-warmup-iters or "
     "--lr-warmup-samples":
         """warmup""",

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 from fsdp2_backend.errors import UsageError
 from megatron_compat import architecture, flag_rules, shell_words
-from megatron_compat.arguments import defaults, megatron_table, option_strings, parse_megatron, takes_value
+from megatron_compat.arguments import defaults, megatron_groups, option_strings, parse_megatron, takes_value
 from megatron_compat.translate_handlers import DERIVED_STEPS, HANDLERS
 
 GROUP_NAMES = ("model", "data", "parallel", "training", "profiling", "inference", "optimization")
@@ -47,10 +47,18 @@ class Context:
         self.fields: Dict[str, Dict[str, Any]] = {group: {} for group in GROUP_NAMES}
         self.dispositions: Dict[str, Tuple[str, str]] = {}
         self.warnings: List[str] = []
-        options = option_strings()
-        used = {t.split("=", 1)[0] for t in argv if t.startswith("--")}
-        # The option the user typed names the flag in messages (e.g. --no-rope-fusion, not the dest).
-        self.flag_names = {dest: next((o for o in opts if o in used), opts[0]) for dest, opts in options.items()}
+        position = {}
+        for index, token in enumerate(argv):
+            if token.startswith("--"):
+                position.setdefault(token.split("=", 1)[0], index)
+        # The option the user typed names the flag in messages (e.g. --no-rope-fusion, not the dest), and the
+        # report lists flags in command-line order.
+        self.flag_names, self.order = {}, {}
+        for dest in active:
+            options = option_strings()[dest]
+            typed = [o for o in options if o in position]
+            self.flag_names[dest] = typed[0] if typed else options[0]
+            self.order[dest] = position[typed[0]] if typed else len(argv)
 
     def get(self, dest: str, default: Any = None) -> Any:
         return getattr(self.ns, dest, default)
@@ -101,8 +109,8 @@ def _static(ctx: Context, groups: Dict[str, str]) -> None:
             ctx.record(dest, rule.kind, rule.text)
 
 
-def translate_megatron(argv: Sequence[str], world_size: int = 1) -> Translation:
-    """Translates a Megatron/MindSpeed launch line; raises UsageError on bad input or any declined flag."""
+def translate_report(argv: Sequence[str], world_size: int = 1) -> Translation:
+    """Translates and reports every flag, declined ones included; raises UsageError only for a bad command line."""
     argv, warnings = shell_words.clean(argv, takes_value)
     parsed = parse_megatron(argv)
     active = _active(parsed)
@@ -121,11 +129,16 @@ def translate_megatron(argv: Sequence[str], world_size: int = 1) -> Translation:
     for dest, (kind, text) in list(ctx.dispositions.items()):
         if kind == "mapped_if_unrecorded":
             ctx.dispositions[dest] = ("mapped", text)
-    _static(ctx, {record["dest"]: record["group"] for record in megatron_table()})
-    report = _report(ctx)
-    if report.declined:
-        raise UsageError([f"{flag}: {why}" for flag, why in report.declined])
-    return Translation({g: v for g, v in ctx.fields.items() if v}, report)
+    _static(ctx, megatron_groups())
+    return Translation({g: v for g, v in ctx.fields.items() if v}, _report(ctx))
+
+
+def translate_megatron(argv: Sequence[str], world_size: int = 1) -> Translation:
+    """Translates a Megatron/MindSpeed launch line; raises UsageError on bad input or any declined flag."""
+    translation = translate_report(argv, world_size)
+    if translation.report.declined:
+        raise UsageError([f"{flag}: {why}" for flag, why in translation.report.declined])
+    return translation
 
 
 def _flat(ctx: Context) -> Dict[str, Any]:
@@ -134,7 +147,7 @@ def _flat(ctx: Context) -> Dict[str, Any]:
 
 def _report(ctx: Context) -> TranslationReport:
     report = TranslationReport(warnings=list(ctx.warnings))
-    for dest in ctx.active:
+    for dest in sorted(ctx.active, key=ctx.order.__getitem__):
         kind, text = ctx.dispositions.get(dest, (None, None))
         flag = ctx.flag_names[dest]
         if kind == "mapped":
