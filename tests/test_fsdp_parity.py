@@ -1,0 +1,105 @@
+"""1 rank vs 2 ranks FSDP2 (gloo), same data and global batch, fp32: lm loss and grad norm per step agree.
+
+This is the test that catches FSDP2's AVG-as-SUM gradient reduction on gloo (pytorch#162338) and any
+mistake in Megatron's loss normalisation: micro-batches have different numbers of loss tokens, so a wrong
+normalisation changes the numbers. Both Megatron modes are checked (per micro-batch mean, per-token loss).
+"""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fsdp2_backend.config import Config
+from tests.helpers import run_distributed, tiny_qwen3_config
+
+STEPS, SEQ, MBS, GBS, VOCAB = 8, 32, 2, 4, 512
+
+
+def _samples():
+    """GBS x STEPS samples with loss masks of varying token counts (deterministic)."""
+    gen = torch.Generator().manual_seed(11)
+    text = torch.randint(0, 24, (GBS * STEPS, SEQ + 1), generator=gen)  # few distinct tokens: learnable fast
+    mask = (torch.rand(GBS * STEPS, SEQ, generator=gen) > torch.rand(GBS * STEPS, 1, generator=gen) * 0.8).float()
+    return [dict(tokens=t[:-1], labels=t[1:], loss_mask=m, position_ids=torch.arange(SEQ))
+            for t, m in zip(text, mask)]
+
+
+def _rank_micro_batches(samples, dp, rank):
+    """Megatron's pretraining sampler: each group of MBS x dp samples, rank r takes its MBS slice."""
+    for start in range(0, len(samples), MBS * dp):
+        chunk = samples[start + rank * MBS:start + (rank + 1) * MBS]
+        yield {k: torch.stack([s[k] for s in chunk]) for k in chunk[0]}
+
+
+def masked_token_loss(logits, labels, loss_mask):
+    losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+    return (losses * loss_mask.flatten()).sum(), loss_mask.sum()
+
+
+def _clip(params, max_norm):
+    return torch.nn.utils.clip_grad_norm_(params, max_norm).full_tensor()
+
+
+class _ConstantLR:
+    def step(self, increment):
+        pass
+
+
+def _train(model_dir, per_token, dp, rank):
+    from fsdp2_backend.distributed.context import ParallelContext
+    from fsdp2_backend.models.loading import create_model, load_hf_config
+    from fsdp2_backend.parallel.apply import apply_parallelism
+    from fsdp2_backend.training.trainer import Trainer
+
+    config = Config()
+    config.model.model_name_or_path = model_dir
+    config.parallel.param_dtype = "fp32"
+    config.training.per_device_train_batch_size = MBS
+    config.training.calculate_per_token_loss = per_token
+    config.training.max_grad_norm = 0.5  # small enough to clip: the clipped update must agree too
+    ctx = ParallelContext.create(config.parallel)
+    assert ctx.dp_size == dp
+    model = create_model(config.model, load_hf_config(config.model), seed=0, device=ctx.device.torch_device,
+                         parallelize=lambda m: apply_parallelism(m, config, ctx))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    trainer = Trainer(config, ctx, model, optimizer, _ConstantLR(), _rank_micro_batches(_samples(), dp, rank),
+                      STEPS, micro_batches=GBS // (MBS * dp), loss_fn=masked_token_loss, clip_fn=_clip,
+                      log_fn=lambda trainer, line: None)
+    result = trainer.train()
+    ctx.close()
+    return {"losses": result.losses, "grad_norms": result.grad_norms}
+
+
+def _worker(rank, world_size, model_dir, out_path):
+    results = {mode: _train(model_dir, mode == "per_token", world_size, rank) for mode in ("mean", "per_token")}
+    if rank == 0:
+        with open(out_path, "w") as handle:
+            json.dump(results, handle)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import Qwen3ForCausalLM
+
+    path = tmp_path_factory.mktemp("parity_model")
+    torch.manual_seed(5)
+    Qwen3ForCausalLM(tiny_qwen3_config(vocab_size=VOCAB)).save_pretrained(path)
+    return str(path)
+
+
+def test_one_rank_and_two_rank_fsdp_agree_per_step(model_dir, tmp_path):
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    _worker(0, 1, model_dir, str(one))  # the 1-rank reference runs in this process (its own 1-rank group)
+    run_distributed(_worker, 2, model_dir, str(two))
+    one, two = json.loads(one.read_text()), json.loads(two.read_text())
+    for mode in ("mean", "per_token"):
+        for key in ("losses", "grad_norms"):
+            a, b = one[mode][key], two[mode][key]
+            assert len(a) == len(b) == STEPS
+            for step, (x, y) in enumerate(zip(a, b)):
+                assert abs(x - y) <= 1e-5 * abs(x), f"{mode} {key} step {step}: 1 rank {x} vs 2 ranks {y}"
+        assert one[mode]["losses"][-1] < one[mode]["losses"][0]  # it trains
+    # The two modes differ (token counts differ per micro-batch), so the test can tell them apart.
+    assert one["mean"]["grad_norms"][0] != pytest.approx(one["per_token"]["grad_norms"][0], rel=1e-4)
