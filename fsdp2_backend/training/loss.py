@@ -7,9 +7,10 @@ divided by the token count of the whole global batch after the reduction. The re
 token-weighted over the global batch.
 
 Every cross-rank reduction here is an explicit all_reduce(SUM) followed by a division: FSDP2's AVG reduction
-can sum instead of average on gloo (pytorch#162338), so the trainer must run FSDP with a divide factor of 1
-(`fsdp_module.set_gradient_divide_factor(1.0)`: gradients are SUMMED over data-parallel ranks) and the 1/dp of
-Megatron's averaging is folded into the backward loss by `GlobalBatchLoss.backward_loss`.
+can sum instead of average on gloo (pytorch#162338), so the trainer must make FSDP reduce with a plain SUM —
+on every FSDP module: `m.set_gradient_divide_factor(1.0)` and `m.set_force_sum_reduction_for_comms(True)`
+(without the second, FSDP uses PREMUL_SUM, which gloo rejects) — and the 1/dp of Megatron's averaging is folded
+into the backward loss by `GlobalBatchLoss.backward_loss`.
 
 Labels are already shifted (Megatron's `labels[i] = tokens[i + 1]`), so logits[:, i] scores labels[:, i].
 """
