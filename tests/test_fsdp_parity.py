@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fsdp2_backend.config import Config
 from tests.helpers import run_distributed, tiny_qwen3_config
@@ -31,15 +30,6 @@ def _rank_micro_batches(samples, dp, rank):
     for start in range(0, len(samples), MBS * dp):
         chunk = samples[start + rank * MBS:start + (rank + 1) * MBS]
         yield {k: torch.stack([s[k] for s in chunk]) for k in chunk[0]}
-
-
-def masked_token_loss(logits, labels, loss_mask):
-    losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
-    return (losses * loss_mask.flatten()).sum(), loss_mask.sum()
-
-
-def _clip(params, max_norm):
-    return torch.nn.utils.clip_grad_norm_(params, max_norm).full_tensor()
 
 
 class _ConstantLR:
@@ -65,8 +55,7 @@ def _train(model_dir, per_token, dp, rank):
                          parallelize=lambda m: apply_parallelism(m, config, ctx))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     trainer = Trainer(config, ctx, model, optimizer, _ConstantLR(), _rank_micro_batches(_samples(), dp, rank),
-                      STEPS, micro_batches=GBS // (MBS * dp), loss_fn=masked_token_loss, clip_fn=_clip,
-                      log_fn=lambda trainer, line: None)
+                      STEPS, micro_batches=GBS // (MBS * dp), log_fn=lambda trainer, line: None)
     result = trainer.train()
     ctx.close()
     return {"losses": result.losses, "grad_norms": result.grad_norms}

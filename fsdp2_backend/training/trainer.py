@@ -1,10 +1,11 @@
 """The training loop: micro-batches → loss → backward → clip → optimizer/scheduler step, Megatron's way.
 
-Loss semantics (Megatron): each micro-batch yields the sum of per-token losses under the loss mask and its
-token count. Without `calculate_per_token_loss` a micro-batch contributes sum / count / micro-batches;
-with it, sum / (tokens of the whole global batch). Gradients are summed over data-parallel ranks by FSDP
-(SUM forced: FSDP2's AVG on gloo can sum, pytorch#162338) and divided by the data-parallel size here, in the
-loss, so the result equals a 1-rank run's. The reported `lm loss` is token-weighted over the global batch.
+Loss semantics (Megatron, via `training.loss.GlobalBatchLoss`): each micro-batch yields the sum of per-token
+losses under the loss mask and its token count. Without `calculate_per_token_loss` a micro-batch contributes
+sum / count / micro-batches; with it, gradients are divided by the tokens of the whole global batch. FSDP
+sums gradients over data-parallel ranks (SUM forced: FSDP2's AVG on gloo can sum, pytorch#162338) and the
+1/dp is in the loss, so the result equals a 1-rank run's. The reported `lm loss` is token-weighted over the
+global batch.
 
 An iteration whose loss or gradient norm is not finite is skipped (no update, no scheduler advance) and
 counted in "number of skipped iterations" and "number of nan iterations", as Megatron counts them.
@@ -28,6 +29,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp2_backend.config import Config
 from fsdp2_backend.distributed.context import ParallelContext
+from fsdp2_backend.training.grad_clip import clip_grad_norm
+from fsdp2_backend.training.loss import GlobalBatchLoss, masked_loss_sum
 from fsdp2_backend.training.loss_scaler import LossScaler
 
 Batch = Dict[str, torch.Tensor]
@@ -53,7 +56,8 @@ class TrainState:
 
 @dataclass
 class StepResult:
-    """One optimizer step: the global batch's token-weighted loss, the pre-clip gradient norm, and so on."""
+    """One optimizer step: the global batch's token-weighted loss, the pre-clip gradient norm, the input
+    tokens this rank processed, and whether the step was skipped (non-finite loss or gradient norm)."""
 
     loss: float
     grad_norm: float
@@ -87,8 +91,9 @@ class Trainer:
 
     def __init__(self, config: Config, ctx: ParallelContext, model: nn.Module, optimizer, scheduler,
                  train_batches: Iterator[Batch], train_iters: int, *, micro_batches: int,
-                 valid_batches: Optional[Iterator[Batch]] = None, loss_fn: Callable, clip_fn: Callable,
-                 log_fn: Callable, profiler=None, save_hook: Optional[Callable] = None):
+                 valid_batches: Optional[Iterator[Batch]] = None, log_fn: Callable,
+                 loss_fn: Callable = masked_loss_sum, clip_fn: Callable = clip_grad_norm, profiler=None,
+                 save_hook: Optional[Callable] = None):
         self.config, self.ctx, self.model = config, ctx, model
         self.optimizer, self.scheduler = optimizer, scheduler
         self.train_batches, self.valid_batches = train_batches, valid_batches
@@ -118,39 +123,30 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One global batch: forward/backward of every micro-batch, then clip and (maybe) step."""
         self.model.train()
-        batches = [next(self.train_batches) for _ in range(self.micro_batches)]
-        per_token = self.config.training.calculate_per_token_loss
-        dp = self.ctx.loss_mesh.size()
-        global_tokens = None
-        if per_token:  # Megatron divides by the whole global batch's token count
-            global_tokens = self._all_reduce(torch.stack([b["loss_mask"].sum() for b in batches]).sum()
-                                             .double().to(self.device)).item()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
-        for batch in batches:
+        accounting = GlobalBatchLoss(num_microbatches=self.micro_batches, dp_size=self.ctx.loss_mesh.size(),
+                                     calculate_per_token_loss=self.config.training.calculate_per_token_loss,
+                                     dp_group=self.loss_group)
+        tokens = 0
+        for _ in range(self.micro_batches):
+            batch = next(self.train_batches)
+            tokens += batch["tokens"].numel()
             loss_sum, count = self._forward_loss(batch)
-            totals += torch.stack([loss_sum.detach().double(), count.detach().double()])
-            if per_token:
-                scaled = loss_sum / max(global_tokens, 1.0)
-            else:
-                scaled = loss_sum / count.clamp(min=1) / (self.micro_batches * dp)
-            (scaled * self.loss_scaler.scale).backward()
-        self._all_reduce(totals)
-        loss = (totals[0] / totals[1].clamp(min=1)).item()
-        grad_norm = self._unscale_and_clip()
+            (accounting.backward_loss(loss_sum, count) * self.loss_scaler.scale).backward()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        loss = accounting.finish(params)
+        grad_norm = self._unscale_and_clip(params)
         non_finite = not (math.isfinite(loss) and math.isfinite(grad_norm))
         self.loss_scaler.update(non_finite)
         if not non_finite:
             self.optimizer.step()
             self.scheduler.step(self.global_batch_size)
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss=loss, grad_norm=grad_norm, tokens=int(totals[1].item()), skipped=non_finite,
-                          got_nan=non_finite)
+        return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, skipped=non_finite, got_nan=non_finite)
 
-    def _unscale_and_clip(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
+    def _unscale_and_clip(self, params) -> float:
         if self.loss_scaler.scale != 1.0:
-            for p in params:
-                p.grad.div_(self.loss_scaler.scale)
+            torch._foreach_div_([p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params],
+                                self.loss_scaler.scale)
         return float(self.clip_fn(params, self.config.training.max_grad_norm))
 
     # -- validation ----------------------------------------------------------------------------------------
