@@ -70,9 +70,16 @@ class Arch:
     """Collects the keys and the dispositions of the architecture flags for one translation."""
 
     def __init__(self, ns, active, from_scratch: bool, record: Callable[[str, str, str], None]):
-        self.ns, self.active, self.from_scratch, self.record = ns, active, from_scratch, record
+        self.ns, self.active, self.from_scratch, self._record = ns, active, from_scratch, record
         self.keys: Dict[str, Any] = {}
         self.declined: Dict[str, str] = {}
+        self.recorded: set = set()
+
+    def note(self, dest: str, kind: str, text: str) -> None:
+        """Records a disposition for an active flag (the translation keeps the strongest)."""
+        if dest in self.active:
+            self.recorded.add(dest)
+            self._record(dest, kind, text)
 
     def get(self, dest: str, default: Any = None) -> Any:
         return getattr(self.ns, dest, default)
@@ -83,8 +90,8 @@ class Arch:
             return
         if self.from_scratch or (dest is not None and dest in self.active):
             self.keys[key] = value
-        if dest is not None and dest in self.active:
-            self.record(dest, "mapped", f"model.architecture.{key}")
+        if dest is not None:
+            self.note(dest, "mapped", f"model.architecture.{key}")
 
     def decline(self, dest: str, why: str) -> None:
         self.declined.setdefault(dest, why)
@@ -126,7 +133,13 @@ def _check_buildable(a: Arch, family: str) -> None:
         if g("squared_relu"):
             a.decline("squared_relu", "no buildable HF model type uses squared ReLU — give --load with an HF "
                                       "directory of that model")
+        if g("qk_layernorm"):
+            a.decline("qk_layernorm", "GPT-2-style models have no QK layernorm — use --position-embedding-type "
+                                      "rope --swiglu --normalization RMSNorm (a Qwen3-style model)")
         return
+    if family == "qwen2_moe" and not g("add_qkv_bias"):
+        a.decline("moe_shared_expert_intermediate_size", "Qwen2-MoE-style models (shared experts) have q/k/v "
+                  "biases — add --add-qkv-bias, or give --load with an HF directory")
     if not rope:
         a.decline("position_embedding_type", f"a {family}-style model needs rotary embeddings — use "
                                              "--position-embedding-type rope, or give --load with an HF directory")
@@ -214,7 +227,6 @@ def _dense_keys(a: Arch, family: str) -> None:
         a.decline("add_bias_linear", "Qwen2-style models have biases on q/k/v only — add --disable-bias-linear")
     if family == "qwen2":
         put("add_qkv_bias", "attention_bias", True)
-    put("qk_layernorm", "qk_layernorm", True if g("qk_layernorm") else None)
 
 
 _GPT2_NAMES = {"num_hidden_layers": "n_layer", "hidden_size": "n_embd", "num_attention_heads": "n_head",
@@ -247,7 +259,7 @@ def _moe_keys(a: Arch, family: str) -> None:
     if g("moe_z_loss_coeff"):
         a.decline("moe_z_loss_coeff", "the router z-loss is not implemented — drop --moe-z-loss-coeff")
     elif "moe_z_loss_coeff" in a.active:
-        a.record("moe_z_loss_coeff", "no_effect", "")
+        a.note("moe_z_loss_coeff", "no_effect", "a z-loss coefficient of 0 adds nothing")
     if g("seq_aux"):
         a.decline("seq_aux", "the sequence-level auxiliary loss is not implemented — drop --seq-aux")
     norm = g("norm_topk_prob") or not g("moe_router_pre_softmax")  # Megatron: top-k then softmax = normalised
@@ -308,20 +320,46 @@ def apply(ns, active, from_scratch: bool, record: Callable[[str, str, str], None
     for dest in ("moe_shared_expert_gate", "shared_expert_gate"):
         a.put(dest, "shared_expert_gate", True if a.get(dest) else None)
     for dest in ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_bias_update_rate"):
-        if dest in active:
-            if from_scratch and family != "deepseek_v3" and a.get(dest) not in ("softmax", False):
-                a.decline(dest, "sigmoid scores and expert bias are DeepSeek-V3 routing — give --load with an HF "
-                                "DeepSeek-V3 directory or use softmax routing")
-            else:
-                record(dest, "no_effect", "routing is defined by the HF model type")
-    for dest in sorted(set(active) & HF_DEFINED_DESTS):
-        if from_scratch:
-            a.decline(dest, "this architecture feature cannot be built from flags — give --load with an HF "
-                            "directory of that model")
-        else:
-            record(dest, "no_effect", "defined by the HF model in --load")
-    for dest in sorted(set(active) & ARCHITECTURE_DESTS):
-        record(dest, "mapped_if_unrecorded", "model.architecture")
+        if from_scratch and family != "deepseek_v3" and a.get(dest) not in ("softmax", False, 1e-3):
+            a.decline(dest, "sigmoid scores and expert bias are DeepSeek-V3 routing — give --load with an HF "
+                            "DeepSeek-V3 directory or use softmax routing")
+    _settle(a, family)
     for dest, why in a.declined.items():
-        record(dest, "declined", why)
+        a.note(dest, "declined", why)
     return a.keys
+
+
+# Flags that select the model type (from scratch) rather than set a key.
+_FAMILY_DESTS = frozenset("""position_embedding_type use_rotary_position_embeddings normalization qk_layernorm
+multi_latent_attention multi_head_latent_attention add_qkv_bias add_bias_linear swiglu geglu""".split())
+_MOE_ONLY = frozenset(d for d in ARCHITECTURE_DESTS if d.startswith("moe_")) | frozenset(
+    """n_shared_experts first_k_dense_replace n_group topk_group routed_scaling_factor norm_topk_prob seq_aux
+    shared_expert_gate""".split())
+_MLA_ONLY = frozenset("q_lora_rank kv_lora_rank qk_head_dim qk_nope_head_dim qk_pos_emb_head_dim qk_rope_head_dim "
+                      "v_head_dim".split())
+
+
+def _settle(a: Arch, family: str) -> None:
+    """Every active architecture flag not yet given a disposition gets the honest one."""
+    for dest in sorted(set(a.active) - a.recorded):
+        if dest in HF_DEFINED_DESTS:
+            if a.from_scratch:
+                a.decline(dest, "this architecture feature cannot be built from flags — give --load with an HF "
+                                "directory of that model")
+            else:
+                a.note(dest, "no_effect", "defined by the HF model in --load")
+        elif dest not in ARCHITECTURE_DESTS or dest in a.declined:
+            continue
+        elif dest in _MOE_ONLY and not a.get("num_experts"):
+            a.note(dest, "no_effect", "read only by MoE models (--num-experts)")
+        elif dest in _MLA_ONLY and family != "deepseek_v3":
+            a.note(dest, "no_effect", "read only with --multi-latent-attention")
+        elif not a.from_scratch:
+            a.note(dest, "no_effect", "defined by the HF model in --load")
+        elif dest in _FAMILY_DESTS:
+            a.note(dest, "mapped", f"model.architecture.model_type ({family})")
+        elif dest == "hidden_dropout" and not a.get(dest):
+            a.note(dest, "no_effect", f"HF {family} models have no hidden dropout, as asked")
+        else:
+            a.decline(dest, f"not representable in an HF {family} model — drop it, or give --load with an HF "
+                            "directory of that model")

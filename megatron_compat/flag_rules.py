@@ -65,7 +65,7 @@ _NO_EFFECT: Dict[str, str] = {
         moe_single_grouped_bias use_grouped_gemm_for_shared_expert use_grouped_gemm_for_dense_mlp enable_a2avc
         moe_tp_extend_ep async_log_allreduce use_nanopipe use_pipe_experts moe_experts_pipeline_degree
         enable_cuda_graph cuda_graph_warmup_steps external_cuda_graph cuda_graph_impl inference_cuda_graph_scope
-        optimizer_cuda_graph mlp_chunks_for_prefill mlp_chunks_for_training deterministic_mode
+        optimizer_cuda_graph mlp_chunks_for_prefill mlp_chunks_for_training
         ulysses_degree_in_cp tp_2d tp_x tp_y symmetric_ar_type""",
     "an inference-engine setting; pretraining does not use it":
         """nccl_all_reduce_for_prefill inference_fuse_tp_communication inference_disable_triton_nvls_kernels
@@ -90,12 +90,18 @@ _NO_EFFECT: Dict[str, str] = {
         ddp_reduce_scatter_with_fp32_accumulation gtp_remat_reduce_scatter_with_fp32_accumulation
         ddp_param_name_patterns_for_fp32_local_accumulation accumulate_allreduce_grads_in_fp32
         megatron_fsdp_main_params_dtype megatron_fsdp_main_grads_dtype megatron_fsdp_grad_comm_dtype
-        main_grads_dtype main_params_dtype use_tp_pp_dp_mapping lazy_mpu_init local_rank use_cpu_initialization
-        no_initialization tensor_parallel_num_weight_shards expert_tensor_parallel_num_weight_shards
-        expert_tensor_parallel_size moe_token_dispatcher_type inference_moe_token_dispatcher_type
-        hierarchical_context_parallel_sizes hybrid_context_parallel max_seqlen_per_dp_cp_rank
-        disable_gloo_process_groups fake_process_group distributed_timeout_minutes distributed_timeout_seconds_after_init
+        main_grads_dtype main_params_dtype use_tp_pp_dp_mapping lazy_mpu_init local_rank
+        tensor_parallel_num_weight_shards disable_gloo_process_groups fake_process_group distributed_timeout_minutes distributed_timeout_seconds_after_init
         mtp_standalone""",
+    "a parallel layout with the same math: expert weights are sharded by EP × FSDP, tokens are dispatched by "
+    "parallel.ep_dispatcher, context-parallel attention is exact whatever the exchange pattern":
+        """expert_tensor_parallel_size expert_tensor_parallel_num_weight_shards moe_token_dispatcher_type
+        inference_moe_token_dispatcher_type hierarchical_context_parallel_sizes hybrid_context_parallel
+        max_seqlen_per_dp_cp_rank""",
+    "how Megatron places its initial weights; here they are loaded from --load or initialised from --seed":
+        """no_initialization use_cpu_initialization""",
+    "selects deterministic kernels; the math is the same (run-to-run bit-exactness is not promised)":
+        """deterministic_mode""",
     "pipeline-parallel layout; pipeline stages are folded into FSDP":
         """pipeline_model_parallel_comm_backend overlap_p2p_communication_warmup_flush
         microbatch_group_size_per_virtual_pipeline_stage account_for_embedding_in_pipeline_split

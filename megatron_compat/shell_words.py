@@ -76,10 +76,11 @@ def clean(argv: Sequence[str], takes_value: Callable[[str], bool] = lambda flag:
     expanded: List[str] = []
     in_test = False
     for token in argv:
-        if in_test:  # the condition of `if [ ... ]`: operands and operators up to the closing bracket
+        if in_test and not token.startswith("--"):  # `if [ ... ]`: up to the bracket (a --flag ends it too)
             dropped.append(token)
             in_test = token not in ("]", "];", "]]", "]];")
             continue
+        in_test = False
         if token in ("[", "[["):
             dropped.append(token)
             in_test = True

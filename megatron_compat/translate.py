@@ -29,6 +29,7 @@ class TranslationReport:
     no_effect: List[str] = field(default_factory=list)
     declined: List[Tuple[str, str]] = field(default_factory=list)
     warnings: List[str] = field(default_factory=list)
+    no_effect_reasons: Dict[str, str] = field(default_factory=dict)  # flag → why it has no effect
 
 
 @dataclass
@@ -154,6 +155,7 @@ def _report(ctx: Context) -> TranslationReport:
             report.mapped.append((flag, text))
         elif kind == "no_effect":
             report.no_effect.append(flag)
+            report.no_effect_reasons[flag] = text
         elif kind == "declined":
             report.declined.append((flag, text))
     return report

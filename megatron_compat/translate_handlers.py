@@ -201,7 +201,7 @@ for _dest in ("recompute_method", "recompute_num_layers", "recompute_modules", "
     @handles(_dest, "parallel.recompute_modules")
     def _recompute_detail(ctx, value, _dest=_dest):
         if _dest in ctx.active and _granularity(ctx) is None:
-            ctx.record(_dest, "no_effect", "")  # Megatron reads it only with --recompute-granularity
+            ctx.record(_dest, "no_effect", "Megatron reads it only with --recompute-granularity")
 
 
 # --- model loading, saving, tokenizer ---------------------------------------------------------------------------

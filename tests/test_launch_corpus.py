@@ -1,0 +1,74 @@
+"""Every real launch line of the corpus translates, or is declined with `--flag: why — what to do` lines.
+
+The corpus (60 Megatron-LM and MindSpeed-LLM launch lines read off their scripts) lives in the shared folder
+beside the repository; the test is skipped where that folder is absent.
+"""
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from fsdp2_backend import config_validation
+from fsdp2_backend.config import GROUPS, Config
+from fsdp2_backend.errors import UsageError
+from megatron_compat.translate import translate_megatron
+
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "megatron" / "launch_corpus.json"
+LINES = json.loads(CORPUS.read_text()) if CORPUS.exists() else {}
+pytestmark = pytest.mark.skipif(not LINES, reason=f"{CORPUS} not present")
+
+# Lines whose declines are expected, with the flag that must be named (one per line, the decisive one).
+EXPECTED_DECLINES = {
+    "gpt3/train_gpt3_175b_distributed.sh": "--step-batch-size-schedule",
+    "gptoss/02_train.sh": "--fp8-format",
+    "llama/train_llama3_8b_h100_fp8.sh": "--decoupled-lr",
+    "megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh": "--sample",
+    "deepseek3/pretrain_deepseek3_671b_4k_A3_ptd.sh": "--mtp-num-layers",
+    "gpt3_weekly_mcore_tp4_cp2_current_scaling_native_fp8_tp_sp_cp_tp_overlap": "--fp8-format",
+    "gpt_dynamic_inference_tp1_pp1_583m_prefix_caching_chunked_prefill_cuda_graphs": "--prompts",
+}
+
+
+def _name(key):
+    return key.split(":", 1)[1]
+
+
+@pytest.mark.parametrize("key", sorted(LINES), ids=_name)
+def test_line_translates_or_is_declined_with_reasons(key):
+    try:
+        translation = translate_megatron(LINES[key])
+    except UsageError as exc:
+        assert exc.messages
+        for message in exc.messages:
+            flag, _, why = message.partition(": ")
+            assert why and "\n" not in message, message
+            assert flag.startswith("-") or flag.startswith("'"), message
+            assert " — " in why, message
+        for suffix, flag in EXPECTED_DECLINES.items():
+            if suffix in key:
+                assert any(m.startswith(flag + ":") for m in exc.messages), exc.messages
+        return
+    assert not any(suffix in key for suffix in EXPECTED_DECLINES), f"{key} was expected to be declined"
+    fields = translation.fields
+    config = Config(**{group: GROUPS[group](**values) for group, values in fields.items()})
+    # Validate at the smallest world size the script's own layout fits; only its batch arithmetic may object.
+    p = config.parallel
+    world = math.lcm(p.tp_size * p.cp_size, p.ep_size)
+    try:
+        config_validation.validate(config, world)
+    except UsageError as exc:
+        assert all(m.startswith("training.global_batch_size") for m in exc.messages), exc.messages
+
+
+def test_corpus_figures():
+    """At least 30 of the 60 lines translate (see the report for the declined ones and why)."""
+    translated = 0
+    for argv in LINES.values():
+        try:
+            translate_megatron(argv)
+            translated += 1
+        except UsageError:
+            pass
+    assert len(LINES) == 60
+    assert translated >= 30
