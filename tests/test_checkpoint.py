@@ -295,3 +295,25 @@ def test_convert_rejects_a_directory_without_checkpoint(tmp_path):
 
     with pytest.raises(UsageError, match="no complete checkpoint"):
         convert_checkpoint(tmp_path, tmp_path / "out")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoint_carries_model_config_and_megatron_tokenizer(tmp_path):
+    """The tokenizer a Megatron script builds (an HF tokenizer behind Megatron's surface) travels with the
+    checkpoint; a tokenizer directory that is also an HF model directory does not clobber the config."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from fsdp2_backend.training.checkpoint import CheckpointManager, checkpoint_hf_dir
+    from megatron_compat.data.tokenizer import HuggingFaceTokenizer
+
+    tokenizer_dir = tmp_path / "tok"
+    train_bytelevel_tokenizer(tokenizer_dir, vocab_size=300, texts=["x = [1, 2, 3]\n"] * 20)
+    tiny_qwen3_config(vocab_size=999).save_pretrained(str(tokenizer_dir))  # another model's config.json
+    for tokenizer in (HuggingFaceTokenizer(str(tokenizer_dir)), str(tokenizer_dir)):
+        manager = CheckpointManager(tmp_path / "ckpt")
+        path = manager.save(len(list((tmp_path / "ckpt").glob("iter_*"))) + 1, torch.nn.Linear(2, 2),
+                            tokenizer=tokenizer, model_config=tiny_qwen3_config())
+        hf_meta = checkpoint_hf_dir(path)
+        assert AutoConfig.from_pretrained(str(hf_meta)).vocab_size == 512
+        assert AutoTokenizer.from_pretrained(str(hf_meta)).encode("x = [1]") == \
+            AutoTokenizer.from_pretrained(str(tokenizer_dir)).encode("x = [1]")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -32,10 +31,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
 from fsdp2_backend.training import checkpoint_io as io
+from fsdp2_backend.training.hf_export import save_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -177,13 +177,10 @@ class CheckpointManager:
             torch.save({name: obj.state_dict() for name, obj in extra_states.items()}, tmp_dir / io.EXTRA_FILE)
         hf_meta = tmp_dir / io.HF_META_DIR
         hf_meta.mkdir(exist_ok=True)
+        save_tokenizer(tokenizer, hf_meta)
         model_config = model_config if model_config is not None else getattr(model, "config", None)
         if model_config is not None:
             model_config.save_pretrained(str(hf_meta))
-        if isinstance(tokenizer, (str, os.PathLike)):
-            _copy_tokenizer_files(Path(tokenizer), hf_meta)
-        elif tokenizer is not None:
-            tokenizer.save_pretrained(str(hf_meta))
         io.write_json(tmp_dir / io.META_FILE, {
             "format": io.FORMAT, "iteration": iteration, "world_size": _world_size(),
             "has_optimizer": self.save_optim, "has_scheduler": scheduler is not None and self.save_scheduler,
@@ -209,13 +206,6 @@ class CheckpointManager:
         if self._async_group is not None:
             dist.destroy_process_group(self._async_group)
             self._async_group = None
-
-
-def _copy_tokenizer_files(src: Path, dst: Path) -> None:
-    """Copies a tokenizer directory's files (not model weights) into the checkpoint."""
-    for path in src.iterdir():
-        if path.is_file() and not path.name.endswith((".safetensors", ".bin", ".pt", ".pth")):
-            shutil.copy2(path, dst / path.name)
 
 
 # -------------------------------------------------------------------------------------------------- loading

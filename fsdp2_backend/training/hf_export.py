@@ -10,6 +10,7 @@ when complete (written as ``OUT.tmp``, then renamed).
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import warnings
@@ -23,7 +24,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from fsdp2_backend.errors import UsageError
 from fsdp2_backend.training import checkpoint_io as io
 
+logger = logging.getLogger(__name__)
+
 _CONFIG_FILES = ("config.json", "generation_config.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".distcp")
 
 
 def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, tokenizer: Any = None) -> Path:
@@ -43,15 +47,28 @@ def write_hf_dir(model: torch.nn.Module, state_dict: dict, out_dir: Path, tokeni
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), state_dict=state_dict)
-    if isinstance(tokenizer, (str, os.PathLike)):
-        for path in Path(tokenizer).iterdir():
-            if path.is_file() and path.name not in _CONFIG_FILES:
-                shutil.copy2(path, tmp / path.name)
-    elif tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
+    save_tokenizer(tokenizer, tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
+
+
+def save_tokenizer(tokenizer: Any, out_dir: Path) -> None:
+    """Writes the tokenizer files into ``out_dir``: from an HF tokenizer, a Megatron-surface wrapper of one
+    (``.hf``), or a directory (its files minus weights and model configs). Others are skipped, with a warning."""
+    if tokenizer is None:
+        return
+    if isinstance(tokenizer, (str, os.PathLike)):
+        for path in Path(tokenizer).iterdir():
+            if path.is_file() and path.name not in _CONFIG_FILES and not path.name.endswith(_WEIGHT_SUFFIXES):
+                shutil.copy2(path, out_dir / path.name)
+        return
+    hf_tokenizer = tokenizer if hasattr(tokenizer, "save_pretrained") else getattr(tokenizer, "hf", None)
+    if hasattr(hf_tokenizer, "save_pretrained"):
+        hf_tokenizer.save_pretrained(str(out_dir))
+    else:
+        logger.warning("a %s cannot be written as HF tokenizer files; pass its directory instead to keep it "
+                       "with the weights", type(tokenizer).__name__)
 
 
 def load_model_state_dict(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
