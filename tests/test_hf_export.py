@@ -121,3 +121,8 @@ def test_moe_export_and_converter_write_per_expert_hf_layout(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "converted")).eval()
     with torch.no_grad():
         assert torch.allclose(loaded(input_ids=batch).logits, model(input_ids=batch).logits, atol=1e-6, rtol=0)
+
+    convert_checkpoint(tmp_path / "ckpt", tmp_path / "bf16", dtype=torch.bfloat16)
+    halved = _tensors(tmp_path / "bf16")
+    assert all(halved[k].dtype == torch.bfloat16 and torch.equal(halved[k], ours[k].bfloat16()) for k in ours)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
