@@ -11,7 +11,7 @@ selecting anything else is declined with what to do. Flags that only Megatron's 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 # Flags read here; every one of them gets exactly one disposition from `apply`.
 ARCHITECTURE_DESTS = frozenset("""
@@ -195,7 +195,7 @@ def _dense_keys(a: Arch, family: str) -> None:
     put("hidden_size", "hidden_size", hidden)
     put("num_attention_heads", "num_attention_heads", heads)
     put("ffn_hidden_size", "intermediate_size", _ffn(a))
-    put("max_position_embeddings", "max_position_embeddings", g("max_position_embeddings") or g("seq_length"))
+    put("max_position_embeddings", "max_position_embeddings", g("max_position_embeddings"))
     put("layernorm_epsilon", "rms_norm_eps", g("layernorm_epsilon"))
     put("init_method_std", "initializer_range", g("init_method_std"))
     put("attention_dropout", "attention_dropout", g("attention_dropout"))
@@ -300,8 +300,18 @@ def _mla_keys(a: Arch) -> None:
     a.put("v_head_dim", "v_head_dim", g("v_head_dim"))
 
 
+REQUIRED_FROM_SCRATCH = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")
+
+
+def missing_flags(ns, from_scratch: bool) -> List[str]:
+    """The flags Megatron requires to build a model, when no HF directory defines it."""
+    if not from_scratch:
+        return []
+    return ["--" + dest.replace("_", "-") for dest in REQUIRED_FROM_SCRATCH if getattr(ns, dest) is None]
+
+
 def apply(ns, active, from_scratch: bool, record: Callable[[str, str, str], None]) -> Dict[str, Any]:
-    """Fills the architecture keys, records every active architecture flag; returns {dest: why} to decline."""
+    """Fills the architecture keys and records a disposition for every active architecture flag."""
     a = Arch(ns, active, from_scratch, record)
     family = _family(a)
     if from_scratch:

@@ -23,7 +23,7 @@ _PRECEDENCE = {"mapped_if_unrecorded": 0, "no_effect": 1, "mapped": 2, "declined
 
 @dataclass
 class TranslationReport:
-    """What became of each flag the command line set."""
+    """What became of each flag the command line set (declined also lists flags a from-scratch build lacks)."""
 
     mapped: List[Tuple[str, str]] = field(default_factory=list)
     no_effect: List[str] = field(default_factory=list)
@@ -131,7 +131,10 @@ def translate_report(argv: Sequence[str], world_size: int = 1) -> Translation:
         if kind == "mapped_if_unrecorded":
             ctx.dispositions[dest] = ("mapped", text)
     _static(ctx, megatron_groups())
-    return Translation({g: v for g, v in ctx.fields.items() if v}, _report(ctx))
+    report = _report(ctx)
+    report.declined += [(flag, "required to build the model (no --load with an HF directory) — give it")
+                        for flag in architecture.missing_flags(ctx.ns, from_scratch)]
+    return Translation({g: v for g, v in ctx.fields.items() if v}, report)
 
 
 def translate_megatron(argv: Sequence[str], world_size: int = 1) -> Translation:

@@ -31,7 +31,7 @@ def _direct(dest: str, target: str, convert: Callable[[Any], Any] = lambda v: v,
 # --- one-to-one fields (Megatron's default applies when the flag is absent) --------------------------------------
 for _dest, _target in {
     "tensor_model_parallel_size": "parallel.tp_size", "context_parallel_size": "parallel.cp_size",
-    "expert_model_parallel_size": "parallel.ep_size", "sequence_parallel": "parallel.sequence_parallel",
+    "expert_model_parallel_size": "parallel.ep_size",
     "seq_length": "data.cutoff_len", "data_cache_path": "data.data_cache_path", "mock_data": "data.mock_data",
     "reset_position_ids": "data.reset_position_ids", "eod_mask_loss": "data.eod_mask_loss",
     "mmap_bin_files": "data.mmap_bin_files", "workers": "data.preprocessing_num_workers",
@@ -65,7 +65,6 @@ for _dest, _target in {
     "pytorch_profiler_collect_shapes": "profiling.profile_record_shapes",
     "record_shapes": "profiling.profile_record_shapes",
     "pytorch_profiler_collect_callstack": "profiling.profile_with_stack",
-    "profile_ranks": "profiling.profile_ranks",
 }.items():
     _direct(_dest, _target)
 
@@ -77,6 +76,19 @@ _direct("lr_warmup_fraction", "training.warmup_ratio", lambda v: 0.0 if v is Non
 _direct("create_attention_mask_in_dataloader", "data.create_attention_mask_in_dataloader")
 _direct("torch_fsdp2_reshard_after_forward", "parallel.reshard_after_forward")
 _direct("tokenizer_hf_no_use_fast", "model.use_fast_tokenizer", lambda v: not v)
+
+
+@handles("profile_ranks", "profiling.profile_ranks (none given: every rank)")
+def _profile_ranks(ctx, value):
+    if ctx.get("profile") or value:
+        ctx.set("profiling.profile_ranks", list(value) if value else [-1])  # Megatron: [] profiles every rank
+
+
+@handles("sequence_parallel", "parallel.sequence_parallel (only with tensor parallel, as in Megatron)")
+def _sequence_parallel(ctx, value):
+    ctx.set("parallel.sequence_parallel", bool(value) and ctx.get("tensor_model_parallel_size") > 1)
+    if value and ctx.get("tensor_model_parallel_size") == 1:
+        ctx.record("sequence_parallel", "no_effect", "Megatron turns sequence parallel off without tensor parallel")
 
 
 @handles("profile_step_start", "profiling.profile_step_start")
@@ -335,6 +347,7 @@ def _accumulation(ctx):
 def _pretraining(ctx):
     ctx.set("training.stage", "pt")
     ctx.set("data.data_manager_type", "mg")
+    ctx.set("training.num_train_epochs", 0.0)  # Megatron trains by --train-iters or --train-samples, never epochs
 
 
 # Steps that derive fields from several flags, run after every handler.

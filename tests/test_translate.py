@@ -250,3 +250,26 @@ def test_translated_fields_build_a_config():
 
 def test_every_default_is_exposed():
     assert len(defaults()) >= 839 - 1 - 1  # help excluded; yarn's two flags share one dest
+
+
+def test_a_model_from_scratch_needs_megatrons_required_flags():
+    argv = BASE[2:]
+    assert BASE[:2] == ["--num-layers", "2"]
+    with pytest.raises(UsageError) as err:
+        translate_megatron(argv)
+    assert err.value.messages == ["--num-layers: required to build the model (no --load with an HF directory) — "
+                                  "give it"]
+    translate_megatron(argv + ["--load", "/hf/model"])  # the HF directory defines the model
+
+
+def test_profiling_and_sequence_parallel_follow_megatron():
+    fields = translate_megatron(BASE + "--profile --sequence-parallel".split()).fields
+    profiling = {k: v for k, v in fields["profiling"].items() if k in ("profile", "profile_step_start",
+                                                                      "profile_step_end", "profile_ranks")}
+    assert profiling == {"profile": True, "profile_step_start": 10, "profile_step_end": 12,
+                         "profile_ranks": [-1]}  # Megatron: no --profile-ranks profiles every rank
+    assert fields["parallel"]["sequence_parallel"] is False  # Megatron turns it off without tensor parallel
+    assert fields["training"]["num_train_epochs"] == 0.0
+    fields = translate_megatron(BASE + "--profile --profile-ranks 0 1 --sequence-parallel "
+                                       "--tensor-model-parallel-size 2".split(), world_size=2).fields
+    assert fields["profiling"]["profile_ranks"] == [0, 1] and fields["parallel"]["sequence_parallel"] is True
