@@ -8,12 +8,13 @@ The model is transformers' `Qwen3MoeForCausalLM` (attention, norms, rotary, the 
 - `mlp.gate` → `Qwen3MoeRouter`, transformers' top-k router (softmax, top-k, `norm_topk_prob`
   renormalisation) plus `fix_router`.
 State dicts therefore equal transformers' in-memory ones, and transformers' `from_pretrained` /
-`save_pretrained` convert to and from the on-disk layout, which holds one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, `up_proj`,
-`down_proj`). Outside transformers, `checkpoint_keys` / `param_from_checkpoint` / `param_to_checkpoint` convert one parameter at
-a time (for streaming loaders and exporters), `to_hf_checkpoint` / `from_hf_checkpoint` whole state dicts.
+`save_pretrained` convert to and from the on-disk layout, which holds one tensor per expert
+(`mlp.experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`). Outside transformers, `checkpoint_keys` /
+`param_from_checkpoint` / `param_to_checkpoint` convert one parameter at a time (for streaming loaders and
+exporters), `to_hf_checkpoint` / `from_hf_checkpoint` whole state dicts.
 
-The auxiliary load-balancing loss is transformers': with `output_router_logits` (set when
-`router_aux_loss_coef` > 0) `outputs.aux_loss` holds it unscaled and `outputs.loss`, when labels are given,
+The auxiliary load-balancing loss is transformers': with the config's `output_router_logits` (the Megatron
+translation sets it from --moe-aux-loss-coeff) `outputs.aux_loss` holds it unscaled and `outputs.loss`, when labels are given,
 already includes `router_aux_loss_coef * aux_loss`. A trainer that computes its own loss adds
 `model.router_aux_loss_coef * outputs.aux_loss`.
 """
@@ -102,9 +103,8 @@ class Qwen3MoeGroupedForCausalLM(Qwen3MoeForCausalLM):
 
 
 def build_qwen3_moe(hf_config) -> Qwen3MoeGroupedForCausalLM:
-    """The registry builder: the model for an HF `Qwen3MoeConfig`; router logits are kept (for the aux
-    loss) when `router_aux_loss_coef` > 0."""
-    hf_config.output_router_logits = bool(hf_config.router_aux_loss_coef)
+    """The registry builder: the model for an HF `Qwen3MoeConfig` (the aux loss is on when the config's
+    `output_router_logits` is, as in transformers)."""
     return Qwen3MoeGroupedForCausalLM(hf_config)
 
 
