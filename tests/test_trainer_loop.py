@@ -1,0 +1,115 @@
+"""The loop's Megatron behaviours on one real rank: NaN/inf iterations skipped and counted, exit_interval,
+validation every eval_interval, save-hook call sites, log cadence."""
+import math
+
+import pytest
+import torch
+
+from fsdp2_backend.config import Config
+from tests.helpers import tiny_qwen3_config
+
+SEQ, MBS, VOCAB = 16, 2, 128
+
+
+def _batches(seed):
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        text = torch.randint(0, 16, (MBS, SEQ + 1), generator=gen)
+        yield dict(tokens=text[:, :-1], labels=text[:, 1:], loss_mask=torch.ones(MBS, SEQ),
+                   position_ids=torch.arange(SEQ).expand(MBS, SEQ))
+
+
+@pytest.fixture()
+def parts(tmp_path):
+    from transformers import Qwen3ForCausalLM
+
+    from fsdp2_backend.distributed.context import ParallelContext
+    from fsdp2_backend.models.loading import create_model, load_hf_config
+    from fsdp2_backend.parallel.apply import apply_parallelism
+    from fsdp2_backend.training.optimizer import build_optimizer
+    from fsdp2_backend.training.scheduler import ParamScheduler, scheduler_steps
+
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(tiny_qwen3_config(vocab_size=VOCAB, num_hidden_layers=1)).save_pretrained(tmp_path)
+    config = Config()
+    config.model.model_name_or_path = str(tmp_path)
+    config.parallel.param_dtype = "fp32"
+    config.training.per_device_train_batch_size = MBS
+    config.training.max_steps = 6
+    config.training.lr = 1e-3
+    config.training.lr_scheduler_type = "constant"
+    ctx = ParallelContext.create(config.parallel)
+    model = create_model(config.model, load_hf_config(config.model), seed=0, device=ctx.device.torch_device,
+                         parallelize=lambda m: apply_parallelism(m, config, ctx))
+    optimizer = build_optimizer(model, lr=config.training.lr, weight_decay=0.0)
+    scheduler = ParamScheduler(optimizer, **scheduler_steps(config.training, MBS))
+    yield config, ctx, model, optimizer, scheduler
+    ctx.close()
+
+
+def _trainer(config, ctx, model, optimizer, scheduler, **kw):
+    from fsdp2_backend.training.trainer import Trainer
+
+    kw.setdefault("log_fn", lambda trainer, record: None)
+    return Trainer(config, ctx, model, optimizer, scheduler, _batches(1), config.training.max_steps,
+                   micro_batches=1, **kw)
+
+
+def test_nan_loss_iteration_is_skipped_and_counted(parts):
+    from fsdp2_backend.training.loss import masked_loss_sum
+
+    config, ctx, model, optimizer, scheduler = parts
+    calls = []
+
+    def poisoned(logits, labels, mask):  # the third micro-batch's loss is NaN
+        calls.append(1)
+        loss_sum, count = masked_loss_sum(logits, labels, mask)
+        return (loss_sum * float("nan") if len(calls) == 3 else loss_sum), count
+
+    trainer = _trainer(config, ctx, model, optimizer, scheduler, loss_fn=poisoned)
+    trainer.train_step(), trainer.train_step()
+    before = [p.detach().full_tensor().clone() for p in model.parameters()]
+    samples_before = scheduler.num_steps
+    step = trainer.train_step()
+    assert step.skipped and step.got_nan and math.isnan(step.loss)
+    assert all(torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, model.parameters()))
+    assert scheduler.num_steps == samples_before  # a skipped iteration does not advance the schedule
+    assert all(p.grad is None for p in model.parameters())
+    after = trainer.train_step()
+    assert not after.skipped and math.isfinite(after.loss)
+    assert not all(torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, model.parameters()))
+
+
+def test_loop_counts_exits_validates_and_calls_save_hook(parts):
+    from fsdp2_backend.training.loss import masked_loss_sum
+
+    config, ctx, model, optimizer, scheduler = parts
+    config.training.logging_steps = 2
+    config.training.eval_interval = 2
+    config.training.eval_iters = 3
+    config.training.save_steps = 2
+    config.training.exit_interval = 5
+    records, saves, calls = [], [], []
+
+    def inf_on_second(logits, labels, mask):
+        calls.append(1)
+        loss_sum, count = masked_loss_sum(logits, labels, mask)
+        return (loss_sum + float("inf") if len(calls) == 2 else loss_sum), count
+
+    trainer = _trainer(config, ctx, model, optimizer, scheduler, loss_fn=inf_on_second,
+                       valid_batches=_batches(2), log_fn=lambda t, record: records.append(dict(record)),
+                       save_hook=lambda t, reason: saves.append((t.state.iteration, reason)))
+    result = trainer.train()
+    assert result.state.iteration == 5 and result.state.consumed_train_samples == 5 * MBS
+    assert result.state.skipped_iterations == 1 and result.state.nan_iterations == 1
+    assert result.skipped == [False, True, False, False, False]
+    assert saves == [(2, "interval"), (4, "interval"), (5, "exit")]
+    assert [i for i, _ in result.valid_losses] == [2, 4]
+    assert result.state.consumed_valid_samples == 2 * 3 * MBS
+    train_records = [r for r in records if "validation" not in r]
+    assert len(train_records) == 2  # iterations 2 and 4
+    first = train_records[0]
+    assert first["skipped_iterations"] == 1 and first["nan_iterations"] == 1
+    assert first["lm loss"] == pytest.approx(result.losses[0])  # averaged over advanced iterations only
+    assert train_records[1]["lm loss"] == pytest.approx((result.losses[2] + result.losses[3]) / 2)
+    assert result.losses[-1] < result.losses[0]
