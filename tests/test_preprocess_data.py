@@ -166,6 +166,32 @@ def test_fast_path_variants_and_fallback(tmp_path, hf_dir, corpus, edit, expect,
     _assert_same(tmp_path / "ours", tmp_path / "ref", ["text", "title"])
 
 
+def _ignore_merges(spec):
+    spec["model"]["ignore_merges"] = True
+
+
+def _prefix_space(spec):
+    spec["pre_tokenizer"]["add_prefix_space"] = True
+
+
+def _lstrip_token(spec):
+    spec["added_tokens"][1]["lstrip"] = True
+
+
+@pytest.mark.parametrize("edit,reason", [(_ignore_merges, None), (_prefix_space, "add_prefix_space=True"),
+                                         (_lstrip_token, "lstrip/rstrip/single_word")])
+def test_fast_path_decisions(tmp_path, hf_dir, edit, reason):
+    from megatron_compat.data.fast_bpe import select_fast_path
+
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=_retokenizer(hf_dir, tmp_path, edit))
+    texts = stdlib_texts(max_files=20, max_chars=2000)
+    fast, why = select_fast_path(tokenizer, texts)
+    if reason is None:
+        assert fast is not None and fast.tokenize_batch(texts) == tokenizer.tokenize_batch(texts), why
+    else:
+        assert fast is None and reason in why
+
+
 def test_mindspeed_pretrained_from_hf_rules(tmp_path, hf_dir, corpus):
     """MindSpeed's GeneralPretrainHandler: `tokenizer(text)` with its BOS, empty texts skipped, documents
     without ids left out, items added per sentence then end_document."""
@@ -243,6 +269,21 @@ def test_partitions_glob_gzip_and_order(tmp_path, hf_dir, corpus):
                      partitions=2, keep_sequential_samples=True)
     _megatron_reference(lines, ["text"], reference, True, tmp_path / "refseq")
     _assert_same(tmp_path / "seq", tmp_path / "refseq", ["text"])
+
+
+def test_parquet_input_matches_jsonl(tmp_path, hf_dir, corpus):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    _, lines = corpus
+    records = [json.loads(line) for line in lines]
+    pq.write_table(pa.table({"text": [r["text"] for r in records]}), tmp_path / "c.parquet", row_group_size=7)
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=hf_dir)
+    preprocess_files(str(tmp_path / "c.parquet"), str(tmp_path / "pq"), ["text"], tokenizer, append_eod=True,
+                     workers=2)
+    _megatron_reference(lines, ["text"], _megatron_tokenizer("HuggingFaceTokenizer", hf_dir), True,
+                        tmp_path / "ref")
+    _assert_same(tmp_path / "pq", tmp_path / "ref", ["text"])
 
 
 # ---- bad input: one clear line, exit 2, nothing that looks complete left behind ----

@@ -32,8 +32,8 @@ from megatron_compat.data.indexed_dataset import DType, IndexedDatasetBuilder, g
 from megatron_compat.data.preprocess_worker import EncodeSettings, Encoder, parse_line
 
 _JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
-_SAMPLE_TEXTS = 64  # texts of the first batch the fast path is checked on
-_SAMPLE_CHARS = 20_000  # per sample text
+_SAMPLE_TEXTS = 64  # texts of the first batch the fast path is checked on,
+_SAMPLE_CHARS = 256_000  # at most this many characters in all (the check runs the slow tokenizer)
 
 
 def output_prefix_for(output_prefix: str, key: str, split_sentences: bool = False) -> str:
@@ -148,14 +148,15 @@ def _encoded(encoder: Encoder, batches: Iterable[_Batch], workers: int) -> Itera
 
 
 def _sample_texts(batch: _Batch, key: str) -> List[str]:
-    texts = []
+    texts, budget = [], _SAMPLE_CHARS
     for n, record in enumerate(batch.records[:_SAMPLE_TEXTS]):
         if not isinstance(record, dict):
             record = parse_line(record, f"{batch.path} line {batch.line_numbers[n]}")
         value = record.get(key)
         for text in value if isinstance(value, list) else [value]:
-            if isinstance(text, str):
-                texts.append(text[:_SAMPLE_CHARS])
+            if isinstance(text, str) and budget > 0:
+                texts.append(text[:budget])
+                budget -= len(texts[-1])
     return texts
 
 
@@ -186,7 +187,8 @@ def preprocess_files(inputs: Union[str, Sequence[str]], output_prefix: str, json
 
     `tokenizer` comes from `megatron_compat.data.tokenizer.build_tokenizer`. `fast=False` disables the
     tiktoken fast path. `skip_empty` applies MindSpeed-LLM's rules (empty sentences not tokenized, documents
-    without ids left out); by default it follows the tokenizer type (PretrainedFromHF is MindSpeed's). Messages (tokenizer choice, progress) go to `log` (stderr by default).
+    without ids left out); by default it follows the tokenizer type (PretrainedFromHF is MindSpeed's).
+    Messages (tokenizer choice, progress) go to `log` (stderr by default).
     """
     log = log or sys.stderr
     problems = []
@@ -216,7 +218,7 @@ def preprocess_files(inputs: Union[str, Sequence[str]], output_prefix: str, json
     fast_path = None
     if fast and first is not None:
         fast_path, why = select_fast_path(tokenizer, _sample_texts(first, json_keys[0]))
-        print(f"Tokenizer: {why}" if fast_path else f"Tokenizer: HF tokenizer ({why})", file=log)
+        print(f"Tokenizer: {why}" if fast_path else f"Tokenizer: {tokenizer.tokenizer_type} ({why})", file=log)
     encoder = Encoder(settings, tokenizer, fast_path)
 
     prefixes = {key: output_prefix_for(output_prefix, key, split_sentences) for key in json_keys}

@@ -1,0 +1,152 @@
+"""Preprocessing throughput: ours vs Megatron-LM's algorithm, same corpus, same tokenizer, same run.
+
+Builds a JSONL corpus of real local text (Python's standard library sources, repeated to reach --mb MB),
+trains a byte-level BPE tokenizer (--vocab, 32k by default), then times
+  - Megatron's algorithm: `multiprocessing.Pool(workers).imap(encode, lines, 32)` tokenizing one document
+    per call and megatron-core's IndexedDatasetBuilder (what Megatron-LM's tools/preprocess_data.py does;
+    megatron-core is the reference, used here only);
+  - ours: `preprocess_files(..., workers)` (tiktoken fast path), and with --hf-too the HF-tokenizer path;
+checks that the outputs are byte-identical and prints the throughput ratios.
+
+    python benchmarks/bench_preprocess.py --mb 100 --workers 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import resource
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def build_corpus(path: Path, megabytes: float) -> int:
+    """Writes stdlib sources as {"text": ...} lines until `megabytes`; returns the document count."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    target, written, docs = megabytes * 1e6, 0, 0
+    with open(path, "w", encoding="utf-8") as out:
+        while written < target:
+            for source in files:
+                line = json.dumps({"text": source.read_text(encoding="utf-8", errors="replace")}) + "\n"
+                out.write(line)
+                written += len(line)
+                docs += 1
+                if written >= target:
+                    break
+    return docs
+
+
+class _MegatronEncoder:
+    """Megatron-LM's Encoder: a tokenizer per worker, one `tokenizer(text).input_ids` per document (legacy
+    Megatron-LM's _HuggingFaceTokenizer.tokenize; megatron-core 0.16.1's tokenize()+convert_tokens_to_ids
+    gives the same ids for this tokenizer but is slower, so this is the stronger reference)."""
+
+    def __init__(self, tokenizer_dir: str):
+        self.tokenizer_dir = tokenizer_dir
+
+    def initializer(self):
+        from transformers import AutoTokenizer
+
+        _MegatronEncoder.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+
+    def encode(self, line):
+        text = json.loads(line)["text"]
+        ids = _MegatronEncoder.tokenizer(text).input_ids
+        lens = [len(ids)] if ids else []
+        if ids:
+            ids.append(_MegatronEncoder.tokenizer.eos_token_id)
+            lens[-1] += 1
+        return ids, lens, len(line)
+
+
+def run_megatron(corpus: Path, tokenizer_dir: str, prefix: str, workers: int) -> None:
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    from transformers import AutoTokenizer
+
+    encoder = _MegatronEncoder(tokenizer_dir)
+    vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    builder = IndexedDatasetBuilder(prefix + "_text_document.bin", dtype=DType.optimal_dtype(vocab_size))
+    with open(corpus, encoding="utf-8") as fin, multiprocessing.Pool(workers, encoder.initializer) as pool:
+        for ids, lens, _ in pool.imap(encoder.encode, fin, 32):
+            builder.add_document(ids, lens)
+    builder.finalize(prefix + "_text_document.idx")
+
+
+def run_ours(corpus: Path, tokenizer_dir: str, prefix: str, workers: int, fast: bool) -> None:
+    from megatron_compat.data.preprocess import preprocess_files
+    from megatron_compat.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tokenizer_dir)
+    preprocess_files(str(corpus), prefix, ["text"], tokenizer, append_eod=True, workers=workers, fast=fast,
+                     log_interval=10**9)
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its reaped children (the workers): robust to a shared machine."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def timed(fn, *args):
+    """(wall seconds, CPU seconds) of fn(*args)."""
+    cpu, wall = cpu_seconds(), time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - wall, cpu_seconds() - cpu
+
+
+def same_output(a: str, b: str) -> bool:
+    return all(Path(a + ext).read_bytes() == Path(b + ext).read_bytes()
+               for ext in ("_text_document.bin", "_text_document.idx"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mb", type=float, default=100.0, help="corpus size in MB")
+    parser.add_argument("--vocab", type=int, default=32000, help="BPE vocabulary size")
+    parser.add_argument("--train-mb", type=float, default=8.0, help="MB of the corpus the tokenizer trains on")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--hf-too", action="store_true", help="also time our HF-tokenizer (no fast path) run")
+    args = parser.parse_args()
+    # imported up front so that neither timing includes the imports (megatron-core pulls in torch)
+    import megatron.core.datasets.indexed_dataset  # noqa: F401
+    import megatron_compat.data.preprocess  # noqa: F401
+    from tests.helpers import train_bytelevel_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp, "corpus.jsonl")
+        docs = build_corpus(corpus, args.mb)
+        size_mb = corpus.stat().st_size / 1e6
+        sample, taken = [], 0
+        with open(corpus, encoding="utf-8") as f:
+            for line in f:
+                sample.append(json.loads(line)["text"])
+                taken += len(line)
+                if taken > args.train_mb * 1e6:
+                    break
+        start = time.perf_counter()
+        train_bytelevel_tokenizer(Path(tmp, "tok"), vocab_size=args.vocab, texts=sample)
+        print(f"corpus: {docs} documents, {size_mb:.1f} MB; tokenizer: byte-level BPE {args.vocab} "
+              f"(trained in {time.perf_counter() - start:.1f} s); workers: {args.workers}")
+        tok = str(Path(tmp, "tok"))
+        t_ref, c_ref = timed(run_megatron, corpus, tok, str(Path(tmp, "ref")), args.workers)
+        print(f"{'megatron algorithm (Pool.imap chunksize 32, per-doc HF call):':58s} {t_ref:7.2f} s "
+              f"{size_mb / t_ref:6.2f} MB/s  cpu {c_ref:7.2f} s")
+        runs = [("ours, tiktoken fast path", True)] + ([("ours, HF tokenizer", False)] if args.hf_too else [])
+        for name, fast in runs:
+            prefix = str(Path(tmp, "fast" if fast else "hf"))
+            t, c = timed(run_ours, corpus, tok, prefix, args.workers, fast)
+            print(f"{name + ':':58s} {t:7.2f} s {size_mb / t:6.2f} MB/s  cpu {c:7.2f} s  speed-up x{t_ref / t:.2f} "
+                  f"(cpu x{c_ref / c:.2f})  byte-identical: {same_output(prefix, str(Path(tmp, 'ref')))}")
+
+if __name__ == "__main__":
+    main()
