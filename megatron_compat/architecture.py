@@ -43,7 +43,7 @@ glu_linear_offset activation_func_clamp_value swiglu_limit enable_gpt_oss export
 attention_output_gate qk_l2_norm qk_clip qk_clip_alpha qk_clip_threshold fp32_residual_connection
 apply_residual_connection_post_layernorm apply_query_key_layer_scaling experimental_attention_variant
 linear_attention_freq linear_conv_kernel_dim linear_key_head_dim linear_value_head_dim linear_num_key_heads
-linear_num_value_heads full_attention_interval mamba_chunk_size mamba_d_conv mamba_d_ssm mamba_expand
+linear_num_value_heads full_attention_interval mamba_d_conv mamba_d_ssm mamba_expand
 mamba_state_dim mamba_head_dim mamba_num_groups mamba_num_heads use_mamba_mem_eff_path gdp_num_householder
 gdp_cutedsl_kernel gdp_num_chunk_states_to_recompute is_hybrid_model hybrid_layer_pattern hybrid_override_pattern
 dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk dsa_indexer_topk_freq dsa_indexer_skip_topk_offset
@@ -151,6 +151,12 @@ def _check_buildable(a: Arch, family: str) -> None:
                             "directory")
     if g("hidden_dropout"):
         a.decline("hidden_dropout", f"HF {family} models have no hidden dropout — set --hidden-dropout 0")
+    if g("add_bias_linear") and family != "llama":
+        a.decline("add_bias_linear", f"HF {family} models have no biases on every linear layer (Megatron's "
+                                     "default) — add --disable-bias-linear")
+    if g("add_qkv_bias") and not g("add_bias_linear") and family not in ("qwen2", "qwen2_moe"):
+        a.decline("add_qkv_bias", f"HF {family} models put attention biases on q/k/v and o together — drop "
+                                  "--add-qkv-bias, or give --load with an HF directory")
 
 
 def _ffn(a: Arch) -> Optional[int]:
@@ -218,9 +224,8 @@ def _dense_keys(a: Arch, family: str) -> None:
     if partial != 1.0 or not a.from_scratch:
         put("partial_rotary_factor" if g("partial_rotary_factor") else "rotary_percent", "partial_rotary_factor",
             partial)
-    if family in ("llama", "qwen3", "mixtral", "qwen3_moe"):
-        put("add_bias_linear", "attention_bias", bool(g("add_bias_linear") or g("add_qkv_bias")))
-        put("add_qkv_bias", "attention_bias", bool(g("add_bias_linear") or g("add_qkv_bias")))
+    if family in ("llama", "qwen3", "qwen3_moe"):
+        put("add_bias_linear", "attention_bias", bool(g("add_bias_linear")))
     if family == "llama":
         put("add_bias_linear", "mlp_bias", bool(g("add_bias_linear")))
     if family == "qwen2" and g("add_bias_linear"):

@@ -18,7 +18,7 @@ from megatron_compat.arguments import defaults, megatron_groups, option_strings,
 from megatron_compat.translate_handlers import DERIVED_STEPS, HANDLERS
 
 GROUP_NAMES = ("model", "data", "parallel", "training", "profiling", "inference", "optimization")
-_PRECEDENCE = {"mapped_if_unrecorded": 0, "no_effect": 1, "mapped": 2, "declined": 3}
+_PRECEDENCE = {"no_effect": 1, "mapped": 2, "declined": 3}
 
 
 @dataclass
@@ -95,15 +95,15 @@ def _active(parsed) -> Dict[str, Any]:
 
 
 def _static(ctx: Context, groups: Dict[str, str]) -> None:
-    """Flags no handler maps: their rule from flag_rules, for values other than the default."""
+    """Flags no handler maps get their rule from flag_rules (a declined flag only for a non-default value)."""
     default = defaults()
     options = option_strings()
     for dest in ctx.active:
         if dest in ctx.dispositions or dest in HANDLERS:
             continue
-        if ctx.get(dest) == default[dest]:
-            continue  # named with its default value: nothing to honour
         rule = flag_rules.static_rule(options[dest], groups.get(dest))
+        if ctx.get(dest) == default[dest] and (rule is None or rule.kind != flag_rules.NO_EFFECT):
+            continue  # named with its default value: nothing to honour
         if rule is None:
             ctx.decline(dest, "no FSDP2 meaning is known for this flag — drop it (or report it as missing)")
         else:
@@ -127,9 +127,6 @@ def translate_report(argv: Sequence[str], world_size: int = 1) -> Translation:
     arch = architecture.apply(ctx.ns, active, from_scratch, ctx.record)
     if arch:
         ctx.set("model.architecture", arch)
-    for dest, (kind, text) in list(ctx.dispositions.items()):
-        if kind == "mapped_if_unrecorded":
-            ctx.dispositions[dest] = ("mapped", text)
     _static(ctx, megatron_groups())
     report = _report(ctx)
     report.declined += [(flag, "required to build the model (no --load with an HF directory) — give it")

@@ -273,3 +273,17 @@ def test_profiling_and_sequence_parallel_follow_megatron():
     fields = translate_megatron(BASE + "--profile --profile-ranks 0 1 --sequence-parallel "
                                        "--tensor-model-parallel-size 2".split(), world_size=2).fields
     assert fields["profiling"]["profile_ranks"] == [0, 1] and fields["parallel"]["sequence_parallel"] is True
+
+
+def test_handlers_and_architecture_flags_are_disjoint():
+    from megatron_compat.architecture import ARCHITECTURE_DESTS, HF_DEFINED_DESTS
+    from megatron_compat.translate_handlers import HANDLERS
+    assert not (set(HANDLERS) & (ARCHITECTURE_DESTS | HF_DEFINED_DESTS))
+    assert not (ARCHITECTURE_DESTS & HF_DEFINED_DESTS)
+    known = set(defaults())
+    assert (set(HANDLERS) | ARCHITECTURE_DESTS | HF_DEFINED_DESTS) <= known
+
+
+def test_flags_named_at_their_default_are_still_reported_when_without_effect():
+    report = translate_megatron(BASE + ["--transformer-impl", "transformer_engine"]).report
+    assert "--transformer-impl" in report.no_effect
