@@ -1,0 +1,226 @@
+"""Megatron's training and validation log lines (so existing log parsers keep working) and TensorBoard scalars.
+
+Owns `format_train_line` / `format_validation_lines` (Megatron-LM training.py's `training_log` and
+`evaluate_and_print_results` formats, field for field, with tokens/s per device and peak memory appended after
+Megatron's last field), `MegatronLogLine` (a regex for the line, for tests and tools), `parse_train_line`,
+and `TrainLogger`, which accumulates what Megatron accumulates between two log lines: losses of advanced
+(non-skipped) iterations averaged over them, skipped and nan iteration counts, and the wall time per iteration.
+"""
+from __future__ import annotations
+
+import math
+import re
+import resource
+import time
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Callable, Dict, Iterator, List, Optional
+
+import torch
+
+# One entry per loss key (` lm loss: 1.234567E+00 |`); Megatron prints the keys in the order they arrive.
+MegatronLogLine = re.compile(
+    r"^ \[(?P<timestamp>\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}\.\d{6})\]"
+    r" iteration +(?P<iteration>\d+)/ +(?P<train_iters>\d+) \|"
+    r" consumed samples: +(?P<consumed_samples>\d+) \|"
+    r" elapsed time per iteration \(ms\): (?P<elapsed_ms>\d+\.\d) \|"
+    r"(?: throughput per GPU \(TFLOP/s/GPU\): (?P<tflops>\d+\.\d) \|)?"
+    r" learning rate: (?P<learning_rate>\d\.\d{6}E[+-]\d{2}) \|"
+    r" global batch size: +(?P<global_batch_size>\d+) \|"
+    r"(?P<losses>(?: [^|:]+: -?\d\.\d{6}E[+-]\d{2} \|)*)"
+    r" loss scale: (?P<loss_scale>\d+\.\d) \|"
+    r"(?: grad norm: (?P<grad_norm>\d+\.\d{3}|nan|inf) \|)?"
+    r"(?: num zeros: (?P<num_zeros>\d+) \|)?"
+    r"(?: params norm: (?P<params_norm>\d+\.\d{3}) \|)?"
+    r" number of skipped iterations: +(?P<skipped>\d+) \|"
+    r" number of nan iterations: +(?P<nan>\d+) \|"
+    r"(?P<extra>.*)$")
+_LOSS_ENTRY = re.compile(r" ([^|:]+): (-?\d\.\d{6}E[+-]\d{2}) \|")
+
+
+def format_train_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
+                      learning_rate: float, global_batch_size: int, losses: Dict[str, float],
+                      loss_scale: float = 1.0, grad_norm: Optional[float] = None,
+                      skipped_iterations: int = 0, nan_iterations: int = 0,
+                      tflops_per_device: Optional[float] = None, num_zeros: Optional[int] = None,
+                      params_norm: Optional[float] = None, tokens_per_sec_per_device: Optional[float] = None,
+                      peak_memory_gib: Optional[float] = None, now: Optional[datetime] = None) -> str:
+    """Megatron's training log line; `losses` are already averaged (e.g. {"lm loss": 2.5})."""
+    now = now or datetime.now()
+    s = f" [{now.strftime('%Y-%m-%d %H:%M:%S.%f')}]"
+    s += " iteration {:8d}/{:8d} |".format(iteration, train_iters)
+    s += " consumed samples: {:12d} |".format(consumed_samples)
+    s += " elapsed time per iteration (ms): {:.1f} |".format(elapsed_ms)
+    if tflops_per_device is not None:
+        s += f" throughput per GPU (TFLOP/s/GPU): {tflops_per_device:.1f} |"
+    s += f" learning rate: {learning_rate:.6E} |"
+    s += f" global batch size: {global_batch_size:5d} |"
+    for key, value in losses.items():
+        if value >= 0.0:  # Megatron drops negative averages (and nan, which compares false)
+            s += " {}: {:.6E} |".format(key, value)
+    s += f" loss scale: {loss_scale:.1f} |"
+    if grad_norm is not None:
+        s += f" grad norm: {grad_norm:.3f} |"
+    if num_zeros is not None:
+        s += f" num zeros: {num_zeros} |"
+    if params_norm is not None:
+        s += f" params norm: {params_norm:.3f} |"
+    s += " number of skipped iterations: {:3d} |".format(skipped_iterations)
+    s += " number of nan iterations: {:3d} |".format(nan_iterations)
+    # Ours, after Megatron's last field so parsers that stop there keep working.
+    if tokens_per_sec_per_device is not None:
+        s += f" tokens per second per device: {tokens_per_sec_per_device:.1f} |"
+    if peak_memory_gib is not None:
+        s += f" peak memory per device (GiB): {peak_memory_gib:.2f} |"
+    return s
+
+
+def parse_train_line(line: str) -> Optional[Dict[str, object]]:
+    """The fields of a training log line (numbers as int/float, losses as a dict), or None if it is not one."""
+    match = MegatronLogLine.match(line.rstrip("\n"))
+    if match is None:
+        return None
+    out: Dict[str, object] = {}
+    for key, value in match.groupdict().items():
+        if value is None or key in ("timestamp", "losses", "extra"):
+            out[key] = value
+        elif key in ("iteration", "train_iters", "consumed_samples", "global_batch_size", "skipped", "nan",
+                     "num_zeros"):
+            out[key] = int(value)
+        else:
+            out[key] = float(value)
+    out["losses"] = {k.strip(): float(v) for k, v in _LOSS_ENTRY.findall(match.group("losses"))}
+    return out
+
+
+def format_validation_lines(iteration: int, losses: Dict[str, float]) -> List[str]:
+    """Megatron's validation block: a dash rule, the line (value and PPL per key, PPL capped at exp(20)),
+    the rule again."""
+    s = f" validation loss at iteration {iteration} | "
+    for key, value in losses.items():
+        s += "{} value: {:.6E} | ".format(key, value)
+        s += "{} PPL: {:.6E} | ".format(key, math.exp(min(20.0, value)))
+    rule = "-" * (len(s) + 1)
+    return [rule, s, rule]
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process on `device`: the allocator's peak on accelerators, peak RSS on CPU."""
+    if device.type == "cpu":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return getattr(torch, device.type).max_memory_allocated(device)  # torch.cuda / torch.npu
+
+
+def open_tensorboard(log_dir: Optional[str], print_fn: Callable[[str], None] = print):
+    """A SummaryWriter for `log_dir`, or None (with a one-line notice when tensorboard is not installed)."""
+    if not log_dir:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print_fn(f"notice: tensorboard is not installed; no scalars are written to {log_dir} "
+                 "(pip install tensorboard to get them)")
+        return None
+    return SummaryWriter(log_dir=log_dir, max_queue=1000)
+
+
+class TrainLogger:
+    """Accumulates iterations and prints Megatron's line every `log_interval` iterations on the logging rank.
+
+    All ranks may call it; only `is_logging_rank` (Megatron: the last rank) prints and writes TensorBoard.
+    Values passed in must already be global (loss reduced over data-parallel ranks, global grad norm).
+    `tokens_per_iteration` is the global batch's token count; tokens/s per device divides by `world_size`.
+    """
+
+    def __init__(self, *, train_iters: int, log_interval: int, global_batch_size: int, world_size: int,
+                 device: torch.device, is_logging_rank: bool, tokens_per_iteration: int,
+                 tensorboard_dir: Optional[str] = None, print_fn: Callable[[str], None] = print):
+        self.train_iters, self.log_interval = train_iters, max(1, log_interval)
+        self.global_batch_size, self.world_size = global_batch_size, world_size
+        self.device, self.is_logging_rank = device, is_logging_rank
+        self.tokens_per_iteration = tokens_per_iteration
+        self.print_fn = print_fn
+        self.writer = open_tensorboard(tensorboard_dir, print_fn) if is_logging_rank else None
+        self._reset()
+        self._interval_start = time.perf_counter()
+
+    def _reset(self) -> None:
+        self.loss_sums: Dict[str, float] = {}
+        self.advanced = self.skipped = self.nan = 0
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Excludes the block's time (validation, checkpoint saving) from the time per iteration, as Megatron
+        stops its interval timer around them."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._interval_start += time.perf_counter() - start
+
+    def record(self, iteration: int, *, losses: Dict[str, float], skipped: bool, learning_rate: float,
+               grad_norm: Optional[float], consumed_samples: int, loss_scale: float = 1.0) -> Optional[str]:
+        """Adds one iteration; returns (and prints, on the logging rank) the line when one is due."""
+        if skipped:
+            self.skipped += 1
+            # Megatron counts a skipped iteration as a nan iteration when its loss is not finite.
+            self.nan += int(any(not math.isfinite(v) for v in losses.values()))
+        else:
+            self.advanced += 1
+            for key, value in losses.items():
+                self.loss_sums[key] = self.loss_sums.get(key, 0.0) + value
+        if self.writer is not None:
+            self._write_scalars(iteration, losses, learning_rate, grad_norm, consumed_samples, loss_scale)
+        if iteration % self.log_interval != 0:
+            return None
+        if self.device.type != "cpu":
+            getattr(torch, self.device.type).synchronize()
+        now = time.perf_counter()
+        iterations = self.advanced + self.skipped
+        elapsed = (now - self._interval_start) / max(iterations, 1)
+        line = format_train_line(
+            iteration=iteration, train_iters=self.train_iters, consumed_samples=consumed_samples,
+            elapsed_ms=elapsed * 1000.0, learning_rate=learning_rate, global_batch_size=self.global_batch_size,
+            losses={k: v / max(1, self.advanced) for k, v in self.loss_sums.items()}, loss_scale=loss_scale,
+            grad_norm=grad_norm, skipped_iterations=self.skipped, nan_iterations=self.nan,
+            tokens_per_sec_per_device=self.tokens_per_iteration / elapsed / self.world_size if elapsed else 0.0,
+            peak_memory_gib=peak_memory_bytes(self.device) / 2**30)
+        if self.writer is not None:
+            self.writer.add_scalar("iteration-time", elapsed, iteration)
+        if self.is_logging_rank:
+            self.print_fn(line)
+        self._reset()
+        self._interval_start = now
+        return line
+
+    def validation(self, iteration: int, losses: Dict[str, float], consumed_samples: int) -> List[str]:
+        """Prints Megatron's validation block (logging rank) and writes its TensorBoard scalars."""
+        lines = format_validation_lines(iteration, losses)
+        if self.is_logging_rank:
+            for line in lines:
+                self.print_fn(line)
+        if self.writer is not None:
+            for key, value in losses.items():
+                self.writer.add_scalar(f"{key} validation", value, iteration)
+                self.writer.add_scalar(f"{key} validation vs samples", value, consumed_samples)
+                self.writer.add_scalar(f"{key} validation ppl", math.exp(min(20.0, value)), iteration)
+        return lines
+
+    def _write_scalars(self, iteration, losses, learning_rate, grad_norm, consumed_samples, loss_scale) -> None:
+        # Megatron's scalar names, written every iteration (its default --tensorboard-log-interval 1).
+        w = self.writer
+        w.add_scalar("learning-rate", learning_rate, iteration)
+        w.add_scalar("learning-rate vs samples", learning_rate, consumed_samples)
+        w.add_scalar("batch-size", self.global_batch_size, iteration)
+        w.add_scalar("batch-size vs samples", self.global_batch_size, consumed_samples)
+        for key, value in losses.items():
+            w.add_scalar(key, value, iteration)
+            w.add_scalar(f"{key} vs samples", value, consumed_samples)
+        w.add_scalar("loss-scale", loss_scale, iteration)
+        if grad_norm is not None:
+            w.add_scalar("grad-norm", grad_norm, iteration)
+            w.add_scalar("grad-norm vs samples", grad_norm, consumed_samples)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,99 @@
+"""The training / validation lines against a regex written here from Megatron's format (shared/megatron/FACTS.md),
+independently of the module's own `MegatronLogLine`, plus TrainLogger's accumulation rules."""
+import math
+import re
+from datetime import datetime
+
+import torch
+
+from fsdp2_backend.training.logging import (MegatronLogLine, TrainLogger, format_train_line,
+                                            format_validation_lines, parse_train_line)
+
+# FACTS.md: each field followed by " |"; iteration and train_iters right-aligned in 8, consumed samples in 12,
+# elapsed one decimal, lr %.6E, global batch size in 5, "lm loss" %.6E, loss scale one decimal, grad norm three
+# decimals, skipped / nan counts right-aligned in 3.
+FACTS_LINE = re.compile(
+    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\]"
+    r" iteration (?P<it>[ \d]{8})/(?P<total>[ \d]{8}) \|"
+    r" consumed samples: (?P<consumed>[ \d]{12}) \|"
+    r" elapsed time per iteration \(ms\): (?P<ms>\d+\.\d) \|"
+    r" learning rate: (?P<lr>\d\.\d{6}E[-+]\d\d) \|"
+    r" global batch size: (?P<gbs>[ \d]{5}) \|"
+    r" lm loss: (?P<loss>\d\.\d{6}E[-+]\d\d) \|"
+    r" loss scale: (?P<scale>\d+\.\d) \|"
+    r" grad norm: (?P<gn>\d+\.\d{3}) \|"
+    r" number of skipped iterations: (?P<skipped>[ \d]{3}) \|"
+    r" number of nan iterations: (?P<nan>[ \d]{3}) \|")
+
+
+def _line(**kw):
+    values = dict(iteration=12, train_iters=1000, consumed_samples=384, elapsed_ms=1234.56,
+                  learning_rate=2.5e-4, global_batch_size=32, losses={"lm loss": 7.123456789}, loss_scale=1.0,
+                  grad_norm=3.14159, skipped_iterations=0, nan_iterations=1, tokens_per_sec_per_device=4096.25,
+                  peak_memory_gib=1.5, now=datetime(2026, 12, 2, 17, 5, 9, 123456))
+    values.update(kw)
+    return format_train_line(**values)
+
+
+def test_line_matches_megatrons_format_from_facts():
+    line = _line()
+    m = FACTS_LINE.match(line)
+    assert m, line
+    assert line.startswith(" [2026-12-02 17:05:09.123456] iteration       12/    1000 |")
+    assert m["consumed"] == "         384" and m["gbs"] == "   32" and m["nan"] == "  1"
+    assert (m["ms"], m["lr"], m["loss"], m["scale"], m["gn"]) == ("1234.6", "2.500000E-04", "7.123457E+00",
+                                                                  "1.0", "3.142")
+    # our additions come after Megatron's last field
+    assert line[m.end():] == " tokens per second per device: 4096.2 | peak memory per device (GiB): 1.50 |"
+
+
+def test_module_regex_parses_our_line_and_optional_megatron_fields():
+    parsed = parse_train_line(_line(tflops_per_device=12.34, params_norm=100.0, num_zeros=3))
+    assert parsed["iteration"] == 12 and parsed["train_iters"] == 1000 and parsed["consumed_samples"] == 384
+    assert parsed["losses"] == {"lm loss": 7.123457} and parsed["grad_norm"] == 3.142
+    assert parsed["tflops"] == 12.3 and parsed["num_zeros"] == 3 and parsed["params_norm"] == 100.0
+    assert parse_train_line(_line(grad_norm=None, losses={"lm loss": 1.0, "load balancing loss": 0.5}))["losses"] \
+        == {"lm loss": 1.0, "load balancing loss": 0.5}
+    assert MegatronLogLine.match(" validation loss at iteration 5 | lm loss value: 1.0E+00 |") is None
+
+
+def test_validation_block_is_megatrons():
+    rule, line, rule2 = format_validation_lines(20, {"lm loss": 2.0})
+    assert line == " validation loss at iteration 20 | lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00 | "
+    assert rule == rule2 == "-" * (len(line) + 1)
+    assert format_validation_lines(1, {"lm loss": 30.0})[1].endswith(f"lm loss PPL: {math.exp(20):.6E} | ")
+
+
+def test_logger_averages_advanced_iterations_and_counts_skipped_and_nan():
+    printed = []
+    logger = TrainLogger(train_iters=10, log_interval=3, global_batch_size=4, world_size=2,
+                         device=torch.device("cpu"), is_logging_rank=True, tokens_per_iteration=4 * 16,
+                         print_fn=printed.append)
+    common = dict(learning_rate=1e-3, grad_norm=0.5, consumed_samples=0)
+    assert logger.record(1, losses={"lm loss": 2.0}, skipped=False, **common) is None
+    logger.record(2, losses={"lm loss": float("nan")}, skipped=True, **common)
+    line = logger.record(3, losses={"lm loss": 4.0}, skipped=False, **{**common, "consumed_samples": 12})
+    assert printed == [line]
+    parsed = parse_train_line(line)
+    assert parsed["losses"] == {"lm loss": 3.0} and parsed["skipped"] == 1 and parsed["nan"] == 1
+    assert FACTS_LINE.match(line)
+    assert "peak memory per device (GiB):" in parsed["extra"]
+    quiet = TrainLogger(train_iters=10, log_interval=1, global_batch_size=4, world_size=2, device=torch.device("cpu"),
+                        is_logging_rank=False, tokens_per_iteration=64, print_fn=printed.append)
+    quiet.record(1, losses={"lm loss": 1.0}, skipped=False, **common)
+    assert len(printed) == 1  # only the logging rank prints
+
+
+def test_tensorboard_notice_or_scalars(tmp_path):
+    printed = []
+    logger = TrainLogger(train_iters=2, log_interval=1, global_batch_size=1, world_size=1, device=torch.device("cpu"),
+                         is_logging_rank=True, tokens_per_iteration=8, tensorboard_dir=str(tmp_path / "tb"),
+                         print_fn=printed.append)
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        assert logger.writer is None and printed[0].startswith("notice: tensorboard is not installed")
+        return
+    logger.record(1, losses={"lm loss": 1.0}, skipped=False, learning_rate=1e-3, grad_norm=1.0, consumed_samples=1)
+    logger.close()
+    assert any((tmp_path / "tb").iterdir())
