@@ -58,13 +58,12 @@ def build_sample_index(sizes: numpy.ndarray, document_index: numpy.ndarray, seq_
     num_samples = num_samples_in(num_epochs, tokens_per_epoch, seq_length, drop_last_partial_sequence, extra)
     lengths = sizes[document_index]
     doc_ends = numpy.cumsum(lengths, dtype=numpy.int64)  # token count up to and including each document
-    del lengths
     starts = numpy.arange(1, num_samples + 1, dtype=numpy.int64) * seq_length
     position = numpy.searchsorted(doc_ends, starts + extra, side="left")
     last = len(document_index) - 1
     past_end = position > last  # only the kept partial sample can run past the documents
     position[past_end] = last
-    offset = starts - (doc_ends[position] - sizes[document_index[position]])
+    offset = starts - (doc_ends[position] - lengths[position])
     offset[past_end] = int(sizes[document_index[last]]) - extra
 
     max_value = max(len(document_index), int(sizes.max()) if len(sizes) else 0)
