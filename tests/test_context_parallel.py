@@ -96,11 +96,12 @@ def _cp_worker(rank, world_size, cases, out_path):
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     group = mesh.get_group()
     results = {}
-    for cp_type, kv_heads, steps in cases:
+    for cp_type, kv_heads, steps, attention in cases:
         torch.manual_seed(0)
-        config = tiny_qwen3_config(num_key_value_heads=kv_heads)
+        config = tiny_qwen3_config(num_key_value_heads=kv_heads, attn_implementation=attention)
         reference = Qwen3ForCausalLM(config)
-        model = Qwen3ForCausalLM(tiny_qwen3_config(num_key_value_heads=kv_heads))  # own config: CP switches it
+        # its own config object: enable_context_parallel switches the model's attention implementation
+        model = Qwen3ForCausalLM(tiny_qwen3_config(num_key_value_heads=kv_heads, attn_implementation=attention))
         model.load_state_dict(reference.state_dict())
         enable_context_parallel(model, mesh, cp_type)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
@@ -128,7 +129,7 @@ def _cp_worker(rank, world_size, cases, out_path):
             ref_opt.step(), opt.step()
             ref_opt.zero_grad(), opt.zero_grad()
         assert worst_loss < 1e-4, (cp_type, kv_heads, worst_loss)
-        results[f"{cp_type}/kv{kv_heads}"] = {"max_rel_loss_diff_8_steps": worst_loss, "max_grad_diff": worst_grad}
+        results[f"{cp_type}/kv{kv_heads}/{attention}"] = {"max_rel_loss_diff_8_steps": worst_loss, "max_grad_diff": worst_grad}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
@@ -137,11 +138,13 @@ def _cp_worker(rank, world_size, cases, out_path):
 def test_cp2_matches_one_rank_for_ulysses_and_ring(tmp_path):
     """Loss of step 1 within 1e-5, every parameter gradient within 1e-5, 8 AdamW steps within 1e-4 relative.
 
-    kv heads 1 < cp 2 exercises Ulysses' key/value replication and ring's GQA expansion.
+    kv heads 1 < cp 2 exercises Ulysses' key/value replication and ring's GQA expansion; a model built with
+    eager attention exercises Ulysses' inner attention for it.
     """
     out = tmp_path / "cp.json"
-    cases = [("ulysses", 2, STEPS), ("ring", 2, STEPS), ("ulysses_cp_algo", 1, 1), ("megatron_cp_algo", 1, 1)]
+    cases = [("ulysses", 2, STEPS, "sdpa"), ("ring", 2, STEPS, "sdpa"), ("ulysses_cp_algo", 1, 1, "sdpa"),
+             ("megatron_cp_algo", 1, 1, "sdpa"), ("ulysses", 2, 1, "eager")]
     run_distributed(_cp_worker, 2, cases, str(out))
     results = json.loads(out.read_text())
-    assert len(results) == 4, results
+    assert len(results) == 5, results
     print(json.dumps(results))

@@ -24,7 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from fsdp2_backend.errors import UsageError
 from fsdp2_backend.parallel.context_parallel.ring import ring_attention
 from fsdp2_backend.parallel.context_parallel.ulysses import heads_to_seq, replicate_kv_heads, seq_to_heads
-from fsdp2_backend.parallel.tp_cp_checks import normalize_cp_type
+from fsdp2_backend.parallel.tp_cp_checks import context_parallel_problems, normalize_cp_type
 
 ATTENTION_NAME = "fsdp2_context_parallel"
 SPEC_ATTRIBUTE = "context_parallel_spec"
@@ -101,14 +101,19 @@ def _attention_modules(model: nn.Module):
     return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
 
 
-def enable_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: str) -> nn.Module:
+def enable_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: str, tp_size: int = 1) -> nn.Module:
     """Makes every attention layer of an HF model attend across the cp ranks of `cp_mesh` (1-D).
 
-    Call after tensor parallel and before FSDP. Inputs must then be split with `batch.shard_batch_for_cp`
-    (with the same cp_type) and the loss reduced as `loss.cp_token_mean` explains.
+    Call after tensor parallel (pass its `tp_size`: Ulysses splits the tp-local heads) and before recompute and
+    FSDP. Inputs must then be split with `batch.shard_batch_for_cp` (same cp_type) and the loss reduced as
+    `batch.cp_token_mean` explains. The model's config object is switched to our attention: do not share it.
     """
     cp_type = normalize_cp_type(cp_type)
     config = model.config
+    problems = context_parallel_problems(cp_mesh.size(), cp_type, config.num_attention_heads,
+                                         config.num_key_value_heads, tp_size)
+    if problems:
+        raise UsageError(problems)
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if not layer_types <= _SUPPORTED_LAYER_TYPES:
         raise UsageError(f"cp_size (--context-parallel-size): layer types {sorted(layer_types - _SUPPORTED_LAYER_TYPES)}"
