@@ -221,9 +221,7 @@ def _dense_keys(a: Arch, family: str) -> None:
     rope_theta = g("rope_theta") if g("rope_theta") is not None else g("rotary_base")
     put("rope_theta" if g("rope_theta") is not None else "rotary_base", "rope_theta", float(rope_theta))
     partial = g("partial_rotary_factor") or g("rotary_percent")
-    if partial != 1.0 or not a.from_scratch:
-        put("partial_rotary_factor" if g("partial_rotary_factor") else "rotary_percent", "partial_rotary_factor",
-            partial)
+    put("partial_rotary_factor" if g("partial_rotary_factor") else "rotary_percent", "partial_rotary_factor", partial)
     if family in ("llama", "qwen3", "qwen3_moe"):
         put("add_bias_linear", "attention_bias", bool(g("add_bias_linear")))
     if family == "llama":
@@ -294,6 +292,25 @@ def _moe_keys(a: Arch, family: str) -> None:
         a.put("moe_layer_freq", "decoder_sparse_step", freq)
 
 
+def _routing(a: Arch, family: str) -> None:
+    """Router scoring is the model type's own; Megatron's per-step expert-bias update is not implemented."""
+    if not a.get("num_experts"):
+        return
+    for dest in ("moe_router_enable_expert_bias", "moe_router_bias_update_rate"):
+        if a.get("moe_router_enable_expert_bias"):
+            a.decline(dest, "aux-loss-free balancing (the expert bias updated every step) is not implemented; "
+                            "without it routing differs — drop --moe-router-enable-expert-bias")
+    score = a.get("moe_router_score_function")
+    if not a.from_scratch:
+        a.note("moe_router_score_function", "no_effect", "the HF model type in --load defines its router scores")
+    elif (score == "sigmoid") == (family == "deepseek_v3"):
+        a.note("moe_router_score_function", "mapped", f"model.architecture.model_type ({family})")
+    else:
+        a.decline("moe_router_score_function", f"HF {family} models score experts with "
+                  f"{'sigmoid' if family == 'deepseek_v3' else 'softmax'} — change the flag, or give --load with "
+                  "an HF directory")
+
+
 def _mla_keys(a: Arch) -> None:
     g = a.get
     a.put("q_lora_rank", "q_lora_rank", g("q_lora_rank"))
@@ -334,10 +351,7 @@ def apply(ns, active, from_scratch: bool, record: Callable[[str, str, str], None
                   "--moe-shared-expert-gate, or give --load with an HF directory")
     for dest in ("moe_shared_expert_gate", "shared_expert_gate"):
         a.put(dest, "shared_expert_gate", True if a.get(dest) else None)
-    for dest in ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_bias_update_rate"):
-        if from_scratch and family != "deepseek_v3" and a.get(dest) not in ("softmax", False, 1e-3):
-            a.decline(dest, "sigmoid scores and expert bias are DeepSeek-V3 routing — give --load with an HF "
-                            "DeepSeek-V3 directory or use softmax routing")
+    _routing(a, family)
     _settle(a, family)
     for dest, why in a.declined.items():
         a.note(dest, "declined", why)
