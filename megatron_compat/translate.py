@@ -38,6 +38,9 @@ class Translation:
 
     fields: Dict[str, Dict[str, Any]]
     report: TranslationReport
+    # "group.field" → the flag that set it ("(Megatron default)" when Megatron's default did), so that a field
+    # set both by a flag and by a native override can be reported naming both.
+    sources: Dict[str, str] = field(default_factory=dict)
 
 
 class Context:
@@ -48,6 +51,8 @@ class Context:
         self.fields: Dict[str, Dict[str, Any]] = {group: {} for group in GROUP_NAMES}
         self.dispositions: Dict[str, Tuple[str, str]] = {}
         self.warnings: List[str] = []
+        self.sources: Dict[str, str] = {}
+        self.current: str = ""  # the dest whose handler is running
         position = {}
         for index, token in enumerate(argv):
             if token.startswith("--"):
@@ -67,6 +72,9 @@ class Context:
     def set(self, target: str, value: Any) -> None:
         group, name = target.split(".", 1)
         self.fields[group][name] = value
+        flag = self.flag_names.get(self.current)
+        if flag or target not in self.sources:
+            self.sources[target] = flag or "(Megatron default)"
 
     def record(self, dest: str, kind: str, text: str) -> None:
         """Gives a flag its disposition; a stronger one (declined > mapped > no effect) replaces a weaker one."""
@@ -118,20 +126,25 @@ def translate_report(argv: Sequence[str], world_size: int = 1) -> Translation:
     ctx = Context(parsed.namespace, active, world_size, argv)
     ctx.warnings.extend(warnings)
     for dest, (target, handler) in HANDLERS.items():
+        ctx.current = dest
         handler(ctx, ctx.get(dest))
         if dest not in ctx.dispositions:  # the handler may have declined it or found it without effect
             ctx.record(dest, "mapped", target)
+    ctx.current = ""
     for step in DERIVED_STEPS:
         step(ctx)
     from_scratch = "model.model_name_or_path" not in _flat(ctx)
     arch = architecture.apply(ctx.ns, active, from_scratch, ctx.record)
     if arch:
         ctx.set("model.architecture", arch)
+        given = [ctx.flag_names[d] for d in sorted(active, key=ctx.order.__getitem__)
+                 if d in architecture.ARCHITECTURE_DESTS]
+        ctx.sources["model.architecture"] = ", ".join(given) or "(Megatron default)"
     _static(ctx, megatron_groups())
     report = _report(ctx)
     report.declined += [(flag, "required to build the model (no --load with an HF directory) — give it")
                         for flag in architecture.missing_flags(ctx.ns, from_scratch)]
-    return Translation({g: v for g, v in ctx.fields.items() if v}, report)
+    return Translation({g: v for g, v in ctx.fields.items() if v}, report, ctx.sources)
 
 
 def translate_megatron(argv: Sequence[str], world_size: int = 1) -> Translation:

@@ -287,3 +287,18 @@ def test_handlers_and_architecture_flags_are_disjoint():
 def test_flags_named_at_their_default_are_still_reported_when_without_effect():
     report = translate_megatron(BASE + ["--transformer-impl", "transformer_engine"]).report
     assert "--transformer-impl" in report.no_effect
+
+
+def test_sources_name_the_flag_behind_each_field():
+    sources = translate_megatron(BASE + ["--lr", "2e-3"]).sources
+    assert sources["training.lr"] == "--lr"
+    assert sources["training.adam_beta2"] == "(Megatron default)"
+    assert sources["training.per_device_train_batch_size"] == "--micro-batch-size"
+    assert sources["model.architecture"].startswith("--num-layers, --hidden-size")
+
+
+def test_expert_bias_updates_are_declined():
+    argv = LLAMA + "--qk-layernorm --num-experts 4 --moe-router-enable-expert-bias --hidden-dropout 0".split()
+    with pytest.raises(UsageError) as err:
+        translate_megatron(argv)
+    assert err.value.messages[0].startswith("--moe-router-enable-expert-bias: aux-loss-free balancing")
