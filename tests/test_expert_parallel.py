@@ -2,11 +2,13 @@
 
 One spawn runs, on the tiny qwen3_moe with FSDP2 + AdamW:
 - EP 2 with the eager dispatcher, 8 steps (DCP checkpoint after step 4): loss every step, every gradient
-  of step 1 and its norm (computed per mesh, then combined) equal the 1-process reference (the mean of the
+  of step 1 and its norm (`training.grad_clip.total_grad_norm` over both meshes) equal the 1-process reference (the mean of the
   two ranks' micro-batch losses);
-- EP 2 with the fused dispatcher: the same losses;
-- EP 1 x expert-FSDP 2 (`shard_by_dim_1`), resumed from the EP 2 checkpoint: steps 5-8 continue with the
-  EP 2 run's losses (DCP resharded the experts by their global index).
+- EP 2 with the fused dispatcher, under the trainer's gradient scheme (SUM reduction, loss / dp): the same
+  losses;
+- the gathered full state dict of the EP 2 model loaded into transformers' own Qwen3-MoE gives the same loss;
+- EP 1 x expert-FSDP 2 (`shard_by_dim_1`), resumed from the EP 2 checkpoint, continues with the EP 2 run's
+  losses, and an EP 2 run resumed from its checkpoint after step 6 too (DCP reshards experts by global index).
 """
 import pytest
 import torch
@@ -73,17 +75,19 @@ def _parallel_model(ep, ep_fsdp, dispatcher):
     return model
 
 
-def _train(model, opt, steps, rank):
+def _train(model, opt, steps, rank, loss_scale=1.0):
     import torch.distributed as dist
+
+    from fsdp2_backend.training.grad_clip import total_grad_norm
 
     losses, grads = [], None
     for step in steps:
         opt.zero_grad()
         loss = model(**_micro_batch(step, rank)).loss
-        loss.backward()
+        (loss * loss_scale).backward()
         if step == 0:
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-            grads["norm"] = _grad_norm_by_mesh([p.grad for p in model.parameters()])
+            grads["norm"] = total_grad_norm(model.parameters())  # expert and non-expert meshes together
         opt.step()
         total = loss.detach().clone()
         dist.all_reduce(total)
@@ -91,51 +95,80 @@ def _train(model, opt, steps, rank):
     return losses, grads
 
 
-def _grad_norm_by_mesh(grads):
-    """What gradient clipping must do with parameters on two meshes: a norm per mesh, then combined."""
-    from torch.distributed.tensor import DTensor
+def _resume(model, opt, ckpt_dir):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    by_mesh = {}
-    for g in grads:
-        by_mesh.setdefault(g.device_mesh, []).append(g)
-    norms = [torch.nn.utils.get_total_norm(gs) for gs in by_mesh.values()]
-    return torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _save(model, opt, ckpt_dir):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt_dir)
+
+
+def _check_full_state_dict_is_transformers(model, rank):
+    """The gathered weights, loaded into transformers' own Qwen3-MoE, give this model's loss (every expert in
+    its place)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import Qwen3MoeForCausalLM
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    with torch.no_grad():
+        loss = model(**_micro_batch(99, rank)).loss
+    if rank == 0:
+        stock = Qwen3MoeForCausalLM(tiny_moe_config())
+        stock.load_state_dict(full, strict=True)
+        with torch.no_grad():
+            torch.testing.assert_close(stock(**_micro_batch(99, 0)).loss, loss, rtol=1e-5, atol=0)
 
 
 def _ranks(rank, world_size, reference, ckpt_dir):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.tensor import Shard
 
     ref_losses, ref_grads = reference
-    model = _parallel_model(ep=2, ep_fsdp=1, dispatcher="eager")
+    model, opt = _with_opt(_parallel_model(ep=2, ep_fsdp=1, dispatcher="eager"))
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.shape == (4, 64, 64)  # global identity kept
     assert experts.gate_up_proj.placements == (Shard(1), Shard(0))
     assert experts.gate_up_proj.to_local().shape == (2, 64, 64)  # two whole experts per rank
-    opt = _optimizer(model)
     eager, grads = _train(model, opt, range(SAVE_AFTER), rank)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt_dir)
+    _save(model, opt, f"{ckpt_dir}/ep2")
     eager += _train(model, opt, range(SAVE_AFTER, STEPS), rank)[0]
     torch.testing.assert_close(torch.tensor(eager), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     norm = grads.pop("norm")
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     torch.testing.assert_close(norm, torch.nn.utils.get_total_norm(list(ref_grads.values())), rtol=1e-5, atol=0)
+    _check_full_state_dict_is_transformers(model, rank)
     del model, opt
 
-    fused, _ = _train(*_with_opt(_parallel_model(ep=2, ep_fsdp=1, dispatcher="fused")), range(STEPS), rank)
-    torch.testing.assert_close(torch.tensor(fused), torch.tensor(eager), rtol=1e-6, atol=0)
+    # The trainer's scheme: every FSDP unit (expert ones included) SUMs, the loss carries 1/dp.
+    from fsdp2_backend.training.trainer import enable_sum_gradient_reduction
 
+    model, opt = _with_opt(_parallel_model(ep=2, ep_fsdp=1, dispatcher="fused"))
+    enable_sum_gradient_reduction(model)
+    fused, _ = _train(model, opt, range(STEPS), rank, loss_scale=1 / world_size)
+    torch.testing.assert_close(torch.tensor(fused), torch.tensor(eager), rtol=1e-5, atol=0)
+
+    # EP 2 → EP 1 x expert-FSDP 2 (dim 1 sharded) → back to EP 2, through DCP.
     model, opt = _with_opt(_parallel_model(ep=1, ep_fsdp=2, dispatcher="eager"))
-    assert model.model.layers[0].mlp.experts.down_proj.to_local().shape == (4, 32, 32)  # dim 1 sharded
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=ckpt_dir)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    resumed, _ = _train(model, opt, range(SAVE_AFTER, STEPS), rank)
+    assert model.model.layers[0].mlp.experts.down_proj.to_local().shape == (4, 32, 32)
+    _resume(model, opt, f"{ckpt_dir}/ep2")
+    resumed, _ = _train(model, opt, range(SAVE_AFTER, SAVE_AFTER + 2), rank)
+    _save(model, opt, f"{ckpt_dir}/ep1")
+    resumed += _train(model, opt, range(SAVE_AFTER + 2, STEPS), rank)[0]
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(eager[SAVE_AFTER:]), rtol=1e-5, atol=0)
+    model, opt = _with_opt(_parallel_model(ep=2, ep_fsdp=1, dispatcher="fused"))
+    _resume(model, opt, f"{ckpt_dir}/ep1")
+    back, _ = _train(model, opt, range(SAVE_AFTER + 2, STEPS), rank)
+    torch.testing.assert_close(torch.tensor(back), torch.tensor(eager[SAVE_AFTER + 2:]), rtol=1e-5, atol=0)
 
 
 def _with_opt(model):

@@ -10,15 +10,15 @@ Meshes (built by `ParallelContext`): `ep_mesh` is `(ep_replicate, ep, ep_fsdp)` 
   The resulting parameters are DTensors on the `(ep_fsdp, ep)` mesh with placements `(Shard(1), Shard(0))`,
   so DCP saves every expert under its global index and reshards EP 2 ↔ EP 1.
 
-Gradient scale: each rank's loss is a mean over its own tokens and non-expert gradients are averaged over
-the `dp x cp` ranks. An expert's gradient already sums the contributions of every rank of its `ep` group
-(through the all-to-all backward), and its FSDP group has only `world / ep` ranks, so FSDP's default average
-would be `ep` times too large. The expert units therefore divide by the whole `dp x cp` size
-(`set_gradient_divide_factor`), the same total divisor as the non-expert units.
+Gradient scale: an expert's gradient already sums the contributions of every rank of its `ep` group (the
+all-to-all backward), and its FSDP group has only `world / ep` ranks, so FSDP's default average would be
+`ep` times too large (the known bug class). The rule: expert units use the same TOTAL divisor as the
+non-expert units. With per-rank mean losses and averaging FSDP units that is the `dp x cp` size, which
+`apply_expert_parallel` sets (`set_gradient_divide_factor`); under the trainer's scheme (every unit SUMs,
+divide factor 1, the loss carries 1/dp — `enable_sum_gradient_reduction` covers expert units too) it is 1.
 
 Expert parameters then live on their own mesh: an optimizer may hold both kinds in one group, but a global
-gradient norm must be computed per mesh (the grads' `device_mesh`) and combined as the root of the sum of
-squares — `clip_grad_norm_` over both kinds at once mixes meshes.
+gradient norm must reduce each gradient over its own mesh (`training.grad_clip.total_grad_norm` does).
 """
 from __future__ import annotations
 
