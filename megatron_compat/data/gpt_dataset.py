@@ -156,6 +156,10 @@ class GPTDataset(MegatronDataset):
         seq_length = self.config.sequence_length
         extra = int(self.config.add_extra_token_to_sequence)
         tokens_per_epoch = self._get_num_tokens_per_epoch()
+        if tokens_per_epoch <= extra and self.num_samples == 0:  # an empty split nobody samples from
+            return {"document_index": numpy.zeros(0, dtype=numpy.int32),
+                    "sample_index": numpy.zeros((1, 2), dtype=numpy.int32),
+                    "shuffle_index": numpy.zeros(0, dtype=numpy.uint32)}
         if tokens_per_epoch <= extra:
             where = self.dataset_path or type(self.dataset).__name__
             raise UsageError(

@@ -78,6 +78,8 @@ def pad_token_id(config: BlendedMegatronDatasetConfig) -> int:
         pad = tokenizer.pad
     except Exception:
         return _PAD_TOKEN_ID
+    if pad is None:  # no pad token: nothing in the data is padding
+        return _PAD_TOKEN_ID
     try:
         specials = [v for k, v in tokenizer.special_tokens_dict.items() if k != "pad_token"]
     except (AttributeError, IndexError, ValueError):

@@ -1,0 +1,219 @@
+"""The pretraining data manager (`data_manager_type: mg`): from a Config to Megatron's train/valid/test
+GPT datasets and their data loaders, sample for sample what Megatron-LM's pretrain_gpt.py would feed.
+
+- Sample counts (Megatron's get_train_valid_test_num_samples): train = train_samples or
+  train_iters x gbs; valid = (train_iters // eval_interval + 1) x eval_iters x gbs (0 without eval_interval);
+  test = eval_iters x gbs.
+- Data: `mock_data`; per-split `train/valid/test_data_path`; or `dataset`, a prefix or a Megatron blend
+  "W1 P1 W2 P2" split by `split`. Any entry naming a raw .jsonl/.jsonl.gz/.parquet file is first tokenized
+  (json key "text") into `tokenized_path` (default: a `<name>_tokenized` folder beside it) with the code of
+  tools/preprocess_data.py, by global rank 0 when `data_shared_file_system`, else by each node's local rank 0;
+  a complete earlier result is reused unless `overwrite_cache`; the other ranks wait and then check it.
+- Index caches go to `data_cache_path`; `no_shared_storage` makes each node's local rank 0 build them.
+- Loaders: Megatron's batch samplers (sampler.py) started at consumed_samples; `max_samples` truncates each
+  dataset; `create_attention_mask_in_dataloader` adds the (1, S, S) mask; the seed's dataloader options apply.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from fsdp2_backend.data.sampler import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
+from fsdp2_backend.errors import UsageError
+from megatron_compat.data.builder import BlendedMegatronDatasetBuilder
+from megatron_compat.data.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron_compat.data.utils import builds_caches_first, get_blend_from_list
+
+RAW_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
+
+
+@dataclass
+class PretrainData:
+    """What the trainer iterates: one loader per split (None when the split is empty or not requested)."""
+
+    train_loader: Optional[DataLoader]
+    valid_loader: Optional[DataLoader]
+    test_loader: Optional[DataLoader]
+    datasets: Tuple[Any, Any, Any]
+    sample_counts: Tuple[int, int, int]
+
+
+def pretrain_sample_counts(train_iters: int, global_batch_size: int, train_samples: Optional[int] = None,
+                           eval_interval: Optional[int] = None, eval_iters: int = 0) -> Tuple[int, int, int]:
+    """(train, valid, test) samples requested from the datasets, as Megatron computes them."""
+    train = train_samples if train_samples else train_iters * global_batch_size
+    valid = (train_iters // eval_interval + 1) * eval_iters * global_batch_size if eval_interval else 0
+    return train, valid, eval_iters * global_batch_size
+
+
+def build_pretrain_data(config, tokenizer, dp_rank: int, dp_size: int, consumed_samples: int,
+                        global_batch_size: int, micro_batch_size: int, train_iters: int,
+                        consumed_valid_samples: int = 0) -> PretrainData:
+    """Datasets and loaders for this data-parallel rank; call on every rank (ranks synchronise while caches
+    and preprocessed files are built). `tokenizer` needs `eod` and `vocab_size` (megatron_compat's tokenizers;
+    an HF tokenizer is adapted); raw inputs are tokenized with it."""
+    data, training = config.data, config.training
+    counts = pretrain_sample_counts(train_iters, global_batch_size, training.train_samples,
+                                    training.eval_interval, training.eval_iters)
+    blend, blend_per_split = _blends(data, tokenizer)
+    dataset_config = GPTDatasetConfig(
+        random_seed=training.seed, sequence_length=data.cutoff_len, blend=blend, blend_per_split=blend_per_split,
+        split=None if blend_per_split else data.split, path_to_cache=data.data_cache_path,
+        mmap_bin_files=data.mmap_bin_files, tokenizer=dataset_tokenizer(tokenizer),
+        reset_position_ids=data.reset_position_ids, reset_attention_mask=bool(data.reset_attention_mask),
+        eod_mask_loss=data.eod_mask_loss, create_attention_mask=bool(data.create_attention_mask_in_dataloader),
+        shared_storage=not data.no_shared_storage)
+    cls = MockGPTDataset if dataset_config.mock else GPTDataset
+    datasets = BlendedMegatronDatasetBuilder(cls, list(counts), lambda: True, dataset_config).build()
+    if data.max_samples:
+        datasets = [None if d is None else Subset(d, range(min(len(d), data.max_samples))) for d in datasets]
+    consumed = (consumed_samples, consumed_valid_samples, 0)
+    loaders = [_loader(d, c, micro_batch_size, dp_rank, dp_size, data.dataloader_type, training)
+               if d is not None and n > 0 and len(d) > 0 else None
+               for d, c, n in zip(datasets, consumed, counts)]
+    return PretrainData(*loaders, datasets=tuple(datasets), sample_counts=counts)
+
+
+def data_iterator(loader: Optional[DataLoader], dataloader_type: str) -> Optional[Iterator]:
+    """Megatron's iterator over a loader: once through for `single`, endlessly (epoch after epoch) for `cyclic`."""
+    if loader is None:
+        return None
+    if dataloader_type == "cyclic":
+        def cycle():
+            while True:
+                yield from loader
+        return cycle()
+    return iter(loader)
+
+
+def _loader(dataset, consumed: int, micro_batch_size: int, dp_rank: int, dp_size: int, dataloader_type: str,
+            training) -> DataLoader:
+    if dataloader_type == "cyclic":
+        sampler = MegatronPretrainingRandomSampler(dataset, len(dataset), consumed, micro_batch_size, dp_rank,
+                                                   dp_size, data_sharding=True)
+    else:
+        if consumed >= len(dataset):
+            raise UsageError(f"consumed samples: {consumed} already reach the dataset's {len(dataset)} samples — "
+                             "train for fewer iterations or use dataloader_type cyclic")
+        sampler = MegatronPretrainingSampler(len(dataset), consumed, micro_batch_size, dp_rank, dp_size)
+    workers = training.dataloader_num_workers
+    extra = {}
+    if workers > 0:
+        extra["persistent_workers"] = training.dataloader_persistent_workers
+        if training.dataloader_prefetch_factor is not None:
+            extra["prefetch_factor"] = training.dataloader_prefetch_factor
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                      pin_memory=training.dataloader_pin_memory and torch.cuda.is_available(), **extra)
+
+
+class _EodTokenizer:
+    """The ids a GPT dataset reads, taken from an HF tokenizer (eod = eos, as megatron-core's HF wrapper)."""
+
+    def __init__(self, hf) -> None:
+        self.eod = hf.eos_token_id if hf.eos_token_id is not None else hf.sep_token_id
+        self.vocab_size = len(hf)
+        if hf.pad_token_id is not None:
+            self.pad = hf.pad_token_id
+        self.unique_identifiers = {"class": type(hf).__name__, "name_or_path": getattr(hf, "name_or_path", None),
+                                   "vocab_size": self.vocab_size}
+        if self.eod is None:
+            raise UsageError("tokenizer: it has no eos (or sep) token to mark document ends — use a tokenizer "
+                             "with an eos token")
+
+
+def dataset_tokenizer(tokenizer):
+    """`tokenizer` itself when it has `eod`, else its HF ids wrapped; mock data only needs eod and vocab_size."""
+    if tokenizer is None:
+        raise UsageError("tokenizer: pretraining data needs one (its eod id marks document ends) — set "
+                         "tokenizer_name_or_path or tokenizer_type")
+    return tokenizer if hasattr(tokenizer, "eod") else _EodTokenizer(tokenizer)
+
+
+def _blends(data, tokenizer):
+    """(blend, blend_per_split) from the data fields; raw files are tokenized first."""
+    if data.mock_data:
+        return None, None
+    per_split = [data.train_data_path, data.valid_data_path, data.test_data_path]
+    if any(per_split):
+        if data.dataset:
+            raise UsageError("dataset / train_data_path: give either one dataset split by `split` or per-split "
+                             "paths, not both")
+        return None, [None if p is None else _resolve(get_blend_from_list(list(p)), data, tokenizer)
+                      for p in per_split]
+    if not data.dataset or not isinstance(data.dataset, (str, list)):
+        raise UsageError("dataset: pretraining needs an indexed prefix, a blend 'W1 P1 W2 P2' or a raw "
+                         ".jsonl/.parquet file (or mock_data) — set dataset (Megatron --data-path)")
+    entries = data.dataset.split() if isinstance(data.dataset, str) else list(data.dataset)
+    return _resolve(get_blend_from_list(entries), data, tokenizer), None
+
+
+def _resolve(blend, data, tokenizer):
+    prefixes, weights = blend
+    raw = [p for p in prefixes if p.endswith(RAW_SUFFIXES)]
+    if raw:
+        if data.reset_attention_mask and not data.append_eod:
+            raise UsageError("reset_attention_mask: needs append_eod when raw data is tokenized (documents are "
+                             "told apart by their EOD) — set append_eod")
+        done = _preprocess(raw, data, tokenizer)
+        prefixes = [done.get(p, p) for p in prefixes]
+    missing = [p for p in prefixes if not (os.path.isfile(p + ".bin") and os.path.isfile(p + ".idx"))]
+    if missing:
+        raise UsageError(f"dataset: {missing[0]}.bin/.idx not found — give the prefix of files written by "
+                         "preprocess_data.py, or a raw .jsonl/.jsonl.gz/.parquet file")
+    return prefixes, weights
+
+
+def _tokenized_prefix(raw_path: str, tokenized_path: Optional[str]) -> str:
+    name = os.path.basename(raw_path)
+    for suffix in RAW_SUFFIXES:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    folder = tokenized_path or os.path.join(os.path.dirname(os.path.abspath(raw_path)), f"{name}_tokenized")
+    return os.path.join(folder, name)
+
+
+def _preprocess(raw_paths: Sequence[str], data, tokenizer) -> dict:
+    """{raw path: indexed prefix}; tokenized on the preprocessing rank(s), checked everywhere."""
+    from megatron_compat.data.preprocess import output_prefix_for, outputs_complete, preprocess_files
+
+    targets = {p: output_prefix_for(_tokenized_prefix(p, data.tokenized_path), "text") for p in raw_paths}
+    error: Optional[BaseException] = None
+    if builds_caches_first(bool(data.data_shared_file_system) and not data.no_shared_storage):
+        try:
+            for raw, prefix in targets.items():
+                if not os.path.isfile(raw):
+                    raise UsageError(f"dataset: {raw} not found — give an existing raw data file")
+                if data.overwrite_cache or not outputs_complete([prefix]):
+                    preprocess_files(raw, _tokenized_prefix(raw, data.tokenized_path), ["text"], tokenizer,
+                                     append_eod=bool(data.append_eod),
+                                     workers=data.preprocessing_num_workers or 1,
+                                     batch_docs=data.preprocessing_batch_size)
+        except BaseException as exc:  # tell the waiting ranks before raising
+            error = exc
+    failed = _any_rank(error is not None)
+    if error is not None:
+        raise error
+    if failed:
+        raise UsageError("dataset: tokenizing the raw data failed on another rank — see its error")
+    missing = [prefix for prefix in targets.values() if not outputs_complete([prefix])]
+    if missing:
+        raise UsageError(f"tokenized_path: {missing[0]}.bin/.idx not visible on this node after preprocessing — "
+                         "unset data_shared_file_system when nodes do not share this folder")
+    return targets
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether `flag` is set on any rank (a barrier too); just `flag` without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    device = "cpu" if dist.get_backend() == "gloo" else torch.accelerator.current_accelerator()
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
