@@ -148,3 +148,51 @@ def test_cp2_matches_one_rank_for_ulysses_and_ring(tmp_path):
     results = json.loads(out.read_text())
     assert len(results) == 5, results
     print(json.dumps(results))
+
+
+def _fsdp_cp_worker(rank, world_size, out_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from transformers import Qwen3ForCausalLM
+
+    from fsdp2_backend.parallel.context_parallel.attention import enable_context_parallel
+    from fsdp2_backend.parallel.context_parallel.batch import cp_token_mean
+
+    # dp 1 x cp 2 with FSDP sharding over the cp ranks (as torchtitan's dp_shard x cp flattening)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_cp",))
+    torch.manual_seed(0)
+    reference = Qwen3ForCausalLM(tiny_qwen3_config())
+    model = Qwen3ForCausalLM(tiny_qwen3_config())
+    model.load_state_dict(reference.state_dict())
+    enable_context_parallel(model, mesh, "ring")
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # sum, not average: each rank's loss is already divided by the global token count; force SUM
+            # collectives because gloo has no PREMUL_SUM (and its AVG is unreliable, pytorch#162338)
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    ids = torch.randint(0, 512, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    full = {"input_ids": ids, "labels": shift_labels(ids)}
+    ref_sum, ref_count = token_loss_sum(reference, full)
+    (ref_sum / ref_count).backward()
+    loss = cp_token_mean(*token_loss_sum(model, shard_batch_for_cp(full, rank, world_size, "ring")), mesh.get_group())
+    loss.backward()
+    reported = loss.detach().clone()
+    dist.all_reduce(reported)
+    assert abs(reported.item() - (ref_sum / ref_count).item()) < 1e-5
+    for (name, ref_p), p in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), ref_p.grad, atol=1e-5, rtol=0, msg=name)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"loss": reported.item()}, f)
+
+
+def test_fsdp_sharded_over_cp_ranks_sums_gradients_to_the_one_rank_ones(tmp_path):
+    """FSDP2 over the cp ranks with gradient divide factor 1 + cp_token_mean = the one-rank loss and gradients."""
+    out = tmp_path / "fsdp_cp.json"
+    run_distributed(_fsdp_cp_worker, 2, str(out))
+    assert "loss" in json.loads(out.read_text())
