@@ -118,10 +118,26 @@ def _static(ctx: Context, groups: Dict[str, str]) -> None:
             ctx.record(dest, rule.kind, rule.text)
 
 
+# Sizes that must be positive for any layout or model to exist (the arithmetic below divides by them).
+_POSITIVE = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
+             "expert_model_parallel_size", "micro_batch_size", "global_batch_size", "make_vocab_size_divisible_by",
+             "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "seq_length", "num_experts",
+             "moe_router_topk", "moe_ffn_hidden_size", "ffn_hidden_size", "kv_channels")
+
+
+def _check_positive(ns) -> None:
+    bad = [f"--{dest.replace('_', '-')}: must be at least 1, got {getattr(ns, dest)} — give a positive number"
+           for dest in _POSITIVE if getattr(ns, dest) is not None and getattr(ns, dest) < 1
+           and not (dest == "num_experts" and getattr(ns, dest) == 0)]  # Megatron reads 0 experts as dense
+    if bad:
+        raise UsageError(bad)
+
+
 def translate_report(argv: Sequence[str], world_size: int = 1) -> Translation:
     """Translates and reports every flag, declined ones included; raises UsageError only for a bad command line."""
     argv, warnings = shell_words.clean(argv, takes_value)
     parsed = parse_megatron(argv)
+    _check_positive(parsed.namespace)
     active = _active(parsed)
     ctx = Context(parsed.namespace, active, world_size, argv)
     ctx.warnings.extend(warnings)

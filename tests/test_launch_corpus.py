@@ -72,3 +72,25 @@ def test_corpus_figures():
             pass
     assert len(LINES) == 60
     assert translated >= 29
+
+
+def test_mangled_lines_give_usage_errors_never_crashes():
+    """Corpus lines with tokens dropped, swapped or duplicated: a translation or a UsageError, nothing else."""
+    import random
+    rng = random.Random(1234)
+    keys = sorted(LINES)
+    for _ in range(300):
+        argv = list(LINES[rng.choice(keys)])
+        for _ in range(rng.randint(1, 4)):
+            i, j = rng.randrange(len(argv)), rng.randrange(len(argv))
+            op = rng.choice(("drop", "swap", "dup"))
+            if op == "drop":
+                del argv[i]
+            elif op == "swap":
+                argv[i], argv[j] = argv[j], argv[i]
+            else:
+                argv.insert(i, argv[j])
+        try:
+            translate_megatron(argv, world_size=rng.choice((1, 2, 8)))
+        except UsageError as exc:
+            assert exc.messages and all(isinstance(m, str) and m for m in exc.messages)

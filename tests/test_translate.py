@@ -302,3 +302,11 @@ def test_expert_bias_updates_are_declined():
     with pytest.raises(UsageError) as err:
         translate_megatron(argv)
     assert err.value.messages[0].startswith("--moe-router-enable-expert-bias: aux-loss-free balancing")
+
+
+@pytest.mark.parametrize("flag", ["--tensor-model-parallel-size", "--micro-batch-size", "--num-attention-heads",
+                                  "--make-vocab-size-divisible-by"])
+def test_zero_sizes_are_usage_errors(flag):
+    with pytest.raises(UsageError) as err:
+        translate_megatron(BASE + [flag, "0"], world_size=2)
+    assert err.value.messages == [f"{flag}: must be at least 1, got 0 — give a positive number"]
