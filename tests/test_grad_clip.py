@@ -1,5 +1,6 @@
 """Global grad norm and clipping over FSDP2 DTensor grads (2 gloo ranks, two meshes) vs a 1-rank run, with
-the Megatron loss scaling of loss.py and FSDP's divide factor set to 1 (explicit SUM reductions)."""
+the Megatron loss scaling of loss.py and FSDP's divide factor set to 1 (explicit SUM reductions); also the
+chunked loss with the lm head as its own FSDP unit called once per chunk."""
 import math
 import os
 import tempfile
@@ -7,7 +8,7 @@ import tempfile
 import torch
 
 from fsdp2_backend.training.grad_clip import clip_grad_norm, total_grad_norm
-from fsdp2_backend.training.loss import GlobalBatchLoss, masked_loss_sum
+from fsdp2_backend.training.loss import GlobalBatchLoss, chunked_masked_loss_sum, masked_loss_sum
 from tests.helpers import run_distributed
 
 V, H, S = 13, 8, 6
@@ -22,9 +23,12 @@ class TinyLM(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(H)
         self.head = torch.nn.Linear(H, V, bias=False)
 
-    def forward(self, tokens):
+    def forward(self, tokens, labels=None, mask=None, chunk_size=None):
         h = self.embed(tokens)
-        return self.head(self.norm(h + self.mlp(h)))
+        h = self.norm(h + self.mlp(h))
+        if chunk_size:  # the loss inside the root's forward, so every FSDP unit is unsharded when called
+            return chunked_masked_loss_sum(h, self.head, labels, mask, chunk_size)
+        return masked_loss_sum(self.head(h), labels, mask)
 
 
 def _model():
@@ -41,9 +45,9 @@ def _samples():
     return tokens, labels, mask
 
 
-def _step(model, batches, acc):
+def _step(model, batches, acc, chunk_size=None):
     for tokens, labels, mask in batches:
-        acc.backward_loss(*masked_loss_sum(model(tokens), labels, mask)).backward()
+        acc.backward_loss(*model(tokens, labels, mask, chunk_size)).backward()
     loss = acc.finish(model.parameters())
     norm = clip_grad_norm(model.parameters(), MAX_NORM).item()
     return loss, norm
@@ -65,7 +69,7 @@ def _worker(rank, world, out_path):
     dp_mesh = init_device_mesh("cpu", (world,))
     hsdp_mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
     results = {}
-    for per_token in (False, True):
+    for per_token, chunk_size in ((False, None), (True, None), (False, 4)):
         model = _model()
         fully_shard(model.mlp, mesh=hsdp_mesh)  # another mesh, with a replicated dimension
         fully_shard(model.head, mesh=dp_mesh)
@@ -76,10 +80,11 @@ def _worker(rank, world, out_path):
         tokens, labels, mask = _samples()
         acc = GlobalBatchLoss(num_microbatches=1, dp_size=world, calculate_per_token_loss=per_token,
                               dp_group=dp_mesh.get_group())
-        loss, norm = _step(model, [(tokens[rank:rank + 1], labels[rank:rank + 1], mask[rank:rank + 1])], acc)
+        loss, norm = _step(model, [(tokens[rank:rank + 1], labels[rank:rank + 1], mask[rank:rank + 1])], acc,
+                           chunk_size)
         inf_norm = total_grad_norm(model.parameters(), float("inf")).item()
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-        results[per_token] = (loss, norm, grads, inf_norm)
+        results[per_token, chunk_size] = (loss, norm, grads, inf_norm)
     if rank == 0:
         torch.save(results, out_path)
 
@@ -89,8 +94,7 @@ def test_fsdp2_two_ranks_match_one_rank_loss_norm_and_clipped_grads():
         out = os.path.join(tmp, "r.pt")
         run_distributed(_worker, 2, out)
         results = torch.load(out)
-    for per_token in (False, True):
-        loss, norm, grads, inf_norm = results[per_token]
+    for (per_token, chunk_size), (loss, norm, grads, inf_norm) in results.items():
         ref_loss, ref_norm, ref_grads = _one_rank(per_token)
         assert math.isclose(loss, ref_loss, rel_tol=1e-6)
         assert ref_norm > MAX_NORM  # clipping really happened
@@ -99,7 +103,8 @@ def test_fsdp2_two_ranks_match_one_rank_loss_norm_and_clipped_grads():
             torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-8)
         clipped_inf = max(g.abs().max().item() for g in ref_grads.values())
         assert math.isclose(inf_norm, clipped_inf, rel_tol=1e-6)
-    assert not math.isclose(results[False][1], results[True][1], rel_tol=1e-3)  # the two modes do differ
+    # the two loss modes do differ here
+    assert not math.isclose(results[False, None][1], results[True, None][1], rel_tol=1e-3)
 
 
 def test_clip_skips_non_finite_norm_and_leaves_small_grads():
