@@ -4,8 +4,8 @@ One spawn runs, on the tiny qwen3_moe with FSDP2 + AdamW:
 - EP 2 with the eager dispatcher, 8 steps (DCP checkpoint after step 4): loss every step, every gradient
   of step 1 and its norm (`training.grad_clip.total_grad_norm` over both meshes) equal the 1-process reference (the mean of the
   two ranks' micro-batch losses);
-- EP 2 with the fused dispatcher, under the trainer's gradient scheme (SUM reduction, loss / dp): the same
-  losses;
+- EP 2 with the fused dispatcher, recomputed layers (the all-to-alls run again in backward) and the
+  trainer's gradient scheme (SUM reduction, loss / dp): the same losses;
 - the gathered full state dict of the EP 2 model loaded into transformers' own Qwen3-MoE gives the same loss;
 - EP 1 x expert-FSDP 2 (`shard_by_dim_1`), resumed from the EP 2 checkpoint, continues with the EP 2 run's
   losses, and an EP 2 run resumed from its checkpoint after step 6 too (DCP reshards experts by global index).
@@ -55,7 +55,7 @@ def _reference():
     return losses, grads
 
 
-def _parallel_model(ep, ep_fsdp, dispatcher):
+def _parallel_model(ep, ep_fsdp, dispatcher, recompute=False):
     from types import SimpleNamespace
 
     from torch.distributed.fsdp import fully_shard
@@ -69,6 +69,10 @@ def _parallel_model(ep, ep_fsdp, dispatcher):
     ctx = ParallelContext.create(parallel)
     model = _model()
     expert_params = apply_expert_parallel(model, SimpleNamespace(parallel=parallel), ctx)
+    if recompute:  # the engine's order: EP, then recompute, then FSDP
+        from fsdp2_backend.parallel.recompute import apply_recompute
+
+        apply_recompute(model, ["model.layers.{*}"])
     for layer in model.model.layers:  # the non-expert FSDP, as the engine's FSDP stage does it
         fully_shard(layer, mesh=ctx.fsdp_mesh, ignored_params=expert_params)
     fully_shard(model, mesh=ctx.fsdp_mesh, ignored_params=expert_params)
@@ -152,7 +156,7 @@ def _ranks(rank, world_size, reference, ckpt_dir):
     # The trainer's scheme: every FSDP unit (expert ones included) SUMs, the loss carries 1/dp.
     from fsdp2_backend.training.trainer import enable_sum_gradient_reduction
 
-    model, opt = _with_opt(_parallel_model(ep=2, ep_fsdp=1, dispatcher="fused"))
+    model, opt = _with_opt(_parallel_model(ep=2, ep_fsdp=1, dispatcher="fused", recompute=True))
     enable_sum_gradient_reduction(model)
     fused, _ = _train(model, opt, range(STEPS), rank, loss_scale=1 / world_size)
     torch.testing.assert_close(torch.tensor(fused), torch.tensor(eager), rtol=1e-5, atol=0)
