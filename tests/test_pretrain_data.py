@@ -1,0 +1,134 @@
+"""build_pretrain_data: Megatron's sample counts, batches equal to megatron-core's datasets read in Megatron's
+sampler order, raw .jsonl preprocessing (reuse, overwrite, rank 0 then the others), and the data options."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from fsdp2_backend.config import Config
+from fsdp2_backend.data.pretrain import build_pretrain_data, data_iterator, pretrain_sample_counts
+from fsdp2_backend.errors import UsageError
+from megatron_compat.data.tokenizer import NullTokenizer
+from tests.helpers import run_distributed
+from tests.megatron_reference import IdsTokenizer, write_corpus
+
+SEQ = 16
+
+
+def _config(tmp_path, **data):
+    config = Config()
+    config.training.seed = 1234
+    config.training.eval_interval = 5
+    config.training.eval_iters = 2
+    config.data.cutoff_len = SEQ
+    config.data.data_cache_path = str(tmp_path / "cache")
+    for key, value in data.items():
+        setattr(config.data, key, value)
+    return config
+
+
+def _write_jsonl(path, num_docs=150, vocab=1000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for _ in range(num_docs):
+            n = int(torch.randint(1, 40, (1,), generator=g))
+            f.write(json.dumps({"text": " ".join(str(int(t)) for t in torch.randint(0, vocab, (n,), generator=g))})
+                    + "\n")
+    return str(path)
+
+
+def test_sample_counts_follow_megatron():
+    assert pretrain_sample_counts(100, 32, None, 10, 5) == (3200, (100 // 10 + 1) * 5 * 32, 160)
+    assert pretrain_sample_counts(100, 32, 5000, None, 5) == (5000, 0, 160)
+
+
+def test_batches_equal_megatron_core_in_sampler_order(tmp_path):
+    mcore = pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    prefixes = [write_corpus(str(tmp_path / f"c{i}" / "text_document"), 300, seed=i) for i in range(2)]
+    tokenizer = IdsTokenizer()
+    config = _config(tmp_path, dataset=f"0.3 {prefixes[0]} 0.7 {prefixes[1]}", split="90,8,2", eod_mask_loss=True)
+    gbs, mbs, iters, consumed = 8, 2, 20, 24
+    data = build_pretrain_data(config, tokenizer, dp_rank=1, dp_size=2, consumed_samples=consumed,
+                               global_batch_size=gbs, micro_batch_size=mbs, train_iters=iters)
+    assert data.sample_counts == (160, (20 // 5 + 1) * 2 * 8, 16)
+    ref = BlendedMegatronDatasetBuilder(mcore.GPTDataset, list(data.sample_counts), lambda: True, mcore.GPTDatasetConfig(
+        random_seed=1234, sequence_length=SEQ, blend=([prefixes[0], prefixes[1]], [0.3, 0.7]), split="90,8,2",
+        tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=True,
+        create_attention_mask=False)).build()
+    for k, batch in zip(range(6), data.train_loader):
+        first = consumed + k * mbs * 2 + 1 * mbs  # rank 1's slice of the k-th micro-step
+        for key in ("tokens", "labels", "loss_mask", "position_ids"):
+            expected = torch.stack([ref[0][i][key] for i in range(first, first + mbs)])
+            assert torch.equal(batch[key], expected), (k, key)
+    valid = next(data_iterator(data.valid_loader, "single"))
+    assert torch.equal(valid["tokens"], torch.stack([ref[1][i]["tokens"] for i in (2, 3)]))
+    assert "attention_mask" not in valid
+
+
+def test_options_mock_max_samples_mask_cyclic(tmp_path):
+    config = _config(tmp_path, mock_data=True, max_samples=12, create_attention_mask_in_dataloader=True,
+                     dataloader_type="cyclic")
+    config.training.eval_interval = None
+    data = build_pretrain_data(config, IdsTokenizer(vocab_size=300), 0, 1, 0, 4, 4, 10)
+    assert len(data.datasets[0]) == 12 and data.valid_loader is None
+    batches = list(zip(range(5), data_iterator(data.train_loader, "cyclic")))  # 3 per epoch: wraps around
+    assert len(batches) == 5 and batches[0][1]["attention_mask"].shape == (4, 1, SEQ, SEQ)
+    assert sorted(batches[0][1]["tokens"].flatten().tolist()) != sorted(batches[3][1]["tokens"].flatten().tolist())
+
+
+def test_raw_jsonl_is_tokenized_once_and_reused(tmp_path):
+    raw = _write_jsonl(tmp_path / "corpus.jsonl")
+    tokenizer = NullTokenizer(1000)
+    config = _config(tmp_path, dataset=raw, append_eod=True, tokenized_path=str(tmp_path / "tok"))
+    data = build_pretrain_data(config, tokenizer, 0, 1, 0, 4, 2, 10)
+    bin_path = tmp_path / "tok" / "corpus_text_document.bin"
+    assert bin_path.is_file() and len(data.datasets[0]) >= 40
+    first_tokens = next(iter(data.train_loader))["tokens"]
+    os.utime(bin_path, (1, 1))
+    build_pretrain_data(config, tokenizer, 0, 1, 0, 4, 2, 10)
+    assert os.stat(bin_path).st_mtime == 1  # reused
+    config.data.overwrite_cache = True
+    again = build_pretrain_data(config, tokenizer, 0, 1, 0, 4, 2, 10)
+    assert os.stat(bin_path).st_mtime != 1 and torch.equal(next(iter(again.train_loader))["tokens"], first_tokens)
+
+
+def test_bad_inputs_have_clear_errors(tmp_path):
+    raw = _write_jsonl(tmp_path / "c.jsonl", num_docs=5)
+    with pytest.raises(UsageError, match="reset_attention_mask: needs append_eod"):
+        build_pretrain_data(_config(tmp_path, dataset=raw, reset_attention_mask=True), NullTokenizer(1000),
+                            0, 1, 0, 4, 2, 10)
+    with pytest.raises(UsageError, match="nothing.bin/.idx not found"):
+        build_pretrain_data(_config(tmp_path, dataset=str(tmp_path / "nothing")), IdsTokenizer(), 0, 1, 0, 4, 2, 10)
+    prefix = write_corpus(str(tmp_path / "small" / "text_document"), 40, seed=3)
+    with pytest.raises(UsageError, match="test split has 0 documents"):
+        build_pretrain_data(_config(tmp_path, dataset=prefix, split="969,30,1"), IdsTokenizer(), 0, 1, 0, 4, 2, 10)
+
+
+def _rank_batches(rank, world_size, tmp, raw, out):
+    config = _config_at(tmp, raw)
+    data = build_pretrain_data(config, NullTokenizer(1000), rank, world_size, 0, 8, 2, 6)
+    torch.save([b["tokens"] for _, b in zip(range(8 // world_size), data.train_loader)], f"{out}.{rank}")
+
+
+def _config_at(tmp, raw):
+    import pathlib
+
+    return _config(pathlib.Path(tmp), dataset=raw, append_eod=True, tokenized_path=os.path.join(tmp, "tok"),
+                   split="98,2,0")
+
+
+def test_two_ranks_preprocess_once_and_share_the_global_batch(tmp_path):
+    raw = _write_jsonl(tmp_path / "corpus.jsonl", num_docs=300)
+    run_distributed(_rank_batches, 2, str(tmp_path), raw, str(tmp_path / "two"))
+    two = [torch.load(tmp_path / f"two.{r}") for r in range(2)]
+    single = build_pretrain_data(_config_at(str(tmp_path), raw), NullTokenizer(1000), 0, 1, 0, 8, 2, 6)
+    one = [b["tokens"] for _, b in zip(range(4), single.train_loader)]
+    # Iteration 0 = micro-steps 0, 1: at DP 2 each rank's two micro-batches, at DP 1 four in a row.
+    two_rows = torch.cat([two[0][0], two[1][0], two[0][1], two[1][1]])
+    assert torch.equal(two_rows, torch.cat(one))
+    assert len(list((tmp_path / "tok").glob("*.bin"))) == 1
