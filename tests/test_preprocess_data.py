@@ -37,10 +37,10 @@ def _megatron_tokenizer(tokenizer_type, tokenizer_model=None, vocab_size=None, i
     return mcore_tok.build_tokenizer(ns)
 
 
-def _megatron_reference(lines, keys, tokenizer, append_eod, prefix, order=None):
+def _megatron_reference(lines, keys, tokenizer, append_eod, prefix, order=None, level="document"):
     """Megatron-LM's Encoder.encode + Partition.process_json_file, with megatron-core's builder."""
     dtype = mcore_ds.DType.optimal_dtype(tokenizer.vocab_size)
-    builders = {k: mcore_ds.IndexedDatasetBuilder(f"{prefix}_{k}_document.bin", dtype=dtype) for k in keys}
+    builders = {k: mcore_ds.IndexedDatasetBuilder(f"{prefix}_{k}_{level}.bin", dtype=dtype) for k in keys}
     for i in order if order is not None else range(len(lines)):
         data = json.loads(lines[i])
         for key in keys:
@@ -56,14 +56,14 @@ def _megatron_reference(lines, keys, tokenizer, append_eod, prefix, order=None):
                 lens[-1] += 1
             builders[key].add_document(doc_ids, lens)
     for key in keys:
-        builders[key].finalize(f"{prefix}_{key}_document.idx")
+        builders[key].finalize(f"{prefix}_{key}_{level}.idx")
 
 
-def _assert_same(ours_prefix, ref_prefix, keys):
+def _assert_same(ours_prefix, ref_prefix, keys, level="document"):
     for key in keys:
         for ext in (".bin", ".idx"):
-            a = Path(f"{ours_prefix}_{key}_document{ext}").read_bytes()
-            b = Path(f"{ref_prefix}_{key}_document{ext}").read_bytes()
+            a = Path(f"{ours_prefix}_{key}_{level}{ext}").read_bytes()
+            b = Path(f"{ref_prefix}_{key}_{level}{ext}").read_bytes()
             assert a == b, (key, ext)
 
 
@@ -286,6 +286,43 @@ def test_parquet_input_matches_jsonl(tmp_path, hf_dir, corpus):
     _assert_same(tmp_path / "pq", tmp_path / "ref", ["text"])
 
 
+def test_split_sentences_with_locally_trained_punkt(tmp_path, hf_dir, corpus, monkeypatch):
+    nltk = pytest.importorskip("nltk")
+    from nltk.tokenize.punkt import PunktTokenizer, PunktTrainer, save_punkt_params
+
+    lang_dir = tmp_path / "nltk" / "tokenizers" / "punkt_tab" / "english"
+    lang_dir.mkdir(parents=True)
+    trainer = PunktTrainer()
+    trainer.train("\n".join(stdlib_texts(40, 3000)), finalize=True)
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "nltk")] + nltk.data.path)
+    save_punkt_params(trainer.get_params(), dir=str(lang_dir))
+    path, lines = corpus
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=hf_dir)
+    preprocess_files(str(path), str(tmp_path / "ours"), ["text"], tokenizer, append_eod=True, workers=2,
+                     split_sentences=True)
+    splitter = PunktTokenizer("english")
+    split_lines = [json.dumps({"text": splitter.tokenize(json.loads(line)["text"])}) for line in lines]
+    _megatron_reference(split_lines, ["text"], _megatron_tokenizer("HuggingFaceTokenizer", hf_dir), True,
+                        tmp_path / "ref", level="sentence")
+    _assert_same(tmp_path / "ours", tmp_path / "ref", ["text"], level="sentence")
+    # --keep-newlines: the same text, sentence by sentence, with the newlines after sentences kept
+    preprocess_files(str(path), str(tmp_path / "nl"), ["text"], tokenizer, workers=1, split_sentences=True,
+                     keep_newlines=True)
+    from megatron_compat.data.indexed_dataset import IndexedDataset
+
+    def document_texts(prefix):
+        dataset = IndexedDataset(prefix)
+        bounds = dataset.document_indices
+        return ["".join(tokenizer.detokenize(dataset[i].tolist()) for i in range(bounds[d], bounds[d + 1]))
+                for d in range(len(bounds) - 1)]
+
+    kept = document_texts(str(tmp_path / "nl_text_sentence"))
+    eaten = document_texts(str(tmp_path / "ref_text_sentence"))
+    originals = [json.loads(line)["text"] for line in lines]
+    assert ["".join(t.split()) for t in kept] == ["".join(t.split()) for t in originals]
+    assert sum(t.count("\n") for t in kept) > sum(t.count("\n") for t in eaten)
+
+
 # ---- bad input: one clear line, exit 2, nothing that looks complete left behind ----
 
 def _bad_run(tmp_path, hf_dir, content, *extra):
@@ -320,11 +357,9 @@ def test_missing_tokenizer_names_path(tmp_path):
 def test_missing_input_and_split_sentences_without_nltk(tmp_path, hf_dir):
     stderr = _bad_run(tmp_path, hf_dir, "", "--input", str(tmp_path / "none*.jsonl"))
     assert "error: --input: " in stderr and "no such file" in stderr
-    try:
-        import nltk  # noqa: F401
-    except ImportError:
-        stderr = _bad_run(tmp_path, hf_dir, '{"text": "a. b."}\n', "--split-sentences")
-        assert "error: --split-sentences: needs NLTK, which is not installed" in stderr
+    stderr = _bad_run(tmp_path, hf_dir, '{"text": "a. b."}\n', "--split-sentences", "--lang", "klingon")
+    assert ("error: --split-sentences: needs NLTK, which is not installed" in stderr
+            or "error: --lang klingon: NLTK punkt data not found" in stderr)
 
 
 class _DyingTokenizer:

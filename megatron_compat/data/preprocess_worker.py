@@ -35,10 +35,16 @@ def build_sentence_splitter(lang: str, keep_newlines: bool):
         raise UsageError("--split-sentences: needs NLTK, which is not installed — pip install nltk, then "
                          "python -m nltk.downloader punkt") from None
     try:
-        splitter = nltk.data.load(f"tokenizers/punkt/{lang}.pickle")
+        try:  # nltk >= 3.8.2 reads punkt from its `punkt_tab` data and no longer loads pickles
+            from nltk.tokenize.punkt import PunktTokenizer
+        except ImportError:
+            splitter = nltk.data.load(f"tokenizers/punkt/{lang}.pickle")
+        else:
+            splitter = PunktTokenizer(lang)
     except (LookupError, OSError, ValueError) as exc:
-        raise UsageError(f"--lang {lang}: NLTK punkt data not found ({str(exc).strip().splitlines()[0]}) — run "
-                         "python -m nltk.downloader punkt (set NLTK_DATA to where it is)") from None
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip(" *")]
+        raise UsageError(f"--lang {lang}: NLTK punkt data not found ({lines[0] if lines else exc}) — run "
+                         "python -m nltk.downloader punkt_tab (set NLTK_DATA to where it is)") from None
     if not keep_newlines:
         return splitter
 
