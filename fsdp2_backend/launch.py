@@ -52,10 +52,10 @@ def parse_command_line(argv: List[str], world_size: int) -> Tuple[Config, List[s
     report: List[str] = []
     layers = list(native)
     if rest:
-        from megatron_compat.translate import translate_megatron
+        from megatron_compat.translate import report_lines, translate_megatron
 
         translation = translate_megatron(rest, world_size=world_size)
-        report = translation.report.lines()
+        report = report_lines(translation.report)
         flag_of = {target: flag for flag, target in translation.report.mapped}
         errors = _conflicts(translation.fields, native, flag_of)
         if errors:
