@@ -55,7 +55,7 @@ def _train(model_dir, per_token, dp, rank):
                          parallelize=lambda m: apply_parallelism(m, config, ctx))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     trainer = Trainer(config, ctx, model, optimizer, _ConstantLR(), _rank_micro_batches(_samples(), dp, rank),
-                      STEPS, micro_batches=GBS // (MBS * dp), log_fn=lambda trainer, line: None)
+                      STEPS, micro_batches=GBS // (MBS * dp))
     result = trainer.train()
     ctx.close()
     return {"losses": result.losses, "grad_norms": result.grad_norms}

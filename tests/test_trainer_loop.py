@@ -50,7 +50,6 @@ def parts(tmp_path):
 def _trainer(config, ctx, model, optimizer, scheduler, **kw):
     from fsdp2_backend.training.trainer import Trainer
 
-    kw.setdefault("log_fn", lambda trainer, record: None)
     return Trainer(config, ctx, model, optimizer, scheduler, _batches(1), config.training.max_steps,
                    micro_batches=1, **kw)
 
@@ -89,7 +88,12 @@ def test_loop_counts_exits_validates_and_calls_save_hook(parts):
     config.training.eval_iters = 3
     config.training.save_steps = 2
     config.training.exit_interval = 5
-    records, saves, calls = [], [], []
+    from fsdp2_backend.training.logging import TrainLogger, parse_train_line
+
+    lines, saves, calls = [], [], []
+    logger = TrainLogger(train_iters=6, log_interval=2, global_batch_size=MBS, world_size=1,
+                         device=torch.device("cpu"), is_logging_rank=True, tokens_per_iteration=MBS * SEQ,
+                         print_fn=lines.append)
 
     def inf_on_second(logits, labels, mask):
         calls.append(1)
@@ -97,7 +101,7 @@ def test_loop_counts_exits_validates_and_calls_save_hook(parts):
         return (loss_sum + float("inf") if len(calls) == 2 else loss_sum), count
 
     trainer = _trainer(config, ctx, model, optimizer, scheduler, loss_fn=inf_on_second,
-                       valid_batches=_batches(2), log_fn=lambda t, record: records.append(dict(record)),
+                       valid_batches=_batches(2), logger=logger,
                        save_hook=lambda t, reason: saves.append((t.state.iteration, reason)))
     result = trainer.train()
     assert result.state.iteration == 5 and result.state.consumed_train_samples == 5 * MBS
@@ -106,10 +110,14 @@ def test_loop_counts_exits_validates_and_calls_save_hook(parts):
     assert saves == [(2, "interval"), (4, "interval"), (5, "exit")]
     assert [i for i, _ in result.valid_losses] == [2, 4]
     assert result.state.consumed_valid_samples == 2 * 3 * MBS
-    train_records = [r for r in records if "validation" not in r]
-    assert len(train_records) == 2  # iterations 2 and 4
-    first = train_records[0]
-    assert first["skipped_iterations"] == 1 and first["nan_iterations"] == 1
-    assert first["lm loss"] == pytest.approx(result.losses[0])  # averaged over advanced iterations only
-    assert train_records[1]["lm loss"] == pytest.approx((result.losses[2] + result.losses[3]) / 2)
+    parsed = [parse_train_line(line) for line in lines if parse_train_line(line)]
+    assert [p["iteration"] for p in parsed] == [2, 4]  # logging_steps 2
+    assert (parsed[0]["skipped"], parsed[0]["nan"], parsed[1]["skipped"]) == (1, 1, 0)
+    # averaged over the advanced iterations only, printed with 7 significant digits
+    assert parsed[0]["losses"]["lm loss"] == pytest.approx(result.losses[0], rel=1e-6)
+    assert parsed[1]["losses"]["lm loss"] == pytest.approx((result.losses[2] + result.losses[3]) / 2, rel=1e-6)
+    assert parsed[1]["consumed_samples"] == 4 * MBS and parsed[1]["global_batch_size"] == MBS
+    assert parsed[1]["grad_norm"] == pytest.approx(result.grad_norms[3], abs=1e-3)
+    validation = [line for line in lines if "validation loss at iteration" in line]
+    assert len(validation) == 2 and f"lm loss value: {result.valid_losses[0][1]:.6E}" in validation[0]
     assert result.losses[-1] < result.losses[0]

@@ -18,7 +18,6 @@ at the end ("interval" / "exit" / "final"); resuming sets `trainer.state` and th
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -29,9 +28,12 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp2_backend.config import Config
 from fsdp2_backend.distributed.context import ParallelContext
+from fsdp2_backend.errors import UsageError
 from fsdp2_backend.training.grad_clip import clip_grad_norm
 from fsdp2_backend.training.loss import GlobalBatchLoss, masked_loss_sum
+from fsdp2_backend.training.logging import TrainLogger
 from fsdp2_backend.training.loss_scaler import LossScaler
+from fsdp2_backend.training.profiler import StepProfiler
 
 Batch = Dict[str, torch.Tensor]
 
@@ -91,18 +93,24 @@ class Trainer:
 
     def __init__(self, config: Config, ctx: ParallelContext, model: nn.Module, optimizer, scheduler,
                  train_batches: Iterator[Batch], train_iters: int, *, micro_batches: int,
-                 valid_batches: Optional[Iterator[Batch]] = None, log_fn: Callable,
-                 loss_fn: Callable = masked_loss_sum, clip_fn: Callable = clip_grad_norm, profiler=None,
-                 save_hook: Optional[Callable] = None):
+                 valid_batches: Optional[Iterator[Batch]] = None, logger: Optional[TrainLogger] = None,
+                 loss_fn: Callable = masked_loss_sum, clip_fn: Callable = clip_grad_norm,
+                 profiler: Optional[StepProfiler] = None, save_hook: Optional[Callable] = None,
+                 state: Optional[TrainState] = None):
         self.config, self.ctx, self.model = config, ctx, model
         self.optimizer, self.scheduler = optimizer, scheduler
         self.train_batches, self.valid_batches = train_batches, valid_batches
         self.train_iters, self.micro_batches = train_iters, micro_batches
-        self.loss_fn, self.clip_fn, self.log_fn = loss_fn, clip_fn, log_fn
+        self.loss_fn, self.clip_fn = loss_fn, clip_fn
         self.profiler, self.save_hook = profiler, save_hook
-        self.state = TrainState()
+        self.state = state or TrainState()
         self.loss_scaler = LossScaler.for_dtype(config.parallel.param_dtype)
         self.global_batch_size = micro_batches * config.training.per_device_train_batch_size * ctx.dp_size
+        self.logger = logger or TrainLogger(
+            train_iters=train_iters, log_interval=config.training.logging_steps,
+            global_batch_size=self.global_batch_size, world_size=ctx.world_size, device=ctx.device.torch_device,
+            is_logging_rank=ctx.is_last_rank, tokens_per_iteration=self.global_batch_size * config.data.cutoff_len,
+            tensorboard_dir=config.training.tensorboard_dir)
         self.device = ctx.device.torch_device
         self.loss_group = ctx.loss_mesh.get_group()
         enable_sum_gradient_reduction(model)
@@ -168,14 +176,11 @@ class Trainer:
         """Iterates to `train_iters` (or `exit_interval`); logs, validates, profiles and calls the save hook."""
         training = self.config.training
         result = TrainResult(state=self.state)
-        window = _LogWindow()
+        exited = False
         while self.state.iteration < self.train_iters:
-            if self.profiler is not None:
-                self.profiler.step_begin(self.state.iteration)
             step = self.train_step()
-            if self.profiler is not None:
-                self.profiler.step_end(self.state.iteration)
             self.state.iteration += 1
+            iteration = self.state.iteration
             self.state.consumed_train_samples += self.global_batch_size
             self.state.skipped_iterations += int(step.skipped)
             self.state.nan_iterations += int(step.got_nan)
@@ -184,60 +189,119 @@ class Trainer:
             result.grad_norms.append(step.grad_norm)
             result.learning_rates.append(lr)
             result.skipped.append(step.skipped)
-            window.add(step)
-            iteration = self.state.iteration
-            if iteration % max(training.logging_steps, 1) == 0:
-                self.log_fn(self, window.summary(lr=lr, loss_scale=self.loss_scaler.scale))
-                window = _LogWindow()
+            self.logger.record(iteration, losses={"lm loss": step.loss}, skipped=step.skipped, learning_rate=lr,
+                               grad_norm=step.grad_norm, consumed_samples=self.state.consumed_train_samples,
+                               loss_scale=self.loss_scaler.scale)
+            if self.profiler is not None:
+                self.profiler.step(iteration)
             if training.eval_interval and iteration % training.eval_interval == 0 and self.valid_batches:
-                result.valid_losses.append((iteration, self._validate(f"iteration {iteration}")))
-            if training.exit_interval and iteration % training.exit_interval == 0:
-                self._save("exit")
-                break
+                result.valid_losses.append((iteration, self._validate(iteration)))
             if self.save_hook is not None and training.save_steps and iteration % training.save_steps == 0:
                 self._save("interval")
-        else:
-            if training.eval_interval and self.valid_batches and self.train_iters % training.eval_interval:
-                result.valid_losses.append((self.state.iteration, self._validate(
-                    f"iteration {self.state.iteration} on validation set")))
+            if training.exit_interval and iteration % training.exit_interval == 0:
+                self._save("exit")
+                exited = True
+                break
+        if not exited:
+            if training.eval_interval and self.valid_batches and self.state.iteration % training.eval_interval:
+                result.valid_losses.append((self.state.iteration, self._validate(self.state.iteration)))
             self._save("final")
         if self.profiler is not None:
-            self.profiler.finish()
+            self.profiler.close()
+        self.logger.close()
         return result
 
-    def _validate(self, prefix: str) -> float:
-        loss = self.evaluate()
-        self.log_fn(self, {"validation": prefix, "lm loss": loss})
+    def _validate(self, iteration: int) -> float:
+        with self.logger.paused():
+            loss = self.evaluate()
+            self.logger.validation(iteration, {"lm loss": loss}, self.state.consumed_valid_samples)
         return loss
 
     def _save(self, reason: str) -> None:
         if self.save_hook is not None:
-            self.save_hook(self, reason)
+            with self.logger.paused():
+                self.save_hook(self, reason)
 
 
-class _LogWindow:
-    """Megatron's accumulators between two log lines."""
+# -- assembly: Config → everything above → TrainResult -----------------------------------------------------
+def _decline_unsupported(config: Config) -> None:
+    problems = []
+    if config.training.stage != "pt" or config.data.data_manager_type != "mg":
+        problems.append(f"training.stage / data.data_manager_type: '{config.training.stage}' / "
+                        f"'{config.data.data_manager_type}' — only pretraining (stage pt, data_manager_type mg) is "
+                        f"available in this version; SFT comes later")
+    if config.optimization.chunk_loss_size:
+        problems.append("optimization.chunk_loss_size: chunked loss is not wired into the trainer yet — unset it")
+    if problems:
+        raise UsageError(problems)
 
-    def __init__(self):
-        self.start = time.perf_counter()
-        self.loss_sum = 0.0
-        self.advanced = self.skipped = self.nan = self.tokens = self.iterations = 0
-        self.grad_norm = float("nan")
 
-    def add(self, step: StepResult) -> None:
-        self.iterations += 1
-        self.tokens += step.tokens
-        self.grad_norm = step.grad_norm
-        if step.skipped:
-            self.skipped += 1
-            self.nan += int(step.got_nan)
-        else:
-            self.advanced += 1
-            self.loss_sum += step.loss
+def seed_everything(seed: int) -> None:
+    """Python, numpy and torch RNGs (Megatron's --seed; every rank the same: the data order is the sampler's)."""
+    import random
 
-    def summary(self, *, lr: float, loss_scale: float) -> dict:
-        elapsed = time.perf_counter() - self.start
-        return {"elapsed_ms_per_iteration": 1000.0 * elapsed / max(self.iterations, 1),
-                "learning_rate": lr, "lm loss": self.loss_sum / max(self.advanced, 1), "loss_scale": loss_scale,
-                "grad_norm": self.grad_norm, "skipped_iterations": self.skipped, "nan_iterations": self.nan,
-                "tokens_per_second": self.tokens / max(elapsed, 1e-9)}
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _train_iters(config: Config, global_batch_size: int, build_data: Callable) -> int:
+    """Megatron's length: max_steps (--train-iters), train_samples // gbs, or num_train_epochs of the train
+    split (its one-epoch sample count read from a one-iteration build)."""
+    training = config.training
+    if training.max_steps and training.max_steps > 0:
+        return training.max_steps
+    if training.train_samples:
+        return training.train_samples // global_batch_size
+    epoch_samples = len(build_data(1).datasets[0] or ())
+    iters = int(training.num_train_epochs * epoch_samples) // global_batch_size
+    if iters < 1:
+        raise UsageError(f"training.num_train_epochs: {training.num_train_epochs} epochs of {epoch_samples} samples "
+                         f"make no global batch of {global_batch_size} — train longer or set max_steps")
+    return iters
+
+
+def run_training(config: Config, save_hook: Optional[Callable] = None) -> TrainResult:
+    """Trains per `config` (validated) on this process's rank; the entry point of pretrain_fsdp2.py."""
+    from fsdp2_backend.data.pretrain import build_pretrain_data, data_iterator
+    from fsdp2_backend.models.setup import setup_model_and_tokenizer
+    from fsdp2_backend.training.optimizer import build_optimizer
+    from fsdp2_backend.training.scheduler import ParamScheduler, scheduler_steps
+
+    _decline_unsupported(config)
+    ctx = ParallelContext.create(config.parallel)
+    try:
+        training = config.training
+        seed_everything(training.seed)
+        bundle = setup_model_and_tokenizer(config, ctx)
+        mbs, micro_batches = training.per_device_train_batch_size, training.gradient_accumulation_steps
+        gbs = mbs * micro_batches * ctx.dp_size
+        state = TrainState()
+
+        def build_data(iters: int):
+            return build_pretrain_data(config, bundle.tokenizer, ctx.dp_rank, ctx.dp_size,
+                                       state.consumed_train_samples, gbs, mbs, iters,
+                                       consumed_valid_samples=state.consumed_valid_samples)
+
+        train_iters = _train_iters(config, gbs, build_data)
+        optimizer = build_optimizer(bundle.model, name=training.optimizer, lr=training.lr,
+                                    weight_decay=training.weight_decay,
+                                    betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_epsilon)
+        scheduler = ParamScheduler(optimizer, **scheduler_steps(training, gbs, train_iters))
+        # Checkpoint load goes here (issue H): it fills model, optimizer, scheduler and `state` before the data
+        # is built, so the loaders start at state.consumed_train_samples like Megatron's.
+        data = build_data(train_iters)
+        if data.train_loader is None:
+            raise UsageError("data.dataset: the training split is empty — check data.split and the data paths")
+        profiler = StepProfiler(config.profiling, rank=ctx.rank, device_type=ctx.device.type,
+                                first_iteration=state.iteration) if config.profiling.profile else None
+        trainer = Trainer(config, ctx, bundle.model, optimizer, scheduler,
+                          data_iterator(data.train_loader, config.data.dataloader_type), train_iters,
+                          micro_batches=micro_batches,
+                          valid_batches=data_iterator(data.valid_loader, config.data.dataloader_type),
+                          profiler=profiler, save_hook=save_hook, state=state)
+        return trainer.train()
+    finally:
+        ctx.close()

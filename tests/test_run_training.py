@@ -1,0 +1,88 @@
+"""`run_training(config)` end to end on 2 gloo ranks: Megatron's mock GPT data, a tiny Qwen3 HF directory,
+Megatron log lines, validation, and a profile written for the chosen steps and rank only."""
+import json
+import os
+
+import pytest
+import torch
+
+from fsdp2_backend.config import Config
+from fsdp2_backend.config_validation import validate
+from fsdp2_backend.errors import UsageError
+from tests.helpers import run_distributed, tiny_qwen3_config, train_bytelevel_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import Qwen3ForCausalLM
+
+    path = tmp_path_factory.mktemp("run_model")
+    tokenizer = train_bytelevel_tokenizer(path, vocab_size=300)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(tiny_qwen3_config(vocab_size=len(tokenizer), num_hidden_layers=1)).save_pretrained(path)
+    return str(path)
+
+
+def _config(model_dir, profile_dir):
+    config = Config()
+    config.model.model_name_or_path = model_dir
+    config.data.mock_data = True
+    config.data.data_manager_type = "mg"
+    config.data.cutoff_len = 32
+    config.training.stage = "pt"
+    config.training.save_checkpoints = False
+    config.training.per_device_train_batch_size = 1
+    config.training.global_batch_size = 4  # 2 ranks x 1 x 2 micro-batches
+    config.training.max_steps = 4
+    config.training.lr = 1e-3
+    config.training.warmup_ratio = 0.25
+    config.training.eval_interval = 2
+    config.training.eval_iters = 1
+    config.parallel.param_dtype = "fp32"
+    config.profiling.profile = True
+    config.profiling.profile_ranks = [1]
+    config.profiling.profile_step_start = 1
+    config.profiling.profile_step_end = 3
+    config.profiling.profile_save_path = profile_dir
+    return config
+
+
+def _worker(rank, world_size, model_dir, out_dir):
+    from fsdp2_backend.training.trainer import run_training
+
+    config = validate(_config(model_dir, os.path.join(out_dir, "profile")), world_size)
+    assert config.training.gradient_accumulation_steps == 2
+    result = run_training(config)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
+        json.dump({"losses": result.losses, "lrs": result.learning_rates, "valid": result.valid_losses,
+                   "state": result.state.state_dict()}, handle)
+
+
+def test_two_rank_run_logs_like_megatron_and_profiles_the_chosen_window(model_dir, tmp_path, capfd):
+    from fsdp2_backend.training.logging import parse_train_line
+
+    run_distributed(_worker, 2, model_dir, str(tmp_path))
+    out = capfd.readouterr().out
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["losses"] == ranks[1]["losses"]  # the loss is global: every rank reports the same
+    result = ranks[0]
+    assert result["state"]["iteration"] == 4 and result["state"]["consumed_train_samples"] == 16
+    lines = [parse_train_line(line) for line in out.splitlines() if parse_train_line(line)]
+    assert [p["iteration"] for p in lines] == [1, 2, 3, 4]  # printed once (by the last rank), every step
+    assert all(p["global_batch_size"] == 4 and p["train_iters"] == 4 for p in lines)
+    assert [p["losses"]["lm loss"] for p in lines] == pytest.approx(result["losses"], rel=1e-6)
+    assert lines[0]["learning_rate"] == pytest.approx(1e-3)  # warmup: 1 of 4 iterations, then decay
+    assert [i for i, _ in result["valid"]] == [2, 4]
+    assert out.count("validation loss at iteration") == 2
+    profiles = sorted(os.listdir(tmp_path / "profile"))
+    assert profiles == ["rank1_steps1-2.pt.trace.json", "rank1_steps1-2.table.txt"]  # steps 1..2 inclusive
+    trace = json.loads((tmp_path / "profile" / profiles[0]).read_text())
+    steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#1", "ProfilerStep#2"}
+
+
+def test_sft_stage_is_declined():
+    from fsdp2_backend.training.trainer import run_training
+
+    with pytest.raises(UsageError, match="only pretraining"):
+        run_training(Config())
