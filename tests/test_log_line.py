@@ -94,6 +94,11 @@ def test_tensorboard_notice_or_scalars(tmp_path):
     except ImportError:
         assert logger.writer is None and printed[0].startswith("notice: tensorboard is not installed")
         return
-    logger.record(1, losses={"lm loss": 1.0}, skipped=False, learning_rate=1e-3, grad_norm=1.0, consumed_samples=1)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger.record(1, losses={"lm loss": 1.5}, skipped=False, learning_rate=1e-3, grad_norm=1.0, consumed_samples=1)
     logger.close()
-    assert any((tmp_path / "tb").iterdir())
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"lm loss", "learning-rate", "grad-norm", "batch-size"} <= set(events.Tags()["scalars"])
+    assert events.Scalars("lm loss")[0].value == 1.5

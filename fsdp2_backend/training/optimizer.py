@@ -51,7 +51,8 @@ def muon_param_names(model: nn.Module) -> List[str]:
     """Names of the parameters Muon trains: 2-D weights outside embeddings and the output layer.
 
     Embedding modules (every nn.Embedding, and HF's get_input_embeddings / get_output_embeddings) are
-    excluded by module, so tied or renamed heads are caught whatever their names.
+    excluded by module, so tied or renamed heads are caught whatever their names. Other 2-D weights (an MoE
+    router's gate included) go to Muon; 3-D grouped expert weights stay with AdamW.
     """
     excluded = set()
     heads = [m for m in model.modules() if isinstance(m, nn.Embedding)]
@@ -62,7 +63,7 @@ def muon_param_names(model: nn.Module) -> List[str]:
     for module in heads:
         excluded.update(id(p) for p in module.parameters())
     return [n for n, p in model.named_parameters()
-            if p.requires_grad and p.dim() == 2 and id(p) not in excluded and not n.endswith(".bias")]
+            if p.requires_grad and p.dim() == 2 and id(p) not in excluded]
 
 
 class ShardedMuon(torch.optim.Muon):
