@@ -3,8 +3,9 @@
 Three kinds, one per flag: `mapped` (a native config field takes its meaning; the text names the field),
 `no_effect` (accepted, nothing to do under FSDP2: overlap, fusion, checkpoint-format and logging extras),
 `declined` (its meaning cannot be honoured and would change results: exit 2, the text says why and what to do).
-Tables are keyed by the option name (`--no-rope-fusion` → `no_rope_fusion`). Some mapped flags decline or fall to no effect for particular values; their handlers in `translate` and
-`architecture` decide that, and the text here says so. Megatron-LM groups that are wholly out of scope get a
+Tables are keyed by the option name (`--no-rope-fusion` → `no_rope_fusion`). The mapped flags and the
+architecture flags are handled in `translate_handlers` and `architecture`, which may decline them or find them
+without effect for particular values. Megatron-LM groups that are wholly out of scope get a
 group-wide rule. `tools/gen_migration_table.py` prints this table, so the README cannot drift from the code.
 """
 from __future__ import annotations
@@ -33,57 +34,64 @@ _NO_EFFECT: Dict[str, str] = {
     "selects a fused or vendor kernel for the same math; this backend picks its own kernels":
         """cross_entropy_loss_fusion cross_entropy_fusion_impl no_masked_softmax_fusion no_bias_gelu_fusion
         no_bias_swiglu_fusion no_bias_dropout_fusion no_rope_fusion no_gradient_accumulation_fusion
-        no_persist_layer_norm transformer_impl attention_backend flash_attention_version use_transformer_engine_op_fuser
-        use_fused_weighted_squared_relu fused_residual_rmsnorm use_te_activation_func moe_permute_fusion
-        moe_router_fusion moe_permute_fusion_into_hybridep mla_down_proj_fusion disable_jit_fuser use_kitchen_attention
-        kitchen_attention_backend use_fused_swiglu gemm_gradient_accumulation_fusion use_ascend_coc coc_fused_kernel
-        coc_parallel_num use_ascend_mc2 use_mc2 mla_fa_without_pad use_sparse_flash_attn use_fused_lightning_indexer
-        use_fused_lightning_indexer_loss use_fused_mhc use_triton_mhc use_fusion_attn_v2 use_fused_ring_attention_update
-        use_fused_moe_token_permute_and_unpermute mla_mm_split enable_mla_absorb shape_order megatron_cp_in_bnsd
-        use_deter_comp lora_fusion disable_bf16_reduced_precision_matmul use_mcore_models
-        attention_softmax_in_fp32 mtp_mem_efficient_logits kv_head_repeat_before_uly_alltoall spec
-        batch_invariant_mode batch_invariant_backend jit_compile topk_softmax_in_fp32 router_gating_in_fp32
-        moe_revert_type_after_topk sparse_mode pre_tockens next_tockens loss_compute_mode
-        flash_decode te_rng_tracker inference_rng_tracker moe_pad_experts_for_cuda_graph_inference enable_experimental""",
+        no_persist_layer_norm transformer_impl attention_backend flash_attention_version
+        use_transformer_engine_op_fuser use_fused_weighted_squared_relu fused_residual_rmsnorm
+        use_te_activation_func moe_permute_fusion moe_router_fusion moe_permute_fusion_into_hybridep
+        mla_down_proj_fusion disable_jit_fuser use_kitchen_attention kitchen_attention_backend
+        use_fused_swiglu gemm_gradient_accumulation_fusion use_ascend_coc coc_fused_kernel coc_parallel_num
+        use_ascend_mc2 use_mc2 mla_fa_without_pad use_sparse_flash_attn use_fused_lightning_indexer
+        use_fused_lightning_indexer_loss use_fused_mhc use_triton_mhc use_fusion_attn_v2
+        use_fused_ring_attention_update use_fused_moe_token_permute_and_unpermute mla_mm_split
+        enable_mla_absorb shape_order megatron_cp_in_bnsd use_deter_comp lora_fusion
+        disable_bf16_reduced_precision_matmul use_mcore_models attention_softmax_in_fp32
+        mtp_mem_efficient_logits kv_head_repeat_before_uly_alltoall spec batch_invariant_mode
+        batch_invariant_backend jit_compile topk_softmax_in_fp32 router_gating_in_fp32
+        moe_revert_type_after_topk sparse_mode pre_tockens next_tockens loss_compute_mode flash_decode
+        te_rng_tracker inference_rng_tracker moe_pad_experts_for_cuda_graph_inference enable_experimental""",
     "a communication-overlap or scheduling setting of Megatron's own schedules; FSDP2 overlaps its own way":
         """tp_comm_overlap no_tp_comm_bulk_wgrad no_tp_comm_bulk_dgrad no_tp_comm_overlap_ag no_tp_comm_overlap_rs
-        tp_comm_overlap_rs_dgrad no_tp_comm_split_ag no_tp_comm_split_rs tp_comm_bootstrap_backend tp_comm_overlap_cfg
-        overlap_moe_expert_parallel_comm delay_wgrad_compute overlap_dispatch_backward_with_experts_wgrad
-        ep_overlap_early_attn_memory_release use_ring_exchange_p2p defer_embedding_wgrad_compute wgrad_deferral_limit
-        no_overlap_p2p_communication overlap_grad_reduce overlap_param_gather overlap_param_gather_with_optimizer_step
-        no_align_grad_reduce no_align_param_gather ddp_num_buckets ddp_bucket_size ddp_pad_buckets_for_high_nccl_busbw
-        ddp_average_in_collective high_priority_stream_groups high_priority_a2a_comm_stream use_sharp
-        sharp_enabled_group nccl_communicator_config_path use_nccl_ub disable_symmetric_registration gtp_remat_nccl_ub
+        tp_comm_overlap_rs_dgrad no_tp_comm_split_ag no_tp_comm_split_rs tp_comm_bootstrap_backend
+        tp_comm_overlap_cfg overlap_moe_expert_parallel_comm delay_wgrad_compute
+        overlap_dispatch_backward_with_experts_wgrad ep_overlap_early_attn_memory_release
+        use_ring_exchange_p2p defer_embedding_wgrad_compute wgrad_deferral_limit
+        no_overlap_p2p_communication overlap_grad_reduce overlap_param_gather
+        overlap_param_gather_with_optimizer_step no_align_grad_reduce no_align_param_gather ddp_num_buckets
+        ddp_bucket_size ddp_pad_buckets_for_high_nccl_busbw ddp_average_in_collective
+        high_priority_stream_groups high_priority_a2a_comm_stream use_sharp sharp_enabled_group
+        nccl_communicator_config_path use_nccl_ub disable_symmetric_registration gtp_remat_nccl_ub
         gtp_expert_remat_nccl_ub fsdp_manual_registration create_all_gather_group fsdp_double_buffer
-        suggested_communication_unit_size no_gradient_reduce_div_fusion megatron_fsdp_version no_use_layer_wise_param_layout
-        megatron_fsdp_enable_fine_grained_param_gather megatron_fsdp_max_pool_double_buffer
-        fsdp_db_use_persist_buf_on_alloc_fail moe_permutation_async_comm moe_alltoall_overlap_comm moe_fb_overlap
-        moe_hierarchical_alltoallv use_cp_send_recv_overlap moe_shared_expert_overlap moe_flex_dispatcher_backend
-        moe_enable_deepep moe_flex_dispatcher_num_sms moe_deepep_num_sms moe_hybridep_num_sms
-        moe_hybridep_num_blocks_permute moe_hybridep_num_blocks_unpermute moe_hybridep_num_sms_preprocessing
-        moe_ncclep_zero_copy moe_hybridep_pad_uneven_dispatch_inputs moe_use_grouped_tensor moe_single_grouped_weight
-        moe_single_grouped_bias use_grouped_gemm_for_shared_expert use_grouped_gemm_for_dense_mlp enable_a2avc
-        moe_tp_extend_ep async_log_allreduce use_nanopipe use_pipe_experts moe_experts_pipeline_degree
-        enable_cuda_graph cuda_graph_warmup_steps external_cuda_graph cuda_graph_impl inference_cuda_graph_scope
-        optimizer_cuda_graph mlp_chunks_for_prefill mlp_chunks_for_training
-        ulysses_degree_in_cp tp_2d tp_x tp_y symmetric_ar_type""",
+        suggested_communication_unit_size no_gradient_reduce_div_fusion megatron_fsdp_version
+        no_use_layer_wise_param_layout megatron_fsdp_enable_fine_grained_param_gather
+        megatron_fsdp_max_pool_double_buffer fsdp_db_use_persist_buf_on_alloc_fail
+        moe_permutation_async_comm moe_alltoall_overlap_comm moe_fb_overlap moe_hierarchical_alltoallv
+        use_cp_send_recv_overlap moe_shared_expert_overlap moe_flex_dispatcher_backend moe_enable_deepep
+        moe_flex_dispatcher_num_sms moe_deepep_num_sms moe_hybridep_num_sms moe_hybridep_num_blocks_permute
+        moe_hybridep_num_blocks_unpermute moe_hybridep_num_sms_preprocessing moe_ncclep_zero_copy
+        moe_hybridep_pad_uneven_dispatch_inputs moe_use_grouped_tensor moe_single_grouped_weight
+        moe_single_grouped_bias use_grouped_gemm_for_shared_expert use_grouped_gemm_for_dense_mlp
+        enable_a2avc moe_tp_extend_ep async_log_allreduce use_nanopipe use_pipe_experts
+        moe_experts_pipeline_degree enable_cuda_graph cuda_graph_warmup_steps external_cuda_graph
+        cuda_graph_impl inference_cuda_graph_scope optimizer_cuda_graph mlp_chunks_for_prefill
+        mlp_chunks_for_training ulysses_degree_in_cp tp_2d tp_x tp_y symmetric_ar_type""",
     "an inference-engine setting; pretraining does not use it":
         """nccl_all_reduce_for_prefill inference_fuse_tp_communication inference_disable_triton_nvls_kernels
         inference_grouped_gemm_backend inference_moe_disable_fused_quant_kernels cache_mla_latents""",
     "a memory-saving setting with no effect on the results; FSDP2 manages memory itself":
         """cpu_offloading_num_layers cpu_offloading_retain_pinned_cpu_buffers fine_grained_activation_offloading
-        offload_modules min_offloaded_tensor_size delay_offload_until_cuda_graph delta_offload_bytes_across_pp_ranks
-        activation_offload_fraction moe_paged_stash moe_paged_stash_page_size moe_paged_stash_buffer_size_factor_cuda
-        moe_paged_stash_buffer_size_factor_cpu fine_grained_offloading_max_inflight_offloads empty_unused_memory_level
-        manual_gc manual_gc_interval no_manual_gc_eval optimizer_cpu_offload optimizer_offload_fraction
-        use_torch_optimizer_for_cpu_offload overlap_cpu_optimizer_d2h_h2d no_pin_cpu_grads no_pin_cpu_params
-        swap_optimizer swap_attention swap_modules reuse_fp32_param moe_zero_memory moe_zero_memory_num_layers
-        adaptive_recompute_device_swap adaptive_recompute_device_size memory_fragmentation enable_share_memory
-        distribute_saved_activations moe_layer_recompute gtp_remat_opt_in_modules recompute_in_advance
-        moe_adaptive_recompute_activation moe_without_activation no_clone_scatter_output_in_embedding
-        mhc_recompute_layer_num use_precision_aware_optimizer mamba_training_ssm_states_dtype
-        reuse_grad_buf_for_mxfp8_param_ag keep_fp8_transpose_cache fp8_param_gather fp4_param_gather
-        recompute_activation_function recompute_activation_function_num_layers recompute_norm recompute_norm_num_layers""",
+        offload_modules min_offloaded_tensor_size delay_offload_until_cuda_graph
+        delta_offload_bytes_across_pp_ranks activation_offload_fraction moe_paged_stash
+        moe_paged_stash_page_size moe_paged_stash_buffer_size_factor_cuda
+        moe_paged_stash_buffer_size_factor_cpu fine_grained_offloading_max_inflight_offloads
+        empty_unused_memory_level manual_gc manual_gc_interval no_manual_gc_eval optimizer_cpu_offload
+        optimizer_offload_fraction use_torch_optimizer_for_cpu_offload overlap_cpu_optimizer_d2h_h2d
+        no_pin_cpu_grads no_pin_cpu_params swap_optimizer swap_attention swap_modules reuse_fp32_param
+        moe_zero_memory moe_zero_memory_num_layers adaptive_recompute_device_swap
+        adaptive_recompute_device_size memory_fragmentation enable_share_memory distribute_saved_activations
+        moe_layer_recompute gtp_remat_opt_in_modules recompute_in_advance moe_adaptive_recompute_activation
+        moe_without_activation no_clone_scatter_output_in_embedding mhc_recompute_layer_num
+        use_precision_aware_optimizer mamba_training_ssm_states_dtype reuse_grad_buf_for_mxfp8_param_ag
+        keep_fp8_transpose_cache fp8_param_gather fp4_param_gather recompute_activation_function
+        recompute_activation_function_num_layers recompute_norm recompute_norm_num_layers""",
     "a Megatron DDP / distributed-optimizer layout; FSDP2 shards parameters, gradients and optimizer state itself":
         """use_distributed_optimizer use_megatron_fsdp use_torch_fsdp2 data_parallel_sharding_strategy
         outer_dp_sharding_strategy enable_full_sharding_in_hsdp num_distributed_optimizer_instances
@@ -91,8 +99,8 @@ _NO_EFFECT: Dict[str, str] = {
         ddp_param_name_patterns_for_fp32_local_accumulation accumulate_allreduce_grads_in_fp32
         megatron_fsdp_main_params_dtype megatron_fsdp_main_grads_dtype megatron_fsdp_grad_comm_dtype
         main_grads_dtype main_params_dtype use_tp_pp_dp_mapping lazy_mpu_init local_rank
-        tensor_parallel_num_weight_shards disable_gloo_process_groups fake_process_group distributed_timeout_minutes distributed_timeout_seconds_after_init
-        mtp_standalone""",
+        tensor_parallel_num_weight_shards disable_gloo_process_groups fake_process_group
+        distributed_timeout_minutes distributed_timeout_seconds_after_init mtp_standalone""",
     "a parallel layout with the same math: expert weights are sharded by EP × FSDP, tokens are dispatched by "
     "parallel.ep_dispatcher, context-parallel attention is exact whatever the exchange pattern":
         """expert_tensor_parallel_size expert_tensor_parallel_num_weight_shards moe_token_dispatcher_type
@@ -105,48 +113,52 @@ _NO_EFFECT: Dict[str, str] = {
     "pipeline-parallel layout; pipeline stages are folded into FSDP":
         """pipeline_model_parallel_comm_backend overlap_p2p_communication_warmup_flush
         microbatch_group_size_per_virtual_pipeline_stage account_for_embedding_in_pipeline_split
-        account_for_loss_in_pipeline_split decoder_first_pipeline_num_layers decoder_last_pipeline_num_layers
-        pipeline_model_parallel_layout model_parallel_size schedules_method enable_seq1f1b seq1f1b_balance_method
-        seq1f1b_splits num_layer_list noop_layers enable_recompute_layers_per_pp_rank""",
+        account_for_loss_in_pipeline_split decoder_first_pipeline_num_layers
+        decoder_last_pipeline_num_layers pipeline_model_parallel_layout model_parallel_size schedules_method
+        enable_seq1f1b seq1f1b_balance_method seq1f1b_splits num_layer_list noop_layers
+        enable_recompute_layers_per_pp_rank""",
     "a Megatron/MindSpeed checkpoint-format or conversion setting; this backend reads HF weights and saves DCP":
         """ckpt_format auto_detect_ckpt_format ckpt_convert_format ckpt_convert_save
         ckpt_convert_update_legacy_dist_opt_format ckpt_fully_parallel_save ckpt_fully_parallel_load
         ckpt_fully_parallel_load_exchange_algo ckpt_fully_parallel_load_per_rank_objects
-        ckpt_fully_parallel_save_process_group ckpt_fully_parallel_load_process_group ckpt_assume_constant_structure
-        ckpt_pg_tensors_cache_path ckpt_pg_tensors_cache_create no_ckpt_load_validate_sharding_integrity
-        no_strict_fsdp_dtensor_load dist_ckpt_strictness dist_ckpt_save_pre_mcore_014 dist_ckpt_optim_fully_reshardable
+        ckpt_fully_parallel_save_process_group ckpt_fully_parallel_load_process_group
+        ckpt_assume_constant_structure ckpt_pg_tensors_cache_path ckpt_pg_tensors_cache_create
+        no_ckpt_load_validate_sharding_integrity no_strict_fsdp_dtensor_load dist_ckpt_strictness
+        dist_ckpt_save_pre_mcore_014 dist_ckpt_optim_fully_reshardable
         distrib_optim_fully_reshardable_mem_efficient use_dist_ckpt dist_ckpt_format dist_ckpt_workers
         ckpt_drop_redundant_extra_state async_strategy use_persistent_ckpt_worker async_ckpt_cpu_priority
         async_ckpt_io_priority async_ckpt_use_cpu_shm no_save_tokenizer_assets use_checkpoint_args
-        use_mp_args_from_checkpoint_args no_use_tokenizer_model_from_checkpoint_args load_main_params_from_ckpt
-        exit_on_missing_checkpoint save_retain_interval use_checkpoint_opt_param_scheduler
-        override_opt_param_scheduler enable_hf2mg_convert enable_mg2hf_convert model_type_hf hf_cfg_dir
-        load_checkpoint_loosely verify_integrity no_ckpt_fully_parallel_save replication replication_jump replication_factor""",
+        use_mp_args_from_checkpoint_args no_use_tokenizer_model_from_checkpoint_args
+        load_main_params_from_ckpt exit_on_missing_checkpoint save_retain_interval
+        use_checkpoint_opt_param_scheduler override_opt_param_scheduler enable_hf2mg_convert
+        enable_mg2hf_convert model_type_hf hf_cfg_dir load_checkpoint_loosely verify_integrity
+        no_ckpt_fully_parallel_save replication replication_jump replication_factor""",
     "a logging or monitoring extra without a counterpart here (the Megatron log line is printed as usual)":
         """log_params_norm log_throughput log_progress timing_log_level timing_log_option tensorboard_log_interval
         tensorboard_queue_size log_timers_to_tensorboard no_log_loss_scale_to_tensorboard
-        log_validation_ppl_to_tensorboard log_memory_to_tensorboard log_memory_interval log_device_memory_used
-        log_num_zeros_in_grad log_max_attention_logit no_barrier_with_level_1_timing log_world_size_to_tensorboard
-        wandb_project wandb_exp_name wandb_save_dir wandb_entity logging_level log_energy moe_per_layer_logging
-        moe_routing_trace_path moe_routing_trace_max_training_iters moe_routing_trace_capture_logits
-        moe_routing_trace_capture_hidden_states moe_routing_trace_dump_weights use_wandb config_logger_dir
-        record_memory_history memory_snapshot_path nvtx_ranges use_pytorch_profiler pytorch_profiler_collect_chakra
+        log_validation_ppl_to_tensorboard log_memory_to_tensorboard log_memory_interval
+        log_device_memory_used log_num_zeros_in_grad log_max_attention_logit no_barrier_with_level_1_timing
+        log_world_size_to_tensorboard wandb_project wandb_exp_name wandb_save_dir wandb_entity logging_level
+        log_energy moe_per_layer_logging moe_routing_trace_path moe_routing_trace_max_training_iters
+        moe_routing_trace_capture_logits moe_routing_trace_capture_hidden_states
+        moe_routing_trace_dump_weights use_wandb config_logger_dir record_memory_history
+        memory_snapshot_path nvtx_ranges use_pytorch_profiler pytorch_profiler_collect_chakra
         save_params_interval save_activations_interval save_tokens_per_expert_interval save_wgrads_interval
         save_dgrads_interval dump_param_to_param_group_map check_weight_hash_across_dp_replicas_interval
         gpu_sniff_test_interval train_sync_interval no_record_throughput flight_recorder_dump_path
-        flight_recorder_trace_buffer_size no_flight_recorder_dump_on_timeout flight_recorder_include_stack_trace
-        no_flight_recorder_include_only_active no_flight_recorder_extra_dump_on_exec""",
-    "a fault-tolerance or signal-handling setting; it does not change what is trained":
+        flight_recorder_trace_buffer_size no_flight_recorder_dump_on_timeout
+        flight_recorder_include_stack_trace no_flight_recorder_include_only_active
+        no_flight_recorder_extra_dump_on_exec""",
+    "a fault-tolerance, self-test or signal-handling setting; it does not change what is trained":
         """exit_signal_handler exit_signal exit_signal_handler_for_dataloader exit_signal_handler_for_training
-        no_check_for_nan_in_loss_and_grad check_for_large_grads result_rejected_tracker_filename check_for_spiky_loss
-        rerun_mode error_injection_rate error_injection_type""",
+        no_check_for_nan_in_loss_and_grad check_for_large_grads result_rejected_tracker_filename
+        check_for_spiky_loss rerun_mode error_injection_rate error_injection_type test_mode""",
     "a data-loading speed setting; the samples are the same":
         """num_dataset_builder_threads dataloader_fast_cache_load dataloader_defer_npy_index_mmap
         per_dataset_sequences_path no_shared_storage allow_ambiguous_pad_tokens""",
     "a data-preprocessing or BERT/T5 setting that GPT pretraining does not read":
-        """mask_prob short_seq_prob sample_rate encoder_num_layers encoder_seq_length
-        vocab_extra_ids handler_name dataset_impl json_keys split_sentences keep_newlines tokenizer_padding_side
-        merge_group_keys""",
+        """mask_prob short_seq_prob sample_rate encoder_num_layers encoder_seq_length vocab_extra_ids handler_name
+        dataset_impl json_keys split_sentences keep_newlines tokenizer_padding_side merge_group_keys""",
     "the same function as a standard norm whose weight is 1 + gamma (weights are loaded or initialised to match)":
         """apply_layernorm_1p add_rmsnorm_offset""",
     "a precision detail of Megatron's kernels (norms and routers already run in fp32 here)":
@@ -169,10 +181,10 @@ _DECLINED: Dict[str, str] = {
     "FP8/FP4 training (Transformer Engine) is not available and would change the numerics — drop the fp8/fp4 "
     "flags to train in bf16 (quantised training comes as model.quant_recipe_name mxfp8)":
         """fp8_format fp8_recipe fp8_quantizer_factory fp8_margin fp8_interval fp8_amax_history_len
-        fp8_amax_compute_algo no_fp8_wgrad fp8_output_proj first_last_layers_bf16 num_layers_at_start_in_bf16
-        num_layers_at_end_in_bf16 fp4_format fp4_recipe fp4_quantizer_factory te_precision_config_file
-        moe_router_padding_for_quantization moe_router_padding_for_fp8 exp_avg_dtype exp_avg_sq_dtype
-        moe_dispatch_fwd_dtype moe_combine_bwd_dtype""",
+        fp8_amax_compute_algo no_fp8_wgrad fp8_output_proj first_last_layers_bf16
+        num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp4_format fp4_recipe fp4_quantizer_factory
+        te_precision_config_file moe_router_padding_for_quantization moe_router_padding_for_fp8
+        exp_avg_dtype exp_avg_sq_dtype moe_dispatch_fwd_dtype moe_combine_bwd_dtype""",
     "multi-token prediction (MTP) heads and their loss are not implemented; without them the loss differs — "
     "drop the MTP flags":
         """mtp_num_layers mtp_loss_scaling_factor mtp_use_repeated_layer mtp_detach_heads mtp_hsm
@@ -200,42 +212,42 @@ _DECLINED: Dict[str, str] = {
         """is_instruction_dataset prompt_type prompt_type_path variable_seq_lengths no_pad_to_seq_lengths
         padded_samples full_shuffle_instruction_dataset instruction_template hf_datasets_params
         dataset_additional_keys map_keys no_chat_template history_turns enable_thinking drop_thinking
-        add_eos_token cut_max_seqlen no_cut_token pad_to_multiple_of neat_pack
-        sft sft_tokenizer_prompt_format stage streaming datasets dataset_dir cache_dir overwrite_cache
+        add_eos_token cut_max_seqlen no_cut_token pad_to_multiple_of neat_pack sft
+        sft_tokenizer_prompt_format stage streaming datasets dataset_dir cache_dir overwrite_cache
         max_samples mix_strategy interleave_probs""",
     "a checkpoint-conversion tool argument, not a training argument — run MindSpeed's convert_ckpt.py, or load "
     "the HF directory directly with --load":
-        """load_dir load_dir_cloud load_dir_edge save_dir save_dir_cloud save_dir_edge load_model_type
-        save_model_type loader target_tensor_parallel_size target_pipeline_parallel_size target_expert_parallel_size
-        mg_dir mg_save_dir hf_dir hf_save_dir model_index_file model_config_file model_configs save_layer_by_layer
-        num_cloud_vpp_chunks merge_cloud_stages merge_stages middle_ranks middle_stages split_cloud_rank split_rank
-        cvt_type ai_framework shard_size model_name model_name_or_path input output_prefix script_data_dir
-        iteration no_checking n_subs scale_fmt""",
+        """load_dir load_dir_cloud load_dir_edge save_dir save_dir_cloud save_dir_edge load_model_type save_model_type
+        loader target_tensor_parallel_size target_pipeline_parallel_size target_expert_parallel_size mg_dir
+        mg_save_dir hf_dir hf_save_dir model_index_file model_config_file model_configs save_layer_by_layer
+        num_cloud_vpp_chunks merge_cloud_stages merge_stages middle_ranks middle_stages split_cloud_rank
+        split_rank cvt_type ai_framework shard_size model_name model_name_or_path input output_prefix
+        script_data_dir iteration no_checking n_subs scale_fmt""",
     "random gradient/activation perturbation or skipped iterations change the results and are not "
     "implemented — drop it":
-        """iterations_to_skip moe_input_jitter_eps input_jitter moe_router_force_load_balancing
-        moe_router_force_biased moe_enable_routing_replay data_parallel_random_init init_method_xavier_uniform""",
+        """iterations_to_skip moe_input_jitter_eps input_jitter moe_router_force_load_balancing moe_router_force_biased
+        moe_enable_routing_replay data_parallel_random_init init_method_xavier_uniform""",
     "Megatron's µP (maximal update parametrisation) scaling is not implemented — drop it":
         """use_mup mup_width_mult mup_base_hidden_size mup_embedding_mult mup_output_mult mup_base_head_dim
         mup_attn_scale_power dim_model_base scale_depth scale_emb""",
     "a data-pipeline feature that is not implemented (fill-in-the-middle, phase transitions, dataset argument "
     "files, object storage) — prepare the data with tools/preprocess_data.py and pass --data-path":
         """fim_data fim_rate fim_spm_rate fim_split_sample fim_fragment_rate fim_no_prefix fim_prefix_token
-        fim_middle_token fim_suffix_token fim_pad_token fim_eod_token phase_transition_iterations data_args_path
-        per_split_data_args_path object_storage_cache_path mid_level_dataset_surplus
+        fim_middle_token fim_suffix_token fim_pad_token fim_eod_token phase_transition_iterations
+        data_args_path per_split_data_args_path object_storage_cache_path mid_level_dataset_surplus
         dataloader_inter_document_masking validation_set_names multiple_validation_sets full_validation
         eval_global_batch_size eval_micro_batch_size start_eval_at_iter""",
     "this Megatron tokenizer setting has no counterpart — convert the tokenizer to an HF tokenizer directory and "
     "pass --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR":
-        """tiktoken_pattern tiktoken_num_special_tokens tokenizer_metadata tokenizer_special_tokens tokenizer_sentencepiece_legacy
-        no_tokenizer_sentencepiece_ignore_extra_whitespaces tokenizer_hf_no_include_special_tokens null_tokenizer_eod_id
-        null_tokenizer_pad_id chat_template use_gigatoken no_pad_vocab_size pad_vocab_size_to""",
+        """tiktoken_pattern tiktoken_num_special_tokens tokenizer_metadata tokenizer_special_tokens
+        tokenizer_sentencepiece_legacy no_tokenizer_sentencepiece_ignore_extra_whitespaces
+        tokenizer_hf_no_include_special_tokens null_tokenizer_eod_id null_tokenizer_pad_id chat_template
+        use_gigatoken no_pad_vocab_size pad_vocab_size_to""",
     "an encoder-decoder / BERT model setting — this backend trains decoder-only causal LMs; use Megatron-LM":
         """decoder_num_layers decoder_seq_length bert_no_binary_head output_bert_embeddings bert_embedder_type
         relative_attention_num_buckets relative_attention_max_distance""",
     "freezing or per-layer learning-rate changes are not implemented and would change results — drop it":
-        """freeze_all_layers head_lr_mult no_weight_decay_cond_type moe_upcycling_granularity
-        moe_use_upcycling""",
+        """freeze_all_layers head_lr_mult no_weight_decay_cond_type moe_upcycling_granularity moe_use_upcycling""",
     "weight decay on the QK-layernorm weights is not implemented (1-D parameters get none) — drop it":
         """apply_wd_to_qk_layernorm""",
     "Megatron's YAML config files are not read — pass the flags on the command line, or write the native YAML":
@@ -243,8 +255,8 @@ _DECLINED: Dict[str, str] = {
     "`--warmup` is Megatron's removed warmup argument — use --lr-warmup-fraction, --lr-warmup-iters or "
     "--lr-warmup-samples":
         """warmup""",
-    "an evaluation/test mode that replaces training — run evaluation separately":
-        """skip_train test_mode""",
+    "--skip-train replaces training by evaluation — run evaluation separately":
+        """skip_train""",
     "this Muon setting has no counterpart in the native config (only the default Muon is available) — drop it":
         """muon_momentum muon_no_split_qkv muon_nesterov muon_scale_mode muon_fp32_matmul_prec muon_coefficient_type
         muon_num_ns_steps muon_tp_mode muon_use_syrk muon_extra_scale_factor muon_scalar_optimizer""",
