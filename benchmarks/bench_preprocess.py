@@ -54,27 +54,38 @@ class _MegatronEncoder:
         self.tokenizer_dir = tokenizer_dir
 
     def initializer(self):
-        from transformers import AutoTokenizer
-
-        _MegatronEncoder.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+        _MegatronEncoder.tokenize, _MegatronEncoder.eod, _ = reference_tokenizer(self.tokenizer_dir)
 
     def encode(self, line):
         text = json.loads(line)["text"]
-        ids = _MegatronEncoder.tokenizer(text).input_ids
+        ids = _MegatronEncoder.tokenize(text)
         lens = [len(ids)] if ids else []
         if ids:
-            ids.append(_MegatronEncoder.tokenizer.eos_token_id)
+            ids.append(_MegatronEncoder.eod)
             lens[-1] += 1
         return ids, lens, len(line)
 
 
-def run_megatron(corpus: Path, tokenizer_dir: str, prefix: str, workers: int) -> None:
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+def reference_tokenizer(path: str):
+    """(tokenize, eod, vocab size) as Megatron calls them: HF `tokenizer(text).input_ids` for a tokenizer
+    directory, SentencePiece `encode_as_ids` for a .model file."""
+    if path.endswith(".model"):
+        import sentencepiece
 
+        sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        return sp.encode_as_ids, sp.eos_id(), sp.get_piece_size()
     from transformers import AutoTokenizer
 
+    hf = AutoTokenizer.from_pretrained(path)
+    return (lambda text: hf(text).input_ids), hf.eos_token_id, len(hf)
+
+
+def run_megatron(corpus: Path, tokenizer_dir: str, prefix: str, workers: int) -> None:
+    """Megatron-LM's process_json_file: Pool.imap(encode, lines, 32) into megatron-core's builder."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
     encoder = _MegatronEncoder(tokenizer_dir)
-    vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    vocab_size = reference_tokenizer(tokenizer_dir)[2]
     builder = IndexedDatasetBuilder(prefix + "_text_document.bin", dtype=DType.optimal_dtype(vocab_size))
     with open(corpus, encoding="utf-8") as fin, multiprocessing.Pool(workers, encoder.initializer) as pool:
         for ids, lens, _ in pool.imap(encoder.encode, fin, 32):
@@ -86,7 +97,8 @@ def run_ours(corpus: Path, tokenizer_dir: str, prefix: str, workers: int, fast: 
     from megatron_compat.data.preprocess import preprocess_files
     from megatron_compat.data.tokenizer import build_tokenizer
 
-    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tokenizer_dir)
+    kind = "SentencePieceTokenizer" if tokenizer_dir.endswith(".model") else "HuggingFaceTokenizer"
+    tokenizer = build_tokenizer(kind, tokenizer_model=tokenizer_dir)
     preprocess_files(str(corpus), prefix, ["text"], tokenizer, append_eod=True, workers=workers, fast=fast,
                      log_interval=10**9)
 
@@ -116,6 +128,7 @@ def main() -> None:
     parser.add_argument("--train-mb", type=float, default=8.0, help="MB of the corpus the tokenizer trains on")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--hf-too", action="store_true", help="also time our HF-tokenizer (no fast path) run")
+    parser.add_argument("--tokenizer", choices=("bytelevel", "sentencepiece"), default="bytelevel")
     args = parser.parse_args()
     # imported up front so that neither timing includes the imports (megatron-core pulls in torch)
     import megatron.core.datasets.indexed_dataset  # noqa: F401
@@ -134,14 +147,23 @@ def main() -> None:
                 if taken > args.train_mb * 1e6:
                     break
         start = time.perf_counter()
-        train_bytelevel_tokenizer(Path(tmp, "tok"), vocab_size=args.vocab, texts=sample)
-        print(f"corpus: {docs} documents, {size_mb:.1f} MB; tokenizer: byte-level BPE {args.vocab} "
+        if args.tokenizer == "bytelevel":
+            train_bytelevel_tokenizer(Path(tmp, "tok"), vocab_size=args.vocab, texts=sample)
+            tok = str(Path(tmp, "tok"))
+        else:
+            import sentencepiece
+
+            lines = (line for text in sample for line in text.splitlines() if line.strip())
+            sentencepiece.SentencePieceTrainer.train(sentence_iterator=lines, model_prefix=str(Path(tmp, "sp")),
+                                                     vocab_size=args.vocab, model_type="bpe", minloglevel=2)
+            tok = str(Path(tmp, "sp.model"))
+        print(f"corpus: {docs} documents, {size_mb:.1f} MB; tokenizer: {args.tokenizer} {args.vocab} "
               f"(trained in {time.perf_counter() - start:.1f} s); workers: {args.workers}")
-        tok = str(Path(tmp, "tok"))
         t_ref, c_ref = timed(run_megatron, corpus, tok, str(Path(tmp, "ref")), args.workers)
-        print(f"{'megatron algorithm (Pool.imap chunksize 32, per-doc HF call):':58s} {t_ref:7.2f} s "
+        print(f"{'megatron algorithm (Pool.imap chunksize 32, per-doc call):':58s} {t_ref:7.2f} s "
               f"{size_mb / t_ref:6.2f} MB/s  cpu {c_ref:7.2f} s")
-        runs = [("ours, tiktoken fast path", True)] + ([("ours, HF tokenizer", False)] if args.hf_too else [])
+        runs = ([("ours, tiktoken fast path", True)] + ([("ours, HF tokenizer", False)] if args.hf_too else [])
+                if args.tokenizer == "bytelevel" else [("ours, SentencePiece", True)])
         for name, fast in runs:
             prefix = str(Path(tmp, "fast" if fast else "hf"))
             t, c = timed(run_ours, corpus, tok, prefix, args.workers, fast)
