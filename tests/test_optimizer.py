@@ -75,6 +75,15 @@ def test_each_optimizer_makes_the_loss_fall(qwen3, name, lr):
     fresh = build_optimizer(model, name=name, lr=lr, weight_decay=0.01)
     fresh.load_state_dict(state)
     assert fresh.optimizers[0].state_dict()["state"].keys() == opt.optimizers[0].state_dict()["state"].keys()
+    # DCP's state-dict API takes the combined optimizer as an iterable of optimizers
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    _, optim_sd = get_state_dict(model, opt)
+    dcp_fresh = build_optimizer(model, name=name, lr=lr, weight_decay=0.01)
+    set_state_dict(model, dcp_fresh, model_state_dict=model.state_dict(), optim_state_dict=optim_sd)
+    for ours, loaded in zip(opt, dcp_fresh):
+        for p in ours.state:
+            torch.testing.assert_close(loaded.state[p], ours.state[p])
 
 
 def test_unknown_optimizer_is_a_usage_error(qwen3):

@@ -104,13 +104,20 @@ class ShardedMuon(torch.optim.Muon):
 class CombinedOptimizer:
     """Several torch optimizers driven as one: `step`, `zero_grad`, `param_groups`, `state_dict`.
 
-    `optimizers` is the list to hand to `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(
-    model, optimizers)` (it accepts a list); `param_groups` is the concatenation (the same dicts), so the
-    scheduler sets every group's lr.
+    It iterates over its torch optimizers, so DCP takes it as is: `torch.distributed.checkpoint.state_dict.
+    get_state_dict(model, combined)` / `set_state_dict(model, combined, ...)` (they accept an iterable of
+    optimizers; the flattened state covers all of them). `param_groups` is the concatenation (the same
+    dicts), so the scheduler sets every group's lr.
     """
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
         self.optimizers = list(optimizers)
+
+    def __iter__(self):
+        return iter(self.optimizers)
+
+    def __len__(self) -> int:
+        return len(self.optimizers)
 
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
