@@ -49,7 +49,9 @@ _NO_EFFECT: Dict[str, str] = {
         moe_revert_type_after_topk sparse_mode pre_tockens next_tockens loss_compute_mode flash_decode
         te_rng_tracker inference_rng_tracker moe_pad_experts_for_cuda_graph_inference enable_experimental""",
     "a communication-overlap or scheduling setting of Megatron's own schedules; FSDP2 overlaps its own way":
-        """tp_comm_overlap no_tp_comm_bulk_wgrad no_tp_comm_bulk_dgrad no_tp_comm_overlap_ag no_tp_comm_overlap_rs
+        """coc_mode enable_token_rearrange_opt moe_dynamic_padding pipe_experts_multi_data pipe_experts_multi_stream
+        optimize_recomp_communication_level optimize_recomp_communication_status optimize_send_recv_comm use_nd_matmul
+        nd1_dim1_size nd2_dim1_size tp_comm_overlap no_tp_comm_bulk_wgrad no_tp_comm_bulk_dgrad no_tp_comm_overlap_ag no_tp_comm_overlap_rs
         tp_comm_overlap_rs_dgrad no_tp_comm_split_ag no_tp_comm_split_rs tp_comm_bootstrap_backend
         tp_comm_overlap_cfg overlap_moe_expert_parallel_comm delay_wgrad_compute
         overlap_dispatch_backward_with_experts_wgrad ep_overlap_early_attn_memory_release
@@ -77,7 +79,7 @@ _NO_EFFECT: Dict[str, str] = {
         """nccl_all_reduce_for_prefill inference_fuse_tp_communication inference_disable_triton_nvls_kernels
         inference_grouped_gemm_backend inference_moe_disable_fused_quant_kernels cache_mla_latents""",
     "a memory-saving setting with no effect on the results; FSDP2 manages memory itself":
-        """cpu_offloading_num_layers cpu_offloading_retain_pinned_cpu_buffers fine_grained_activation_offloading
+        """moe_adaptive_recompute_activation_scale adaptive_recompute_profiling_step enable_zero3 cpu_offloading_num_layers cpu_offloading_retain_pinned_cpu_buffers fine_grained_activation_offloading
         offload_modules min_offloaded_tensor_size delay_offload_until_cuda_graph
         delta_offload_bytes_across_pp_ranks activation_offload_fraction moe_paged_stash
         moe_paged_stash_page_size moe_paged_stash_buffer_size_factor_cuda
@@ -111,7 +113,8 @@ _NO_EFFECT: Dict[str, str] = {
     "selects deterministic kernels; the math is the same (run-to-run bit-exactness is not promised)":
         """deterministic_mode""",
     "pipeline-parallel layout; pipeline stages are folded into FSDP":
-        """pipeline_model_parallel_comm_backend overlap_p2p_communication_warmup_flush
+        """use_nanopipe_swap automated_pipeline automated_pipeline_perf save_memory_ratio recompute_module_list
+        recompute_type optimized_mbs_list mbs_idx pp_schedule_list optimized_mbs_mode recompute_in_bubble pipeline_model_parallel_comm_backend overlap_p2p_communication_warmup_flush
         microbatch_group_size_per_virtual_pipeline_stage account_for_embedding_in_pipeline_split
         account_for_loss_in_pipeline_split decoder_first_pipeline_num_layers
         decoder_last_pipeline_num_layers pipeline_model_parallel_layout model_parallel_size schedules_method
@@ -223,10 +226,15 @@ _DECLINED: Dict[str, str] = {
         num_cloud_vpp_chunks merge_cloud_stages merge_stages middle_ranks middle_stages split_cloud_rank
         split_rank cvt_type ai_framework shard_size model_name model_name_or_path input output_prefix
         script_data_dir iteration no_checking n_subs scale_fmt""",
+    "Sinkhorn routing is not implemented; another router changes the results — drop it (softmax top-k routing)":
+        """moe_use_sinkhorn""",
+    "DeepSpeed-style MoE (capacity, token dropping, random token selection) is not implemented — use Megatron "
+    "core MoE flags (--num-experts, --moe-router-topk)":
+        """moe_model_type expert_interval moe_train_capacity_factor no_use_rts moe_no_drop""",
     "random gradient/activation perturbation or skipped iterations change the results and are not "
     "implemented — drop it":
         """iterations_to_skip moe_input_jitter_eps input_jitter moe_router_force_load_balancing moe_router_force_biased
-        moe_enable_routing_replay data_parallel_random_init init_method_xavier_uniform""",
+        moe_enable_routing_replay data_parallel_random_init init_method_xavier_uniform noisy_gate_policy""",
     "Megatron's µP (maximal update parametrisation) scaling is not implemented — drop it":
         """use_mup mup_width_mult mup_base_hidden_size mup_embedding_mult mup_output_mult mup_base_head_dim
         mup_attn_scale_power dim_model_base scale_depth scale_emb""",

@@ -133,9 +133,11 @@ def test_context_parallel_algorithms(algo, cp_type):
     assert bool(translation.report.warnings) == (algo == "hybrid_cp_algo")
 
 
-def test_megatron_cp_defaults_to_ring():
+def test_megatron_cp_defaults_to_ring_and_follows_cp_comm_type():
     assert translate_megatron(BASE + ["--context-parallel-size", "2"], world_size=2).fields["parallel"]["cp_type"] \
         == "ring"
+    fields = translate_megatron(BASE + "--context-parallel-size 2 --cp-comm-type a2a".split(), world_size=2).fields
+    assert fields["parallel"]["cp_type"] == "ulysses"
 
 
 def test_recompute_full_block_lists_the_first_layers_of_each_stage():
