@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy
 import pytest
-import torch
 
 from megatron_compat.data import index_building
 from megatron_compat.data.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset, MockGPTLowLevelDataset

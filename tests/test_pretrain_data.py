@@ -112,7 +112,14 @@ def test_bad_inputs_have_clear_errors(tmp_path):
 def _rank_batches(rank, world_size, tmp, raw, out):
     config = _config_at(tmp, raw)
     data = build_pretrain_data(config, NullTokenizer(1000), rank, world_size, 0, 8, 2, 6)
-    torch.save([b["tokens"] for _, b in zip(range(8 // world_size), data.train_loader)], f"{out}.{rank}")
+    batches = [b["tokens"] for _, b in zip(range(8 // world_size), data.train_loader)]
+    config.data.split = "969,30,1"  # too little data for a test split: rank 0 fails, rank 1 must not hang
+    try:
+        build_pretrain_data(config, NullTokenizer(1000), rank, world_size, 0, 8, 2, 6)
+        message = "no error"
+    except UsageError as exc:
+        message = str(exc)
+    torch.save((batches, message), f"{out}.{rank}")
 
 
 def _config_at(tmp, raw):
@@ -125,7 +132,8 @@ def _config_at(tmp, raw):
 def test_two_ranks_preprocess_once_and_share_the_global_batch(tmp_path):
     raw = _write_jsonl(tmp_path / "corpus.jsonl", num_docs=300)
     run_distributed(_rank_batches, 2, str(tmp_path), raw, str(tmp_path / "two"))
-    two = [torch.load(tmp_path / f"two.{r}") for r in range(2)]
+    two, messages = zip(*[torch.load(tmp_path / f"two.{r}") for r in range(2)])
+    assert "test split has 0 documents" in messages[0] and "failed on another rank" in messages[1]
     single = build_pretrain_data(_config_at(str(tmp_path), raw), NullTokenizer(1000), 0, 1, 0, 8, 2, 6)
     one = [b["tokens"] for _, b in zip(range(4), single.train_loader)]
     # Iteration 0 = micro-steps 0, 1: at DP 2 each rank's two micro-batches, at DP 1 four in a row.

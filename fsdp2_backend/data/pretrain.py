@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Subset
@@ -26,7 +26,7 @@ from fsdp2_backend.data.sampler import MegatronPretrainingRandomSampler, Megatro
 from fsdp2_backend.errors import UsageError
 from megatron_compat.data.builder import BlendedMegatronDatasetBuilder
 from megatron_compat.data.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron_compat.data.utils import builds_caches_first, get_blend_from_list
+from megatron_compat.data.utils import barrier, builds_caches_first, get_blend_from_list
 
 RAW_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 
@@ -193,27 +193,11 @@ def _preprocess(raw_paths: Sequence[str], data, tokenizer) -> dict:
                                      append_eod=bool(data.append_eod),
                                      workers=data.preprocessing_num_workers or 1,
                                      batch_docs=data.preprocessing_batch_size)
-        except BaseException as exc:  # tell the waiting ranks before raising
+        except Exception as exc:  # tell the waiting ranks before raising
             error = exc
-    failed = _any_rank(error is not None)
-    if error is not None:
-        raise error
-    if failed:
-        raise UsageError("dataset: tokenizing the raw data failed on another rank — see its error")
+    barrier(error)  # the others wait for the tokenized files, and stop if tokenizing failed
     missing = [prefix for prefix in targets.values() if not outputs_complete([prefix])]
     if missing:
         raise UsageError(f"tokenized_path: {missing[0]}.bin/.idx not visible on this node after preprocessing — "
                          "unset data_shared_file_system when nodes do not share this folder")
     return targets
-
-
-def _any_rank(flag: bool) -> bool:
-    """Whether `flag` is set on any rank (a barrier too); just `flag` without a process group."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    device = "cpu" if dist.get_backend() == "gloo" else torch.accelerator.current_accelerator()
-    value = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())

@@ -128,9 +128,13 @@ class BlendedMegatronDatasetBuilder:
                     datasets[j].append(dataset)
 
         first = builds_caches_first(self.config.shared_storage)
+        error = None
         if first:
-            build_all()
-        barrier()
+            try:
+                build_all()
+            except Exception as exc:  # reaches the waiting ranks through the barrier
+                error = exc
+        barrier(error)
         if not first:
             build_all()
         return datasets
@@ -168,15 +172,19 @@ class BlendedMegatronDatasetBuilder:
             return cls(*args)
         config = next((a for a in args if isinstance(a, BlendedMegatronDatasetConfig)), None)
         first = builds_caches_first(True if config is None else config.shared_storage)
-        dataset = None
+        dataset, error = None, None
         if first and is_built_on_rank():
             try:
                 dataset = cls(*args)
             except OSError as err:
-                raise OSError(f"Failed to write dataset index caches: supply a folder you can write to as "
-                              f"path_to_cache (--data-cache-path): {err}") from err
+                error = OSError(f"Failed to write dataset index caches: supply a folder you can write to as "
+                                f"path_to_cache (--data-cache-path): {err}")
+            except Exception as exc:
+                error = exc
         if synchronize_ranks:
-            barrier()
+            barrier(error)
+        elif error is not None:
+            raise error
         if not first and is_built_on_rank():
             dataset = cls(*args)
         return dataset

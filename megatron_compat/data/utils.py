@@ -80,11 +80,23 @@ def global_rank() -> int:
     return dist.get_rank() if dist is not None else 0
 
 
-def barrier() -> None:
-    """A barrier over all ranks, or nothing in a single process."""
+def barrier(error: Optional[BaseException] = None) -> None:
+    """A barrier over all ranks that also spreads failure: re-raises `error` (this rank's exception, if any),
+    and raises on every other rank when some rank failed, so no rank waits forever for a rank that died."""
     dist = _dist()
     if dist is not None:
-        dist.barrier()
+        import torch
+
+        device = "cpu" if dist.get_backend() == "gloo" else torch.accelerator.current_accelerator()
+        failed = torch.tensor([int(error is not None)], device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if error is None and failed.item():
+            from fsdp2_backend.errors import UsageError
+
+            raise UsageError(f"data: preparing the datasets failed on another rank (rank {dist.get_rank()} "
+                             "stops too) — see that rank's error")
+    if error is not None:
+        raise error
 
 
 def distributed() -> bool:
