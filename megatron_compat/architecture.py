@@ -60,7 +60,7 @@ post_norm no_post_layer_norm input_embeds_norm output_logit_softcapping attn_log
 query_pre_attn_scalar embedding_multiplier_scale output_multiplier_scale add_output_layer_bias skip_bias_add
 cla_share_factor share_kvstates square_alibi_mask fill_neg_inf alibi_fusion_attn_type attention_mask_type
 cp_attention_mask_type cp_window_size use_moba_attn moba_calc_method moba_chunk_size moba_topk
-no_enable_linear_qkv onnx_safe fix_sub_seq_length output_layer_slice_num alibi_diagonal_opposite
+no_enable_linear_qkv onnx_safe fix_sub_seq_length output_layer_slice_num alibi_diagonal_opposite embed_layernorm
 """.split())
 
 _MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")

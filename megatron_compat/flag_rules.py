@@ -32,26 +32,29 @@ def _names(block: str):
 
 _NO_EFFECT: Dict[str, str] = {
     "selects a fused or vendor kernel for the same math; this backend picks its own kernels":
-        """cross_entropy_loss_fusion cross_entropy_fusion_impl no_masked_softmax_fusion no_bias_gelu_fusion
-        no_bias_swiglu_fusion no_bias_dropout_fusion no_rope_fusion no_gradient_accumulation_fusion
-        no_persist_layer_norm transformer_impl attention_backend flash_attention_version
-        use_transformer_engine_op_fuser use_fused_weighted_squared_relu fused_residual_rmsnorm
-        use_te_activation_func moe_permute_fusion moe_router_fusion moe_permute_fusion_into_hybridep
-        mla_down_proj_fusion disable_jit_fuser use_kitchen_attention kitchen_attention_backend
-        use_fused_swiglu gemm_gradient_accumulation_fusion use_ascend_coc coc_fused_kernel coc_parallel_num
-        use_ascend_mc2 use_mc2 mla_fa_without_pad use_sparse_flash_attn use_fused_lightning_indexer
-        use_fused_lightning_indexer_loss use_fused_mhc use_triton_mhc use_fusion_attn_v2
-        use_fused_ring_attention_update use_fused_moe_token_permute_and_unpermute mla_mm_split
-        enable_mla_absorb shape_order megatron_cp_in_bnsd use_deter_comp lora_fusion
+        """use_fused_mlp mla_fa_divide_qk cross_entropy_loss_fusion cross_entropy_fusion_impl no_masked_softmax_fusion
+        no_bias_gelu_fusion no_bias_swiglu_fusion no_bias_dropout_fusion no_rope_fusion
+        no_gradient_accumulation_fusion no_persist_layer_norm transformer_impl attention_backend
+        flash_attention_version use_transformer_engine_op_fuser use_fused_weighted_squared_relu
+        fused_residual_rmsnorm use_te_activation_func moe_permute_fusion moe_router_fusion
+        moe_permute_fusion_into_hybridep mla_down_proj_fusion disable_jit_fuser use_kitchen_attention
+        kitchen_attention_backend use_fused_swiglu gemm_gradient_accumulation_fusion use_ascend_coc
+        coc_fused_kernel coc_parallel_num use_ascend_mc2 use_mc2 mla_fa_without_pad use_sparse_flash_attn
+        use_fused_lightning_indexer use_fused_lightning_indexer_loss use_fused_mhc use_triton_mhc
+        use_fusion_attn_v2 use_fused_ring_attention_update use_fused_moe_token_permute_and_unpermute
+        mla_mm_split enable_mla_absorb shape_order megatron_cp_in_bnsd use_deter_comp lora_fusion
         disable_bf16_reduced_precision_matmul use_mcore_models attention_softmax_in_fp32
         mtp_mem_efficient_logits kv_head_repeat_before_uly_alltoall spec batch_invariant_mode
         batch_invariant_backend jit_compile topk_softmax_in_fp32 router_gating_in_fp32
         moe_revert_type_after_topk sparse_mode pre_tockens next_tockens loss_compute_mode flash_decode
         te_rng_tracker inference_rng_tracker moe_pad_experts_for_cuda_graph_inference enable_experimental""",
     "a communication-overlap or scheduling setting of Megatron's own schedules; FSDP2 overlaps its own way":
-        """coc_mode enable_token_rearrange_opt moe_dynamic_padding pipe_experts_multi_data pipe_experts_multi_stream
-        optimize_recomp_communication_level optimize_recomp_communication_status optimize_send_recv_comm use_nd_matmul
-        nd1_dim1_size nd2_dim1_size tp_comm_overlap no_tp_comm_bulk_wgrad no_tp_comm_bulk_dgrad no_tp_comm_overlap_ag no_tp_comm_overlap_rs
+        """moe_allgather_overlap_comm mla_up_proj_tp_overlap enable_overlap_ag_with_matmul
+        enable_overlap_matmul_with_rs enable_backward_overlap_ag_with_matmul hccl_group_buffer moe_zerc
+        coc_mode enable_token_rearrange_opt moe_dynamic_padding pipe_experts_multi_data
+        pipe_experts_multi_stream optimize_recomp_communication_level optimize_recomp_communication_status
+        optimize_send_recv_comm use_nd_matmul nd1_dim1_size nd2_dim1_size tp_comm_overlap
+        no_tp_comm_bulk_wgrad no_tp_comm_bulk_dgrad no_tp_comm_overlap_ag no_tp_comm_overlap_rs
         tp_comm_overlap_rs_dgrad no_tp_comm_split_ag no_tp_comm_split_rs tp_comm_bootstrap_backend
         tp_comm_overlap_cfg overlap_moe_expert_parallel_comm delay_wgrad_compute
         overlap_dispatch_backward_with_experts_wgrad ep_overlap_early_attn_memory_release
@@ -79,10 +82,13 @@ _NO_EFFECT: Dict[str, str] = {
         """nccl_all_reduce_for_prefill inference_fuse_tp_communication inference_disable_triton_nvls_kernels
         inference_grouped_gemm_backend inference_moe_disable_fused_quant_kernels cache_mla_latents""",
     "a memory-saving setting with no effect on the results; FSDP2 manages memory itself":
-        """moe_adaptive_recompute_activation_scale adaptive_recompute_profiling_step enable_zero3 cpu_offloading_num_layers cpu_offloading_retain_pinned_cpu_buffers fine_grained_activation_offloading
-        offload_modules min_offloaded_tensor_size delay_offload_until_cuda_graph
-        delta_offload_bytes_across_pp_ranks activation_offload_fraction moe_paged_stash
-        moe_paged_stash_page_size moe_paged_stash_buffer_size_factor_cuda
+        """mla_zero_memory recompute_mla_up_proj mla_swap_core_attn_out recompute_mtp_norm recompute_mtp_layer
+        moe_unperm2_mem_optim moe_unperm2_mem_optim_swap attention_mask_on_cpu swap_optimizer_times
+        moe_adaptive_recompute_activation_scale adaptive_recompute_profiling_step enable_zero3
+        cpu_offloading_num_layers cpu_offloading_retain_pinned_cpu_buffers
+        fine_grained_activation_offloading offload_modules min_offloaded_tensor_size
+        delay_offload_until_cuda_graph delta_offload_bytes_across_pp_ranks activation_offload_fraction
+        moe_paged_stash moe_paged_stash_page_size moe_paged_stash_buffer_size_factor_cuda
         moe_paged_stash_buffer_size_factor_cpu fine_grained_offloading_max_inflight_offloads
         empty_unused_memory_level manual_gc manual_gc_interval no_manual_gc_eval optimizer_cpu_offload
         optimizer_offload_fraction use_torch_optimizer_for_cpu_offload overlap_cpu_optimizer_d2h_h2d
@@ -105,7 +111,9 @@ _NO_EFFECT: Dict[str, str] = {
         distributed_timeout_minutes distributed_timeout_seconds_after_init mtp_standalone""",
     "a parallel layout with the same math: expert weights are sharded by EP × FSDP, tokens are dispatched by "
     "parallel.ep_dispatcher, context-parallel attention is exact whatever the exchange pattern":
-        """expert_tensor_parallel_size expert_tensor_parallel_num_weight_shards moe_token_dispatcher_type
+        """adaptive_cp_without_coarse adaptive_cp_dynamic_attn_mask adaptive_cp_only_reschedule
+        adaptive_cp_manually_set_mask_list padded_base_length expert_tensor_parallel_size
+        expert_tensor_parallel_num_weight_shards moe_token_dispatcher_type
         inference_moe_token_dispatcher_type hierarchical_context_parallel_sizes hybrid_context_parallel
         max_seqlen_per_dp_cp_rank""",
     "how Megatron places its initial weights; here they are loaded from --load or initialised from --seed":
@@ -113,8 +121,9 @@ _NO_EFFECT: Dict[str, str] = {
     "selects deterministic kernels; the math is the same (run-to-run bit-exactness is not promised)":
         """deterministic_mode""",
     "pipeline-parallel layout; pipeline stages are folded into FSDP":
-        """use_nanopipe_swap automated_pipeline automated_pipeline_perf save_memory_ratio recompute_module_list
-        recompute_type optimized_mbs_list mbs_idx pp_schedule_list optimized_mbs_mode recompute_in_bubble pipeline_model_parallel_comm_backend overlap_p2p_communication_warmup_flush
+        """dualpipev_dw_detach use_nanopipe_swap automated_pipeline automated_pipeline_perf save_memory_ratio
+        recompute_module_list recompute_type optimized_mbs_list mbs_idx pp_schedule_list optimized_mbs_mode
+        recompute_in_bubble pipeline_model_parallel_comm_backend overlap_p2p_communication_warmup_flush
         microbatch_group_size_per_virtual_pipeline_stage account_for_embedding_in_pipeline_split
         account_for_loss_in_pipeline_split decoder_first_pipeline_num_layers
         decoder_last_pipeline_num_layers pipeline_model_parallel_layout model_parallel_size schedules_method
@@ -160,8 +169,9 @@ _NO_EFFECT: Dict[str, str] = {
         """num_dataset_builder_threads dataloader_fast_cache_load dataloader_defer_npy_index_mmap
         per_dataset_sequences_path no_shared_storage allow_ambiguous_pad_tokens""",
     "a data-preprocessing or BERT/T5 setting that GPT pretraining does not read":
-        """mask_prob short_seq_prob sample_rate encoder_num_layers encoder_seq_length vocab_extra_ids handler_name
-        dataset_impl json_keys split_sentences keep_newlines tokenizer_padding_side merge_group_keys""",
+        """return_document_ids mask_prob short_seq_prob sample_rate encoder_num_layers encoder_seq_length
+        vocab_extra_ids handler_name dataset_impl json_keys split_sentences keep_newlines
+        tokenizer_padding_side merge_group_keys""",
     "the same function as a standard norm whose weight is 1 + gamma (weights are loaded or initialised to match)":
         """apply_layernorm_1p add_rmsnorm_offset""",
     "a precision detail of Megatron's kernels (norms and routers already run in fp32 here)":
@@ -197,8 +207,14 @@ _DECLINED: Dict[str, str] = {
         """rampup_batch_size step_batch_size_schedule decrease_batch_size_if_needed""",
     "reinforcement learning, distillation, retrieval and vision training are not part of this backend — "
     "use Megatron-LM for them":
-        """perform_rl_step logits_save_top_k logits_load_dir dpo_beta dpo_label_smoothing dpo_loss_type pref_ftx
-        ref_model refer_model_iter is_pairwise_dataset reward_tokens""",
+        """simpo_beta gamma_beta_ratio simpo_loss_type simpo_label_smoothing placeholder_token md5_validate
+        max_prompt_length num_samples_per_step rollout_batch_size cliprange_value critic_mini_batch_size
+        critic_update_epochs ppo_mini_batch_size clip_ratio entropy_coeff ppo_epochs shuffle_minibatch
+        do_sample missing_eos_penalty n_samples_per_prompt reward_model verifier kl_coef gamma lam
+        advantage_whiten dataset_category extract_content_for_reward num_gpus_for_train num_gpus_for_infer
+        inference_tensor_model_parallel_size perform_rl_step logits_save_top_k logits_load_dir dpo_beta
+        dpo_label_smoothing dpo_loss_type pref_ftx ref_model refer_model_iter is_pairwise_dataset
+        reward_tokens""",
     "an argument of Megatron's inference/generation scripts, not of pretraining — pretrain_fsdp2.py trains; run "
     "generation with the inference entry point (inference.* settings)":
         """prompts prompts_file top_k top_p temperature return_log_probs num_tokens_to_generate output_path
@@ -208,8 +224,9 @@ _DECLINED: Dict[str, str] = {
         max_eval_samples alternative_prompt origin_postprocess chain_of_thought broadcast hf_chat_template
         reasoning_effort max_batch_size max_queue_size""",
     "LoRA fine-tuning is not implemented — train full weights, or use a LoRA-capable trainer":
-        """lora_r lora_alpha lora_target_modules lora_load lora_ckpt_filter lora_modules_to_save
-        lora_register_forward_hook save_lora_to_hf lu_lora_final_layer_index lu_lora_lr lu_lora_lr_ratio""",
+        """qlora qlora_save_dequantize lora_r lora_alpha lora_target_modules lora_load lora_ckpt_filter
+        lora_modules_to_save lora_register_forward_hook save_lora_to_hf lu_lora_final_layer_index lu_lora_lr
+        lu_lora_lr_ratio""",
     "instruction/SFT data (MindSpeed finetune datasets) is not supported yet — pretrain on indexed data, or wait "
     "for training.stage sft":
         """is_instruction_dataset prompt_type prompt_type_path variable_seq_lengths no_pad_to_seq_lengths
@@ -247,7 +264,7 @@ _DECLINED: Dict[str, str] = {
         eval_global_batch_size eval_micro_batch_size start_eval_at_iter""",
     "this Megatron tokenizer setting has no counterpart — convert the tokenizer to an HF tokenizer directory and "
     "pass --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR":
-        """tiktoken_pattern tiktoken_num_special_tokens tokenizer_metadata tokenizer_special_tokens
+        """tokenizer_kwargs tiktoken_pattern tiktoken_num_special_tokens tokenizer_metadata tokenizer_special_tokens
         tokenizer_sentencepiece_legacy no_tokenizer_sentencepiece_ignore_extra_whitespaces
         tokenizer_hf_no_include_special_tokens null_tokenizer_eod_id null_tokenizer_pad_id chat_template
         use_gigatoken no_pad_vocab_size pad_vocab_size_to""",
@@ -280,6 +297,8 @@ _DECLINED: Dict[str, str] = {
     "a separate learning rate for embeddings and output layer is not supported yet (training.decoupled_lr is "
     "missing) — drop --decoupled-lr/--decoupled-min-lr":
         """decoupled_lr decoupled_min_lr""",
+    "bf16 optimizer states (MindSpeed O2) change the results and are not implemented — drop --o2-optimizer":
+        """o2_optimizer""",
     "a weight-decay schedule is not supported yet (only a constant --weight-decay) — drop it":
         """start_weight_decay end_weight_decay weight_decay_incr_style""",
     "hybrid/heterogeneous layer stacks (Mamba, per-layer configs) cannot be described by an HF config here — "

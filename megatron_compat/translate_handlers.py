@@ -117,10 +117,11 @@ def _bf16(ctx, value):
         ctx.set("parallel.param_dtype", "bf16")
 
 
-@handles("grad_reduce_in_bf16", "parallel.reduce_dtype bf16")
-def _grad_reduce(ctx, value):
-    if value:
-        ctx.set("parallel.reduce_dtype", "bf16")
+for _dest in ("grad_reduce_in_bf16", "o2_gradient"):  # Megatron's flag and MindSpeed's O2 spelling
+    @handles(_dest, "parallel.reduce_dtype bf16")
+    def _grad_reduce(ctx, value):
+        if value:
+            ctx.set("parallel.reduce_dtype", "bf16")
 
 
 @handles("distributed_backend", "parallel.distributed_backend (nccl/hccl: by device)")
