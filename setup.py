@@ -24,10 +24,11 @@ setup(
     ],
     extras_require={
         # megatron-core is the reference implementation the tests compare against; never used at run time.
-        "test": ["pytest", "megatron-core==0.16.1"],
+        "test": ["pytest", "megatron-core==0.16.1", "pyarrow", "nltk"],
         "triton": ["triton"],
         "quant": ["torchao"],
         "tensorboard": ["tensorboard"],
+        "data": ["pyarrow", "nltk"],  # .parquet input, --split-sentences
         # Documented only; never installed by CI (torch_npu without the Ascend toolkit breaks `import torch`).
         "npu": ["torch_npu", "triton-ascend"],
     },
