@@ -39,9 +39,10 @@ def _worker(rank, world_size, cp_type, args, out_dir):
 
     torch.set_num_threads(1)  # one core per rank, as on the shared 2-core machine
     torch.manual_seed(0)
-    config = tiny_qwen3_config(hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=args.heads // 2,
-                               head_dim=args.hidden // args.heads, intermediate_size=2 * args.hidden,
-                               num_hidden_layers=args.layers, max_position_embeddings=args.seq)
+    config = tiny_qwen3_config(hidden_size=args.hidden, num_attention_heads=args.heads,
+                               num_key_value_heads=args.heads // 2, head_dim=args.hidden // args.heads,
+                               intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+                               max_position_embeddings=args.seq)
     model = Qwen3ForCausalLM(config)
     group = None
     if world_size > 1:

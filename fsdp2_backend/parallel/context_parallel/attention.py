@@ -29,6 +29,7 @@ from fsdp2_backend.parallel.tp_cp_checks import context_parallel_problems, norma
 ATTENTION_NAME = "fsdp2_context_parallel"
 SPEC_ATTRIBUTE = "context_parallel_spec"
 _SUPPORTED_LAYER_TYPES = {"full_attention"}
+_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
         raise UsageError("context parallel: sliding-window attention layers are not supported — use cp_size 1")
     if dropout:
         raise UsageError("attention_dropout: must be 0 with context parallel — set it to 0")
+    if any(kwargs.get(name) is not None for name in _PACKING_KWARGS):
+        raise UsageError("context parallel: packed documents (cu_seq_lens / actual_seq_len) are not supported with "
+                         "cp_size > 1 — drop --reset-attention-mask / --reset-position-ids or use cp_size 1")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if spec.cp_type == "ring":
         return ring_attention(query, key, value, scale, spec.group).transpose(1, 2), None
@@ -83,10 +87,9 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
     query = seq_to_heads(query, spec.group)
     key = seq_to_heads(replicate_kv_heads(key, cp), spec.group)
     value = seq_to_heads(replicate_kv_heads(value, cp), spec.group)
-    # Positions are already in q/k (RoPE); the gathered sequence is contiguous, so no position_ids / packing info
-    # may reach the inner function (it would read this shard's ids as document boundaries).
-    for name in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
-        kwargs.pop(name, None)
+    # Positions are already in q/k (RoPE) and the gathered sequence is contiguous: this shard's position_ids must
+    # not reach the inner function (flash attention would read them as document boundaries).
+    kwargs.pop("position_ids", None)
     view = _LocalHeadsView(module, query.shape[1] // key.shape[1])
     out, _ = _inner_attention(spec.inner_attention)(view, query, key, value, None, dropout=0.0, scaling=scale,
                                                     is_causal=True, **kwargs)
@@ -116,8 +119,12 @@ def enable_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: str,
         raise UsageError(problems)
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if not layer_types <= _SUPPORTED_LAYER_TYPES:
-        raise UsageError(f"cp_size (--context-parallel-size): layer types {sorted(layer_types - _SUPPORTED_LAYER_TYPES)}"
-                         f" of model_type {config.model_type} are not supported by context parallel — use cp_size 1")
+        unsupported = sorted(layer_types - _SUPPORTED_LAYER_TYPES)
+        raise UsageError(f"cp_size (--context-parallel-size): layer types {unsupported} of model_type "
+                         f"{config.model_type} are not supported by context parallel — use cp_size 1")
+    if getattr(config, "attention_dropout", 0.0):
+        raise UsageError(f"attention_dropout: {config.attention_dropout} is not supported with context parallel — "
+                         "set it to 0")
     modules = _attention_modules(model)
     if not modules:
         raise UsageError(f"cp_size (--context-parallel-size): found no attention layers in {type(model).__name__} — "
