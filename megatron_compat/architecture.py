@@ -115,10 +115,14 @@ def _family(a: Arch) -> str:
     return "llama"
 
 
+def _rotary(a: Arch) -> bool:
+    return a.get("position_embedding_type") == "rope" or bool(a.get("use_rotary_position_embeddings"))
+
+
 def _check_buildable(a: Arch, family: str) -> None:
     """From scratch, the flags must describe the chosen HF model type exactly; decline what differs."""
     g = a.get
-    rope = g("position_embedding_type") in ("rope",) or g("use_rotary_position_embeddings")
+    rope = _rotary(a)
     gated = g("swiglu") or g("geglu")
     if family == "gpt2":
         if g("normalization") != "LayerNorm":
@@ -201,9 +205,11 @@ def _dense_keys(a: Arch, family: str) -> None:
     put("hidden_size", "hidden_size", hidden)
     put("num_attention_heads", "num_attention_heads", heads)
     put("ffn_hidden_size", "intermediate_size", _ffn(a))
-    put("max_position_embeddings", "max_position_embeddings", g("max_position_embeddings"))
+    if a.from_scratch or not _rotary(a):  # with RoPE from an HF directory, its own value only sizes caches
+        put("max_position_embeddings", "max_position_embeddings", g("max_position_embeddings"))
     put("layernorm_epsilon", "rms_norm_eps", g("layernorm_epsilon"))
-    put("init_method_std", "initializer_range", g("init_method_std"))
+    if a.from_scratch:  # loaded weights need no initialisation
+        put("init_method_std", "initializer_range", g("init_method_std"))
     put("attention_dropout", "attention_dropout", g("attention_dropout"))
     put("untie_embeddings_and_output_weights", "tie_word_embeddings",
         not g("untie_embeddings_and_output_weights"))
@@ -358,6 +364,10 @@ def apply(ns, active, from_scratch: bool, record: Callable[[str, str, str], None
     return a.keys
 
 
+_HF_REASONS = {"init_method_std": "the weights are loaded from --load, not initialised",
+               "embedding_init_method_std": "the weights are loaded from --load, not initialised",
+               "max_position_embeddings": "with RoPE it only sizes caches; the HF config's value applies"}
+
 # Flags that select the model type (from scratch) rather than set a key.
 _FAMILY_DESTS = frozenset("""position_embedding_type use_rotary_position_embeddings normalization qk_layernorm
 multi_latent_attention multi_head_latent_attention add_qkv_bias add_bias_linear swiglu geglu""".split())
@@ -384,7 +394,7 @@ def _settle(a: Arch, family: str) -> None:
         elif dest in _MLA_ONLY and family != "deepseek_v3":
             a.note(dest, "no_effect", "read only with --multi-latent-attention")
         elif not a.from_scratch:
-            a.note(dest, "no_effect", "defined by the HF model in --load")
+            a.note(dest, "no_effect", _HF_REASONS.get(dest, "defined by the HF model in --load"))
         elif dest in _FAMILY_DESTS:
             a.note(dest, "mapped", f"model.architecture.model_type ({family})")
         elif dest == "hidden_dropout" and not a.get(dest):

@@ -195,6 +195,32 @@ def test_qwen3_flags_with_an_hf_directory_only_carry_what_the_script_says():
     arch = fields["model"]["architecture"]
     assert "model_type" not in arch and "intermediate_size" not in arch  # the HF config defines those
     assert arch["num_key_value_heads"] == 8 and arch["head_dim"] == 128
+    assert "initializer_range" not in arch  # loaded weights are not initialised
+
+
+def test_hf_directory_checks_pass_for_a_matching_config(tmp_path):
+    """The keys built from a MindSpeed-style qwen3 line agree with a matching config.json (no false mismatch)."""
+    import json
+
+    from fsdp2_backend import config_validation
+    hf = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "max_position_embeddings": 40960,
+          "rope_theta": 1000000, "rms_norm_eps": 1e-6, "vocab_size": 128, "tie_word_embeddings": False,
+          "attention_bias": False, "hidden_act": "silu", "initializer_range": 0.02}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    argv = (f"--load {tmp_path} --num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention "
+            "--num-query-groups 2 --kv-channels 16 --ffn-hidden-size 96 --max-position-embeddings 4096 "
+            "--rotary-base 1000000 --norm-epsilon 1e-6 --padded-vocab-size 128 --untie-embeddings-and-output-weights "
+            "--disable-bias-linear --swiglu --normalization RMSNorm --position-embedding-type rope --qk-layernorm "
+            "--init-method-std 0.01 --micro-batch-size 1 --train-iters 2 --seq-length 32 --bf16").split()
+    fields = translate_megatron(argv).fields
+    config = Config(**{group: GROUPS[group](**values) for group, values in fields.items()})
+    config_validation.validate(config, 1)
+    hf["num_key_value_heads"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(UsageError) as err:
+        config_validation.validate(config, 1)
+    assert "num_key_value_heads" in err.value.messages[0]
 
 
 def test_moe_flags_map_to_hf_keys():
