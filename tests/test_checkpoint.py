@@ -253,16 +253,35 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path):
     assert io.find_resume_checkpoint(str(save_dir / "iter_0000020"), None) == save_dir / "iter_0000020"
     assert io.find_resume_checkpoint(str(tmp_path), None) is None
 
-    # Kill between rename and marker: the marker lags; the newer complete checkpoint still wins.
+    # As in Megatron the marker decides (a kill between rename and marker resumes from the one before)...
     (save_dir / io.LATEST_FILE).write_text("20")
-    assert io.newest_checkpoint(save_dir) == save_dir / "iter_0000030"
-    # A directory with a final name but without metadata is not a checkpoint.
+    assert io.newest_checkpoint(save_dir) == save_dir / "iter_0000020"
+    # ... unless it names no complete checkpoint: then the highest complete iteration. A directory with a
+    # final name but without metadata is not a checkpoint.
+    (save_dir / io.LATEST_FILE).write_text("40")
     (save_dir / "iter_0000040").mkdir()
+    assert io.newest_checkpoint(save_dir) == save_dir / "iter_0000030"
+    (save_dir / io.LATEST_FILE).unlink()
     assert io.newest_checkpoint(save_dir) == save_dir / "iter_0000030"
 
     restored = torch.nn.Linear(4, 4)
     assert load_checkpoint(found, restored, train_state=_State()) == _State(30, 30)
     assert torch.equal(restored.weight, model.weight)
+
+    # A --finetune run saving into its --load directory: iteration restarts below the loaded one. Its own
+    # checkpoints are kept by rotation, a re-save of an existing iteration replaces it, and a restart
+    # resumes from its newest save (the marker), not from the higher-numbered pretrained one.
+    shared = tmp_path / "pretrained"
+    CheckpointManager(shared).save(200, model, train_state=_State(200, 2000))
+    finetuned = torch.nn.Linear(4, 4)
+    manager = CheckpointManager(shared, save_total_limit=2)
+    for iteration in (50, 100):
+        manager.save(iteration, finetuned, train_state=_State(iteration, iteration))
+    assert [i for i, _ in io.complete_checkpoints(shared)] == [100, 200]
+    assert io.newest_checkpoint(shared) == shared / "iter_0000100"
+    replaced = torch.nn.Linear(4, 4)
+    assert load_checkpoint(shared / "iter_0000100", replaced, train_state=_State()) == _State(100, 100)
+    assert torch.equal(replaced.weight, finetuned.weight)
 
     # The trainer's one call: --finetune resets a checkpoint from --load, never a restart of this run.
     pretrained = str(tmp_path / "pretrained")

@@ -1,5 +1,6 @@
 """SIGKILL of a job that saves every step: a restart of the same command always resumes from the newest
-complete checkpoint, never a partial one, and ends exactly where an uninterrupted run ends.
+complete checkpoint (the one the latest marker names; the one before when the kill fell between rename and
+marker), never a partial one, and ends exactly where an uninterrupted run ends.
 
 The job (`train_loop`, run as a separate python process) is a 1-rank FSDP2 Qwen3 with attention dropout
 (so RNG restore matters) saving every step with rotation. It is killed mid-write (a `.tmp` directory
@@ -100,6 +101,13 @@ def test_sigkill_while_saving_resumes_from_newest_complete(tmp_path):
         found = io.complete_checkpoints(killed_dir)
         return found[-1][0] if found else 0
 
+    def expected_resume() -> int:
+        # The spec: the marker's checkpoint when complete, else the highest complete one.
+        marker = io.read_latest_marker(killed_dir)
+        complete = [i for i, _ in io.complete_checkpoints(killed_dir)]
+        assert complete and (marker is None or marker in complete or marker < complete[-1])
+        return marker if marker in complete else complete[-1]
+
     def writing() -> bool:
         return killed_dir.is_dir() and any(p.name.endswith(".tmp") and p.is_dir() for p in killed_dir.iterdir())
 
@@ -108,20 +116,20 @@ def test_sigkill_while_saving_resumes_from_newest_complete(tmp_path):
     proc = _start(killed_dir)
     _wait_until(proc, lambda: newest() >= 1 and writing())
     _kill(proc)
-    resumes.append(newest())
+    resumes.append(expected_resume())
     # 2: right after a commit (rename done; the latest marker may not be written yet).
-    proc = _start(killed_dir)
-    _wait_until(proc, lambda: newest() > resumes[-1])
+    proc, before = _start(killed_dir), newest()
+    _wait_until(proc, lambda: newest() > before)
     output = _kill(proc)
-    assert f"resumed {resumes[-1]} " in output  # never a partial: it found exactly the newest complete one
-    resumes.append(newest())
+    assert f"resumed {resumes[-1]} " in output  # never a partial: exactly the newest complete one
+    resumes.append(expected_resume())
     # 3: at a random moment once it trains again.
-    proc = _start(killed_dir)
-    _wait_until(proc, lambda: newest() > resumes[-1])
+    proc, before = _start(killed_dir), newest()
+    _wait_until(proc, lambda: newest() > before)
     time.sleep(random.uniform(0.0, 0.3))
     output = _kill(proc)
     assert f"resumed {resumes[-1]} " in output
-    resumes.append(newest())
+    resumes.append(expected_resume())
     # The restart of the same command finishes the run.
     proc = _start(killed_dir)
     output = proc.communicate(timeout=300)[0]

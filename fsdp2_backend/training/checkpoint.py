@@ -135,11 +135,10 @@ class CheckpointManager:
         if self.save_rng:
             io.rng_file(tmp_dir, rank).parent.mkdir(exist_ok=True)
             torch.save(io.capture_rng_state(), io.rng_file(tmp_dir, rank))
-        if rank == 0:
-            self._write_rank0_files(tmp_dir, iteration, model, scheduler, train_state, tokenizer, model_config,
-                                    extra_states)
-
         with_optim = optimizer is not None and self.save_optim
+        if rank == 0:
+            self._write_rank0_files(tmp_dir, iteration, model, with_optim, scheduler, train_state, tokenizer,
+                                    model_config, extra_states)
         if with_optim:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}
@@ -168,8 +167,8 @@ class CheckpointManager:
         io.commit(tmp_dir, final_dir, iteration, self.save_total_limit)
         logger.info("checkpoint %s committed (async)", final_dir)
 
-    def _write_rank0_files(self, tmp_dir: Path, iteration: int, model, scheduler, train_state, tokenizer,
-                           model_config, extra_states) -> None:
+    def _write_rank0_files(self, tmp_dir: Path, iteration: int, model, with_optim: bool, scheduler, train_state,
+                           tokenizer, model_config, extra_states) -> None:
         io.write_json(tmp_dir / io.TRAIN_STATE_FILE, {**train_state_to_dict(train_state), "iteration": iteration})
         if scheduler is not None and self.save_scheduler:
             torch.save(scheduler.state_dict(), tmp_dir / io.SCHEDULER_FILE)
@@ -183,7 +182,7 @@ class CheckpointManager:
             model_config.save_pretrained(str(hf_meta))
         io.write_json(tmp_dir / io.META_FILE, {
             "format": io.FORMAT, "iteration": iteration, "world_size": _world_size(),
-            "has_optimizer": self.save_optim, "has_scheduler": scheduler is not None and self.save_scheduler,
+            "has_optimizer": with_optim, "has_scheduler": scheduler is not None and self.save_scheduler,
             "has_rng": self.save_rng, "torch_version": torch.__version__,
         })
 

@@ -16,8 +16,11 @@ Atomicity rests on one rename: a checkpoint is written under ``iter_0000010.tmp`
 ``iter_0000010`` only after every rank has finished writing, so a directory with the final name is
 always complete; a kill at any moment leaves at worst a ``.tmp`` directory that no loader looks at
 (and that the next run deletes). Rotation renames a directory away before deleting it, for the same
-reason. The ``latest`` marker is written after the rename; discovery still trusts directory names, so
-a kill between the rename and the marker costs nothing.
+reason. The ``latest`` marker is written (atomically) after the rename and, as in Megatron, decides which
+checkpoint a run resumes from — the last one this run committed, even when a directory with a higher
+iteration sits next to it (a ``--finetune`` run saving into its ``--load`` directory). Only when the
+marker is missing or names no complete checkpoint does the newest complete directory win; a kill between
+rename and marker therefore resumes from the checkpoint before, which is complete too.
 """
 from __future__ import annotations
 
@@ -97,20 +100,19 @@ def write_latest_marker(root: Path, iteration: int) -> None:
 
 
 def newest_checkpoint(root: os.PathLike | str) -> Optional[Path]:
-    """The newest complete checkpoint under ``root``, or None.
-
-    Directory names decide (the rename is the commit point). The marker can only lag behind them (a kill
-    between rename and marker write); when it names an older complete checkpoint we say so and take the
-    newer one.
-    """
+    """The checkpoint to resume from under ``root``: the marker's when it names a complete one, else the
+    complete one with the highest iteration, else None."""
+    root = Path(root)
+    marker = read_latest_marker(root)
+    if marker is not None and is_complete_checkpoint(root / iter_dir_name(marker)):
+        return root / iter_dir_name(marker)
     found = complete_checkpoints(root)
     if not found:
         return None
-    iteration, path = found[-1]
-    marker = read_latest_marker(root)
-    if marker is not None and marker != iteration:
-        logger.warning("%s says %s but %s is complete and newer; using it", LATEST_FILE, marker, path.name)
-    return path
+    if marker is not None:
+        logger.warning("%s names iteration %s, which is not a complete checkpoint; using %s", LATEST_FILE,
+                       marker, found[-1][1].name)
+    return found[-1][1]
 
 
 def resolve_checkpoint(path: os.PathLike | str) -> Optional[Path]:
@@ -179,20 +181,27 @@ def remove_stale_partials(root: Path) -> None:
 def commit(tmp_dir: Path, final_dir: Path, iteration: int, save_total_limit: Optional[int]) -> None:
     """Makes a fully written checkpoint visible, then moves the marker, then rotates (rank 0 only)."""
     _fsync_dir(tmp_dir)
+    if final_dir.exists():  # an older save of this iteration (a finetune run saving where it loaded from)
+        _delete(final_dir)
     os.replace(tmp_dir, final_dir)
     _fsync_dir(final_dir.parent)
     write_latest_marker(final_dir.parent, iteration)
     if save_total_limit is not None and save_total_limit > 0:
-        rotate(final_dir.parent, save_total_limit)
+        rotate(final_dir.parent, save_total_limit, keep_path=final_dir)
 
 
-def rotate(root: Path, keep: int) -> None:
-    """Deletes all but the newest ``keep`` complete checkpoints; renames each away first so a kill
-    mid-delete never leaves a half-deleted directory under a final name."""
-    for _, path in complete_checkpoints(root)[:-keep]:
-        doomed = path.with_name(path.name + _DELETING_SUFFIX)
-        os.replace(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+def rotate(root: Path, keep: int, keep_path: Path) -> None:
+    """Keeps ``keep_path`` (the one just committed) and the newest others, ``keep`` in all."""
+    others = [path for _, path in complete_checkpoints(root) if path != keep_path]
+    for path in others[:max(len(others) - (keep - 1), 0)]:
+        _delete(path)
+
+
+def _delete(path: Path) -> None:
+    # Renamed away first: a kill mid-delete never leaves a half-deleted directory under a final name.
+    doomed = path.with_name(path.name + _DELETING_SUFFIX)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _fsync_dir(path: Path) -> None:
