@@ -1,7 +1,9 @@
 """GPTDataset index building: ours (numpy) against megatron-core 0.16.1 (its numpy document/shuffle index and
-C++ `build_sample_idx`), on 1M documents, sequence length 4096, 2M samples, measured in the same run.
+C++ `build_sample_idx`), on 1M documents, sequence length 4096, 2M samples, measured in the same run; then the
+BlendedDataset blending index (ours: a Python loop; megatron-core: C++ `build_blending_indices`).
 
 Run: python benchmarks/bench_index_build.py [--docs 1000000] [--seq 4096] [--samples 2000000] [--repeats 3]
+         [--blend-samples 1000000] [--blend-datasets 3]
 Prints each stage's best-of-N time for both, the ratio ours / megatron-core, and checks the indices are equal.
 """
 from __future__ import annotations
@@ -56,6 +58,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=2_000_000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--blend-samples", type=int, default=1_000_000)
+    parser.add_argument("--blend-datasets", type=int, default=3)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     sizes = numpy.random.default_rng(0).integers(1, 2048, args.docs).astype(numpy.int32)
@@ -76,6 +80,24 @@ def main() -> None:
         print(f"{stage:<16}{m:>16.3f}{o:>10.3f}{o / m:>8.2f}")
     m, o = best["megatron-core-total"], best["ours-total"]
     print(f"{'total':<16}{m:>16.3f}{o:>10.3f}{o / m:>8.2f}   (ours / megatron-core; indices identical)")
+    blending(args.blend_samples, args.blend_datasets)
+
+
+def blending(size: int, num_datasets: int) -> None:
+    from megatron.core.datasets import helpers
+
+    weights = numpy.random.default_rng(1).random(num_datasets) + 0.1
+    weights = (weights / weights.sum()).tolist()
+    expected = (numpy.zeros(size, numpy.int16), numpy.zeros(size, numpy.int64))
+    t0 = time.perf_counter()
+    helpers.build_blending_indices(*expected, weights, num_datasets, size, False)
+    t1 = time.perf_counter()
+    got = index_building.build_blending_indices(weights, size)
+    t2 = time.perf_counter()
+    assert all(numpy.array_equal(e, g) for e, g in zip(expected, got)), "blending indices differ"
+    m, o = t1 - t0, t2 - t1
+    print(f"{'blending index':<16}{m:>16.3f}{o:>10.3f}{o / m:>8.1f}   ({num_datasets} datasets, {size} samples; "
+          "identical)")
 
 
 if __name__ == "__main__":

@@ -137,11 +137,13 @@ def test_mock_dataset_matches_megatron():
     assert_same_samples(ref, ours, indices=range(0, len(ref), 97))
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_sample_index_matches_cpp_helper_on_awkward_lengths(seed):
-    """Zero-length documents, documents shorter than a sample, exact boundaries, kept partial samples."""
+@pytest.mark.parametrize("seed,chunk", [(0, 1 << 18), (1, 7), (2, 64)])
+def test_sample_index_matches_cpp_helper_on_awkward_lengths(seed, chunk, monkeypatch):
+    """Zero-length documents, documents shorter than a sample, exact boundaries, kept partial samples; the
+    document index processed whole and in small chunks."""
     from megatron.core.datasets import helpers
 
+    monkeypatch.setattr(index_building, "_CHUNK_DOCUMENTS", chunk)
     rng = numpy.random.default_rng(seed)
     sizes = rng.integers(0, 9, 400).astype(numpy.int32)
     sizes[rng.integers(0, 400, 20)] = 64

@@ -50,28 +50,36 @@ def num_samples_in(num_epochs: int, tokens_per_epoch: int, seq_length: int, drop
     return int(math.ceil(numpy.float32(usable) / numpy.float32(seq_length)))
 
 
+_CHUNK_DOCUMENTS = 1 << 18  # documents per pass: keeps each pass's arrays in cache (2-3x faster than whole)
+
+
 def build_sample_index(sizes: numpy.ndarray, document_index: numpy.ndarray, seq_length: int, num_epochs: int,
                        tokens_per_epoch: int, drop_last_partial_sequence: bool = True,
                        add_extra_token_to_sequence: bool = True) -> numpy.ndarray:
     """The (num_samples + 1, 2) sample index: per boundary, a position in `document_index` and an offset."""
     extra = 1 if add_extra_token_to_sequence else 0
     num_samples = num_samples_in(num_epochs, tokens_per_epoch, seq_length, drop_last_partial_sequence, extra)
-    lengths = sizes[document_index]
-    doc_ends = numpy.cumsum(lengths, dtype=numpy.int64)  # token count up to and including each document
-    starts = numpy.arange(1, num_samples + 1, dtype=numpy.int64) * seq_length
-    position = numpy.searchsorted(doc_ends, starts + extra, side="left")
-    last = len(document_index) - 1
-    past_end = position > last  # only the kept partial sample can run past the documents
-    position[past_end] = last
-    offset = starts - (doc_ends[position] - lengths[position])
-    offset[past_end] = int(sizes[document_index[last]]) - extra
-
     max_value = max(len(document_index), int(sizes.max()) if len(sizes) else 0)
     dtype = numpy.int32 if max_value <= numpy.iinfo(numpy.int32).max else numpy.int64
-    sample_index = numpy.empty((num_samples + 1, 2), dtype=dtype)
-    sample_index[0] = 0
-    sample_index[1:, 0] = position
-    sample_index[1:, 1] = offset
+    sample_index = numpy.zeros((num_samples + 1, 2), dtype=dtype)
+    filled, tokens_before = 0, 0
+    for first in range(0, len(document_index), _CHUNK_DOCUMENTS):
+        lengths = sizes[document_index[first:first + _CHUNK_DOCUMENTS]]
+        doc_ends = numpy.cumsum(lengths, dtype=numpy.int64)  # tokens up to and including each document
+        doc_ends += tokens_before
+        tokens_before = int(doc_ends[-1])
+        # Boundaries k * seq_length whose (k * seq_length + extra)-th token falls in this chunk.
+        last_k = min(num_samples, (tokens_before - extra) // seq_length)
+        if last_k > filled:
+            starts = numpy.arange(filled + 1, last_k + 1, dtype=numpy.int64) * seq_length
+            position = numpy.searchsorted(doc_ends, starts + extra, side="left")
+            sample_index[filled + 1:last_k + 1, 0] = position + first
+            sample_index[filled + 1:last_k + 1, 1] = starts - (doc_ends[position] - lengths[position])
+            filled = last_k
+    if filled < num_samples:  # the kept partial sample ends past the documents: helpers.cpp's end row
+        last = len(document_index) - 1
+        sample_index[filled + 1:, 0] = last
+        sample_index[filled + 1:, 1] = int(sizes[document_index[last]]) - extra
     return sample_index
 
 
@@ -91,21 +99,21 @@ def build_shuffle_index(num_samples: int, total_size: int, random_state: numpy.r
 def build_blending_indices(weights: Sequence[float], size: int) -> Tuple[numpy.ndarray, numpy.ndarray]:
     """(dataset_index int16, dataset_sample_index int64) of `size` greedy picks in proportion to `weights`."""
     w = [float(x) for x in weights]
+    others = range(1, len(w))
     taken = [0] * len(w)
-    dataset_index = numpy.empty(size, dtype=numpy.int16)
-    dataset_sample_index = numpy.empty(size, dtype=numpy.int64)
     picks: List[int] = [0] * size
     counts: List[int] = [0] * size
     for step in range(size):
         x = float(step) if step > 1 else 1.0
-        errors = [wd * x - td for wd, td in zip(w, taken)]
-        best = errors.index(max(errors))  # first index of the maximum, like the C++ strict '>'
+        best, best_error = 0, w[0] * x - taken[0]
+        for d in others:  # strict '>': the first maximum wins, as in helpers.cpp
+            error = w[d] * x - taken[d]
+            if error > best_error:
+                best, best_error = d, error
         picks[step] = best
         counts[step] = taken[best]
         taken[best] += 1
-    dataset_index[:] = picks
-    dataset_sample_index[:] = counts
-    return dataset_index, dataset_sample_index
+    return numpy.array(picks, dtype=numpy.int16), numpy.array(counts, dtype=numpy.int64)
 
 
 def build_exhaustive_blending_indices(sizes: Sequence[int]) -> Tuple[numpy.ndarray, numpy.ndarray]:
