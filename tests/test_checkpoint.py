@@ -283,6 +283,11 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path):
     assert load_checkpoint(shared / "iter_0000100", replaced, train_state=_State()) == _State(100, 100)
     assert torch.equal(replaced.weight, finetuned.weight)
 
+    meta_file = shared / "iter_0000100" / io.META_FILE
+    meta_file.write_text(meta_file.read_text().replace(io.FORMAT, "some-other-format"))
+    with pytest.raises(UsageError, match="checkpoint format 'some-other-format'"):
+        load_checkpoint(shared / "iter_0000100", replaced)
+
     # The trainer's one call: --finetune resets a checkpoint from --load, never a restart of this run.
     pretrained = str(tmp_path / "pretrained")
     assert io.choose_resume(pretrained, str(tmp_path / "fresh"), finetune=True) == \

@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from fsdp2_backend.errors import UsageError
 from fsdp2_backend.training import checkpoint_io as io
 from fsdp2_backend.training.hf_export import save_tokenizer
 
@@ -230,6 +231,9 @@ def load_checkpoint(checkpoint: str | os.PathLike, model: torch.nn.Module,
     """
     checkpoint = Path(checkpoint)
     meta = checkpoint_meta(checkpoint)
+    if meta.get("format") != io.FORMAT:
+        raise UsageError(f"{checkpoint}: checkpoint format {meta.get('format')!r}, expected {io.FORMAT!r} — "
+                         f"load it with the version that wrote it, or convert it to HF and start from that")
     load_optim = optimizer is not None and not (no_load_optim or finetune)
     if load_optim and not meta["has_optimizer"]:
         logger.warning("%s holds no optimizer state: the optimizer starts fresh", checkpoint)

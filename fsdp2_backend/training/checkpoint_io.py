@@ -126,9 +126,9 @@ def resolve_checkpoint(path: os.PathLike | str) -> Optional[Path]:
 def find_resume_checkpoint(load_dir: Optional[str], save_dir: Optional[str]) -> Optional[Path]:
     """Where a run resumes from, or None (then ``load_dir``, if any, holds HF weights to start from).
 
-    A restart of the same command must continue its own run, so the newest complete checkpoint under
-    ``save_dir`` wins; otherwise ``load_dir`` when it holds one of our checkpoints (a root with ``iter_*``
-    dirs, or an ``iter_*`` dir itself). Partial (``.tmp``) checkpoints are never returned.
+    A restart of the same command must continue its own run, so ``save_dir``'s newest complete checkpoint
+    (see ``newest_checkpoint``) wins; otherwise ``load_dir`` when it holds one of our checkpoints (a root
+    with ``iter_*`` dirs, or an ``iter_*`` dir itself). Partial (``.tmp``) checkpoints are never returned.
     """
     for source, directory in (("save", save_dir), ("load", load_dir)):
         if not directory:
