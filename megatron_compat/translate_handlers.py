@@ -73,7 +73,10 @@ _direct("batch_size", "training.per_device_train_batch_size")
 _direct("tokenizer_not_use_fast", "model.use_fast_tokenizer", lambda v: not v)
 _direct("mamba_chunk_size", "optimization.gdn_chunk_size")
 _direct("lr_warmup_fraction", "training.warmup_ratio", lambda v: 0.0 if v is None else v, when_none=True)
-_direct("create_attention_mask_in_dataloader", "data.create_attention_mask_in_dataloader")
+@handles("create_attention_mask_in_dataloader", "data.create_attention_mask_in_dataloader")
+def _mask_in_loader(ctx, value):
+    if "create_attention_mask_in_dataloader" in ctx.active:  # a memory/speed choice: only when the script says
+        ctx.set("data.create_attention_mask_in_dataloader", value)
 _direct("torch_fsdp2_reshard_after_forward", "parallel.reshard_after_forward")
 _direct("tokenizer_hf_no_use_fast", "model.use_fast_tokenizer", lambda v: not v)
 

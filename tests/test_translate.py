@@ -231,6 +231,12 @@ def test_moe_flags_map_to_hf_keys():
     assert (arch["num_experts"], arch["num_experts_per_tok"], arch["moe_intermediate_size"]) == (4, 2, 32)
     assert arch["router_aux_loss_coef"] == 1e-2 and arch["output_router_logits"] is True
     assert arch["norm_topk_prob"] is True
+    fields = translate_megatron(argv + "--first-k-dense-replace 1 --moe-layer-freq 2".split()).fields
+    arch = fields["model"]["architecture"]
+    assert arch["mlp_only_layers"] == [0] and arch["decoder_sparse_step"] == 2
+    with pytest.raises(UsageError) as err:  # group-limited routing is DeepSeek-V3's, not Qwen3-MoE's
+        translate_megatron(argv + "--moe-router-num-groups 2 --moe-router-group-topk 1".split())
+    assert err.value.messages[0].startswith("--moe-router-num-groups: not representable in an HF qwen3_moe model")
 
 
 def test_precision_save_load_and_megatron_defaults():
@@ -304,7 +310,7 @@ def test_profiling_and_sequence_parallel_follow_megatron():
 
 
 def test_handlers_and_architecture_flags_are_disjoint():
-    from megatron_compat.architecture import ARCHITECTURE_DESTS, HF_DEFINED_DESTS
+    from megatron_compat.architecture_flags import ARCHITECTURE_DESTS, HF_DEFINED_DESTS
     from megatron_compat.translate_handlers import HANDLERS
     assert not (set(HANDLERS) & (ARCHITECTURE_DESTS | HF_DEFINED_DESTS))
     assert not (ARCHITECTURE_DESTS & HF_DEFINED_DESTS)
