@@ -158,10 +158,11 @@ def test_sample_index_matches_cpp_helper_on_awkward_lengths(seed, chunk, monkeyp
                 assert got.dtype == expected.dtype and numpy.array_equal(got, expected), (seq_length, drop_last)
 
 
-def test_blending_indices_match_cpp_helper():
+def test_blending_indices_match_cpp_helper(monkeypatch):
     from megatron.core.datasets import helpers
     from megatron.core.datasets.utils import normalize
 
+    monkeypatch.setattr(index_building, "_BLEND_CHUNK", 333)  # several chunks
     rng = numpy.random.default_rng(3)
     for num in (1, 2, 3, 7):
         weights = normalize(list(rng.random(num) + 0.01))

@@ -96,24 +96,32 @@ def build_shuffle_index(num_samples: int, total_size: int, random_state: numpy.r
     return numpy.concatenate((first, last))
 
 
+_BLEND_CHUNK = 1 << 16  # steps collected in Python lists before they move into the arrays (flat memory)
+
+
 def build_blending_indices(weights: Sequence[float], size: int) -> Tuple[numpy.ndarray, numpy.ndarray]:
     """(dataset_index int16, dataset_sample_index int64) of `size` greedy picks in proportion to `weights`."""
     w = [float(x) for x in weights]
     others = range(1, len(w))
     taken = [0] * len(w)
-    picks: List[int] = [0] * size
-    counts: List[int] = [0] * size
-    for step in range(size):
-        x = float(step) if step > 1 else 1.0
-        best, best_error = 0, w[0] * x - taken[0]
-        for d in others:  # strict '>': the first maximum wins, as in helpers.cpp
-            error = w[d] * x - taken[d]
-            if error > best_error:
-                best, best_error = d, error
-        picks[step] = best
-        counts[step] = taken[best]
-        taken[best] += 1
-    return numpy.array(picks, dtype=numpy.int16), numpy.array(counts, dtype=numpy.int64)
+    dataset_index = numpy.empty(size, dtype=numpy.int16)
+    dataset_sample_index = numpy.empty(size, dtype=numpy.int64)
+    for first in range(0, size, _BLEND_CHUNK):
+        picks: List[int] = []
+        counts: List[int] = []
+        for step in range(first, min(size, first + _BLEND_CHUNK)):
+            x = float(step) if step > 1 else 1.0
+            best, best_error = 0, w[0] * x - taken[0]
+            for d in others:  # strict '>': the first maximum wins, as in helpers.cpp
+                error = w[d] * x - taken[d]
+                if error > best_error:
+                    best, best_error = d, error
+            picks.append(best)
+            counts.append(taken[best])
+            taken[best] += 1
+        dataset_index[first:first + len(picks)] = picks
+        dataset_sample_index[first:first + len(counts)] = counts
+    return dataset_index, dataset_sample_index
 
 
 def build_exhaustive_blending_indices(sizes: Sequence[int]) -> Tuple[numpy.ndarray, numpy.ndarray]:
