@@ -3,10 +3,10 @@
 Both sides train the same HF Qwen3 (4 layers, hidden 256, seq 512) from the same weights with AdamW on the
 same data, fully_shard per decoder layer + root, fp32. The bare loop is what a person writes by hand:
 forward with labels, backward, clip_grad_norm_, step, zero_grad. The engine adds Megatron's loss
-accounting, the global-norm report, skip checks and logging bookkeeping. The two alternate in rounds and the
-median step time of each is compared, so machine load hits both alike.
+accounting, the global-norm report, skip checks and logging bookkeeping. The two alternate step by step and
+the median step time of each is compared, so machine load hits both alike.
 
-    python benchmarks/bench_engine_overhead.py [--steps 6] [--rounds 3]
+    python benchmarks/bench_engine_overhead.py [--steps 12]
 
 Prints step times, the overhead ratio (target <= 5%), and per-rank memory: the model state this rank holds
 (parameters + gradients + AdamW moments, local shards) and the process's peak RSS, at 2 ranks and 1 rank.
@@ -61,16 +61,13 @@ def _state_bytes(model, optimizer):
     return total
 
 
-def _time_steps(step, steps):
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return times
+def _timed(step):
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
 
 
-def _worker(rank, world_size, model_dir, steps, rounds, out_path):
+def _worker(rank, world_size, model_dir, steps, out_path):
     import resource
 
     import torch.distributed as dist
@@ -90,7 +87,7 @@ def _worker(rank, world_size, model_dir, steps, rounds, out_path):
     engine_model = _build(model_dir, config, ctx)
     engine_opt = torch.optim.AdamW(engine_model.parameters(), lr=1e-4)
     trainer = Trainer(config, ctx, engine_model, engine_opt, type("NoSchedule", (), {"step": lambda s, n: None})(),
-                      _batches(rank, 10 ** 6), 10 ** 6, micro_batches=1, log_fn=lambda t, line: None)
+                      _batches(rank, 10 ** 6), 10 ** 6, micro_batches=1)
 
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
@@ -112,11 +109,13 @@ def _worker(rank, world_size, model_dir, steps, rounds, out_path):
 
     trainer.train_step(), bare_step()  # warm-up (allocations, first all-gathers)
     engine, bare = [], []
-    for _ in range(rounds):
-        dist.barrier()
-        bare += _time_steps(bare_step, steps)
-        dist.barrier()
-        engine += _time_steps(trainer.train_step, steps)
+    for i in range(steps):  # alternate step by step (order flipped each time): load hits both alike
+        for name in (("bare", "engine") if i % 2 == 0 else ("engine", "bare")):
+            dist.barrier()
+            if name == "bare":
+                bare.append(_timed(bare_step))
+            else:
+                engine.append(_timed(trainer.train_step))
     result = dict(engine_ms=1000 * statistics.median(engine), bare_ms=1000 * statistics.median(bare),
                   state_bytes=_state_bytes(engine_model, engine_opt),
                   peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
@@ -128,8 +127,7 @@ def _worker(rank, world_size, model_dir, steps, rounds, out_path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12, help="timed steps of each side")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import Qwen3ForCausalLM
@@ -140,13 +138,13 @@ def main():
         results = {}
         for world in (2, 1):
             out = os.path.join(tmp, f"w{world}.json")
-            run_distributed(_worker, world, tmp, args.steps, args.rounds, out)
+            run_distributed(_worker, world, tmp, args.steps, out)
             results[world] = json.loads(Path(out).read_text())
     two = results[2]
     engine = max(r["engine_ms"] for r in two)
     bare = max(r["bare_ms"] for r in two)
     print(f"model: Qwen3 4 layers, hidden 256, seq {SEQ}, micro-batch {MBS}, fp32, fully_shard per layer + root")
-    print(f"2 CPU ranks (gloo), median step over {args.rounds}x{args.steps} steps, slowest rank:")
+    print(f"2 CPU ranks (gloo), median of {args.steps} alternating steps each, slowest rank:")
     print(f"  bare FSDP2 loop: {bare:8.1f} ms/step")
     print(f"  engine Trainer : {engine:8.1f} ms/step")
     print(f"  engine overhead: {100 * (engine / bare - 1):+.1f}%  (target <= +5%)")

@@ -37,7 +37,7 @@ class _ConstantLR:
         pass
 
 
-def _train(model_dir, per_token, dp, rank):
+def _train(model_dir, per_token, world_size, tp=1):
     from fsdp2_backend.distributed.context import ParallelContext
     from fsdp2_backend.models.loading import create_model, load_hf_config
     from fsdp2_backend.parallel.apply import apply_parallelism
@@ -49,12 +49,15 @@ def _train(model_dir, per_token, dp, rank):
     config.training.per_device_train_batch_size = MBS
     config.training.calculate_per_token_loss = per_token
     config.training.max_grad_norm = 0.5  # small enough to clip: the clipped update must agree too
+    config.parallel.tp_size = tp
     ctx = ParallelContext.create(config.parallel)
-    assert ctx.dp_size == dp
+    dp = ctx.dp_size
+    assert dp * tp == world_size
     model = create_model(config.model, load_hf_config(config.model), seed=0, device=ctx.device.torch_device,
                          parallelize=lambda m: apply_parallelism(m, config, ctx))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    trainer = Trainer(config, ctx, model, optimizer, _ConstantLR(), _rank_micro_batches(_samples(), dp, rank),
+    batches = _rank_micro_batches(_samples(), dp, ctx.dp_rank)
+    trainer = Trainer(config, ctx, model, optimizer, _ConstantLR(), batches,
                       STEPS, micro_batches=GBS // (MBS * dp))
     result = trainer.train()
     ctx.close()
@@ -62,7 +65,9 @@ def _train(model_dir, per_token, dp, rank):
 
 
 def _worker(rank, world_size, model_dir, out_path):
-    results = {mode: _train(model_dir, mode == "per_token", world_size, rank) for mode in ("mean", "per_token")}
+    results = {mode: _train(model_dir, mode == "per_token", world_size) for mode in ("mean", "per_token")}
+    if world_size == 2:  # tensor parallel through the same engine (dp 1, tp 2) must agree as well
+        results["tp2"] = _train(model_dir, False, world_size, tp=2)
     if rank == 0:
         with open(out_path, "w") as handle:
             json.dump(results, handle)
@@ -83,12 +88,12 @@ def test_one_rank_and_two_rank_fsdp_agree_per_step(model_dir, tmp_path):
     _worker(0, 1, model_dir, str(one))  # the 1-rank reference runs in this process (its own 1-rank group)
     run_distributed(_worker, 2, model_dir, str(two))
     one, two = json.loads(one.read_text()), json.loads(two.read_text())
-    for mode in ("mean", "per_token"):
+    for mode, other in (("mean", "mean"), ("per_token", "per_token"), ("mean", "tp2")):
         for key in ("losses", "grad_norms"):
-            a, b = one[mode][key], two[mode][key]
+            a, b = one[mode][key], two[other][key]
             assert len(a) == len(b) == STEPS
             for step, (x, y) in enumerate(zip(a, b)):
-                assert abs(x - y) <= 1e-5 * abs(x), f"{mode} {key} step {step}: 1 rank {x} vs 2 ranks {y}"
+                assert abs(x - y) <= 1e-5 * abs(x), f"{other} {key} step {step}: 1 rank {x} vs 2 ranks {y}"
         assert one[mode]["losses"][-1] < one[mode]["losses"][0]  # it trains
     # The two modes differ (token counts differ per micro-batch), so the test can tell them apart.
     assert one["mean"]["grad_norms"][0] != pytest.approx(one["per_token"]["grad_norms"][0], rel=1e-4)

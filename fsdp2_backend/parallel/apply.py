@@ -2,12 +2,13 @@
 
     quantize → TP → EP → CP → recompute → FSDP
 
-Each stage is one function in its own module and is skipped when its size is 1 (or its feature off).
-Stages whose module has not landed yet decline sizes > 1 with a usage error.
+Each stage is one function in its own module (`tensor_parallel`, `expert_parallel`, `context_parallel`,
+`recompute`, `fsdp`), skipped when its size is 1 or its feature off. A stage returns the parameters it
+reduces itself (expert units), which FSDP must then ignore.
 """
 from __future__ import annotations
 
-import importlib
+from typing import Set
 
 from torch import nn
 
@@ -17,24 +18,28 @@ from fsdp2_backend.errors import UsageError
 from fsdp2_backend.parallel.fsdp import apply_fsdp
 from fsdp2_backend.parallel.recompute import apply_recompute
 
-# stage → (module under fsdp2_backend.parallel, its function(model, config, ctx) -> set of params FSDP must
-# ignore or None, the field that turns it on). TODO(lead): F fills tensor/context parallel, G expert parallel.
-_STAGES = {
-    "tensor parallelism": ("tensor_parallel", "apply_tensor_parallel", "parallel.tp_size"),
-    "expert parallelism": ("expert_parallel", "apply_expert_parallel", "parallel.ep_size"),
-    "context parallelism": ("context_parallel", "apply_context_parallel", "parallel.cp_size"),
-}
+
+def _tensor_parallel(model: nn.Module, config: Config, ctx: ParallelContext) -> Set[nn.Parameter]:
+    from fsdp2_backend.parallel.tensor_parallel import apply_tensor_parallel
+
+    parallel = config.parallel
+    experts = parallel.ep_modules if parallel.ep_size > 1 or parallel.ep_fsdp_size > 1 else ()
+    apply_tensor_parallel(model, ctx.tp_mesh, colwise=parallel.tp_colwise, rowwise=parallel.tp_rowwise,
+                          sequence_parallel=parallel.sequence_parallel, exclude=experts)
+    return set()  # TP parameters are DTensors on the tp mesh; FSDP shards them further over its own mesh
 
 
-def _stage(name: str):
-    module_name, function, field = _STAGES[name]
-    try:
-        module = importlib.import_module(f"fsdp2_backend.parallel.{module_name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"fsdp2_backend.parallel.{module_name}":
-            raise
-        raise UsageError(f"{field}: {name} is not available in this version yet — use 1")
-    return getattr(module, function)
+def _expert_parallel(model: nn.Module, config: Config, ctx: ParallelContext) -> Set[nn.Parameter]:
+    from fsdp2_backend.parallel.expert_parallel import apply_expert_parallel
+
+    return apply_expert_parallel(model, config, ctx)  # expert units are FSDP'd on their own mesh
+
+
+def _context_parallel(model: nn.Module, config: Config, ctx: ParallelContext) -> Set[nn.Parameter]:
+    from fsdp2_backend.parallel.context_parallel.attention import enable_context_parallel
+
+    enable_context_parallel(model, ctx.cp_mesh, config.parallel.cp_type, tp_size=config.parallel.tp_size)
+    return set()
 
 
 def apply_parallelism(model: nn.Module, config: Config, ctx: ParallelContext) -> nn.Module:
@@ -43,13 +48,13 @@ def apply_parallelism(model: nn.Module, config: Config, ctx: ParallelContext) ->
     if config.model.quant_recipe_name:
         raise UsageError(f"model.quant_recipe_name: '{config.model.quant_recipe_name}' quantisation is not "
                          f"available in this version yet — leave it unset")
-    fsdp_ignored = set()
-    enabled = {"tensor parallelism": parallel.tp_size > 1,
-               "expert parallelism": parallel.ep_size > 1 or parallel.ep_fsdp_size > 1,
-               "context parallelism": parallel.cp_size > 1}
-    for name in ("tensor parallelism", "expert parallelism", "context parallelism"):
-        if enabled[name]:
-            fsdp_ignored |= set(_stage(name)(model, config, ctx) or ())
+    fsdp_ignored: Set[nn.Parameter] = set()
+    if parallel.tp_size > 1:
+        fsdp_ignored |= _tensor_parallel(model, config, ctx)
+    if parallel.ep_size > 1 or parallel.ep_fsdp_size > 1:
+        fsdp_ignored |= _expert_parallel(model, config, ctx)
+    if parallel.cp_size > 1:
+        fsdp_ignored |= _context_parallel(model, config, ctx)
     if parallel.recompute:
         apply_recompute(model, parallel.recompute_modules)
     return apply_fsdp(model, parallel, ctx.fsdp_mesh, extra_ignored=fsdp_ignored)

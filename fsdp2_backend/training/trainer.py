@@ -230,6 +230,9 @@ def _decline_unsupported(config: Config) -> None:
         problems.append(f"training.stage / data.data_manager_type: '{config.training.stage}' / "
                         f"'{config.data.data_manager_type}' — only pretraining (stage pt, data_manager_type mg) is "
                         f"available in this version; SFT comes later")
+    if config.parallel.cp_size > 1:
+        # TODO(lead/F): shard batches with context_parallel.batch.shard_batch_for_cp and normalise per sequence.
+        problems.append("parallel.cp_size: context parallelism is not wired into the training loop yet — use 1")
     if config.optimization.chunk_loss_size:
         problems.append("optimization.chunk_loss_size: chunked loss is not wired into the trainer yet — unset it")
     if problems:

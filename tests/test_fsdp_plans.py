@@ -1,0 +1,121 @@
+"""The FSDP2 / recompute stages on one real rank: plans reach fully_shard, recompute recomputes without
+changing the numbers, prefetch and placement options take effect, device/backend selection is honoured."""
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp2_backend.config import Config
+from fsdp2_backend.errors import UsageError
+from tests.helpers import tiny_qwen3_config
+
+
+def shard_rows_of_matrices_by_columns(param):
+    """A shard placement for the test: 2-D parameters sharded on dim 1, the rest default (dim 0)."""
+    return Shard(1) if param.dim() == 2 else None
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    from fsdp2_backend.distributed.context import ParallelContext
+
+    context = ParallelContext.create(Config().parallel)
+    yield context
+    context.close()
+
+
+def _model(config, ctx, seed=0):
+    from transformers import Qwen3ForCausalLM
+
+    from fsdp2_backend.parallel.apply import apply_parallelism
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(tiny_qwen3_config(num_hidden_layers=2))
+    return apply_parallelism(model, config, ctx)
+
+
+def _config(**parallel):
+    config = Config()
+    config.parallel.param_dtype = "fp32"
+    for key, value in parallel.items():
+        setattr(config.parallel, key, value)
+    return config
+
+
+def _loss_and_grads(model):
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731  (ignored params are plain)
+    return loss.item(), {n: full(p.grad).clone() for n, p in model.named_parameters()}
+
+
+def test_recompute_reruns_layer_forwards_and_keeps_numbers(ctx):
+    plain = _model(_config(), ctx)
+    recomputed = _model(_config(recompute=True, recompute_modules=["model.layers.{*}"]), ctx)
+    calls = []
+    for layer in recomputed.model.layers:
+        # a pre-hook: recomputation stops early once the last saved tensor is rebuilt (inside the MLP)
+        layer.mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+    loss_a, grads_a = _loss_and_grads(plain)
+    loss_b, grads_b = _loss_and_grads(recomputed)
+    assert len(calls) == 4  # 2 layers x (forward + recomputation in backward)
+    assert loss_a == loss_b
+    for name, grad in grads_a.items():
+        torch.testing.assert_close(grads_b[name], grad, rtol=1e-6, atol=1e-7)
+    names = [n for n, _ in recomputed.named_parameters()]
+    assert names == [n for n, _ in plain.named_parameters()]  # no wrapper module: state-dict keys unchanged
+
+
+def test_fsdp_units_prefetch_ignored_modules_and_placement(ctx):
+    from torch.distributed.fsdp import FSDPModule
+
+    config = _config(ignored_modules=["*.q_norm"], num_to_forward_prefetch=2, num_to_backward_prefetch=1,
+                     shard_placement_fn=f"{__name__}.shard_rows_of_matrices_by_columns")
+    model = _model(config, ctx)
+    units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    assert units == ["", "model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"]
+    q_norm = model.model.layers[0].self_attn.q_norm.weight
+    assert not isinstance(q_norm, DTensor)  # ignored: FSDP leaves it alone
+    assert model.model.layers[0].mlp.up_proj.weight.placements == (Shard(1),)
+    assert model.model.norm.weight.placements == (Shard(0),)
+    embed = model.model.embed_tokens
+    prefetch = embed._get_fsdp_state()._states_to_forward_prefetch
+    assert [s._fsdp_param_group.modules for s in prefetch] == [(model.model.layers[0],), (model.model.layers[1],)]
+    _loss_and_grads(model)  # and it trains
+
+
+def test_tied_embeddings_stay_with_the_root(ctx):
+    from transformers import Qwen3ForCausalLM
+
+    from fsdp2_backend.parallel.apply import apply_parallelism
+
+    model = Qwen3ForCausalLM(tiny_qwen3_config(tie_word_embeddings=True))
+    model = apply_parallelism(model, _config(), ctx)
+    from torch.distributed.fsdp import FSDPModule
+
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    # a parameter can belong to one FSDP unit only: the tied pair is left to the root
+    assert not isinstance(model.lm_head, FSDPModule) and not isinstance(model.model.embed_tokens, FSDPModule)
+    assert isinstance(model.model.layers[0], FSDPModule)
+    _loss_and_grads(model)
+
+
+def test_bad_options_are_usage_errors(ctx):
+    with pytest.raises(UsageError, match="parallel.shard_placement_fn: cannot import 'no.such.fn'"):
+        _model(_config(shard_placement_fn="no.such.fn"), ctx)
+    with pytest.raises(UsageError, match="parallel.recompute_modules: pattern 'blocks.{}' matches no module"):
+        _model(_config(recompute=True, recompute_modules=["blocks.{}"]), ctx)
+    config = _config()
+    config.model.quant_recipe_name = "mxfp8"
+    with pytest.raises(UsageError, match="model.quant_recipe_name"):
+        _model(config, ctx)
+
+
+def test_device_and_backend_selection():
+    from fsdp2_backend.distributed.device import resolve_device
+
+    device = resolve_device()
+    assert (device.type, device.backend) == ("cpu", "gloo")  # this machine has no accelerator
+    with pytest.raises(UsageError, match="--distributed-backend .*'nccl' cannot run on this machine's cpu"):
+        resolve_device("nccl")
+    assert resolve_device("gloo").backend == "gloo"
