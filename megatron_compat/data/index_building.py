@@ -131,20 +131,23 @@ def build_exhaustive_blending_indices(sizes: Sequence[int]) -> Tuple[numpy.ndarr
     w = [s / float(total) for s in sizes]
     taken = [0] * len(sizes)
     unspent = [d for d in range(len(sizes)) if sizes[d] > 0]
-    picks: List[int] = []
-    counts: List[int] = []
-    step = 0
-    while unspent:
-        x = float(step) if step > 1 else 1.0
-        best, best_error = -1, -math.inf
-        for d in unspent:  # ascending ids, strict '>': the first maximum wins
-            error = w[d] * x - taken[d]
-            if error > best_error:
-                best, best_error = d, error
-        picks.append(best)
-        counts.append(taken[best])
-        taken[best] += 1
-        if taken[best] == sizes[best]:
-            unspent.remove(best)
-        step += 1
-    return numpy.array(picks, dtype=numpy.int16), numpy.array(counts, dtype=numpy.int64)
+    dataset_index = numpy.empty(total, dtype=numpy.int16)
+    dataset_sample_index = numpy.empty(total, dtype=numpy.int64)
+    for first in range(0, total, _BLEND_CHUNK):
+        picks: List[int] = []
+        counts: List[int] = []
+        for step in range(first, min(total, first + _BLEND_CHUNK)):
+            x = float(step) if step > 1 else 1.0
+            best, best_error = -1, -math.inf
+            for d in unspent:  # ascending ids, strict '>': the first maximum wins
+                error = w[d] * x - taken[d]
+                if error > best_error:
+                    best, best_error = d, error
+            picks.append(best)
+            counts.append(taken[best])
+            taken[best] += 1
+            if taken[best] == sizes[best]:
+                unspent.remove(best)
+        dataset_index[first:first + len(picks)] = picks
+        dataset_sample_index[first:first + len(counts)] = counts
+    return dataset_index, dataset_sample_index
