@@ -93,6 +93,20 @@ def test_no_decay_groups_keep_zero_weight_decay_and_state_roundtrip():
     assert math.isclose(resumed.optimizer.param_groups[0]["lr"], opt.param_groups[0]["lr"])
 
 
+def test_resume_policies_for_a_changed_schedule():
+    old = ParamScheduler(_opt(), **scheduler_steps(TrainingArguments(lr=1e-3, max_steps=10), GBS))
+    old.step(3 * GBS)
+    longer = scheduler_steps(TrainingArguments(lr=1e-3, max_steps=20), GBS)
+    with pytest.raises(UsageError, match="lr_decay_steps"):
+        ParamScheduler(_opt(), **longer, on_resume="check").load_state_dict(old.state_dict())
+    kept = ParamScheduler(_opt(), **longer, on_resume="override")
+    kept.load_state_dict(old.state_dict())
+    assert kept.lr_decay_steps == 20 * GBS and kept.num_steps == 3 * GBS
+    taken = ParamScheduler(_opt(), **longer, on_resume="checkpoint")
+    taken.load_state_dict(old.state_dict())
+    assert taken.lr_decay_steps == 10 * GBS and taken.get_lr() == old.get_lr()
+
+
 def test_bad_schedule_reports_usage_errors():
     t = TrainingArguments(lr=1e-3, min_lr=1e-2, max_steps=10, warmup_ratio=1.0, lr_scheduler_type="WSD")
     with pytest.raises(UsageError) as err:

@@ -27,6 +27,9 @@ def _shard_key(grad: Tensor) -> Tuple:
     """(mesh, sharded mesh dims) for a DTensor; () for a plain (replicated) tensor."""
     if not isinstance(grad, DTensor):
         return ()
+    if any(p.is_partial() for p in grad.placements):
+        raise ValueError("grad_clip: a gradient is still Partial (unreduced) on its mesh — clip after the "
+                         "gradient reduction")
     dims = tuple(i for i, p in enumerate(grad.placements) if isinstance(p, Shard))
     return (grad.device_mesh, dims) if dims else ()
 

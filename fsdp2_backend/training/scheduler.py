@@ -21,6 +21,12 @@ from fsdp2_backend.errors import UsageError
 LR_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 WD_STYLES = ("constant", "linear", "cosine")
+# What load_state_dict does with schedule values that differ from the constructor's (Megatron's flags):
+# "check" refuses a mismatch (Megatron's default), "checkpoint" takes the checkpoint's
+# (--use-checkpoint-opt-param-scheduler), "override" keeps the constructor's (--override-opt-param-scheduler).
+RESUME_POLICIES = ("check", "checkpoint", "override")
+_SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_style", "lr_decay_steps", "start_wd", "end_wd",
+                  "wd_incr_style", "wd_incr_steps")
 
 
 class ParamScheduler:
@@ -28,13 +34,15 @@ class ParamScheduler:
 
     Step counts (`lr_warmup_steps`, `lr_decay_steps`, `wsd_decay_steps`, `wd_incr_steps`) are in samples.
     `optimizer` is anything with a `param_groups` list of dicts (a torch optimizer or `CombinedOptimizer`).
+    `on_resume` (see RESUME_POLICIES) defaults to "checkpoint" until the config carries Megatron's two
+    resume flags; Megatron itself defaults to "check".
     """
 
     def __init__(self, optimizer: Any, *, max_lr: float, min_lr: float, lr_warmup_steps: float,
                  lr_decay_steps: int, lr_decay_style: str, init_lr: float = 0.0,
                  wsd_decay_steps: Optional[int] = None, lr_wsd_decay_style: str = "exponential",
                  start_wd: float = 0.0, end_wd: Optional[float] = None, wd_incr_steps: int = 1,
-                 wd_incr_style: str = "constant"):
+                 wd_incr_style: str = "constant", on_resume: str = "checkpoint"):
         end_wd = start_wd if end_wd is None else end_wd
         problems = []
         if lr_decay_style not in LR_STYLES:
@@ -60,9 +68,11 @@ class ParamScheduler:
             problems.append(f"weight decay: need 0 <= start ({start_wd}) <= end ({end_wd})")
         if wd_incr_style == "constant" and start_wd != end_wd:
             problems.append("weight decay: constant style needs start == end — pick linear or cosine")
+        if on_resume not in RESUME_POLICIES:
+            problems.append(f"scheduler resume policy: unknown {on_resume!r} — use one of {RESUME_POLICIES}")
         if problems:
             raise UsageError(problems)
-        self.optimizer = optimizer
+        self.optimizer, self.on_resume = optimizer, on_resume
         self.max_lr, self.min_lr, self.init_lr = float(max_lr), float(min_lr), float(init_lr)
         self.lr_warmup_steps, self.lr_decay_steps = lr_warmup_steps, lr_decay_steps
         self.lr_decay_style = lr_decay_style
@@ -123,18 +133,20 @@ class ParamScheduler:
 
     def state_dict(self) -> Dict[str, Any]:
         """Megatron's keys, so a checkpoint records the same schedule facts."""
-        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.lr_warmup_steps,
-                "num_steps": self.num_steps, "lr_decay_style": self.lr_decay_style,
-                "lr_decay_steps": self.lr_decay_steps, "start_wd": self.start_wd, "end_wd": self.end_wd,
-                "wd_incr_style": self.wd_incr_style, "wd_incr_steps": self.wd_incr_steps}
+        return {"num_steps": self.num_steps, **{k: getattr(self, k) for k in _SCHEDULE_KEYS}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restores the position (`num_steps`); like Megatron's default (use-checkpoint), the checkpoint's
-        schedule values win over the constructor's."""
-        for key in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_style", "lr_decay_steps",
-                    "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps"):
-            if key in state:
-                setattr(self, key, state[key])
+        """Restores the position (`num_steps`) and, per `on_resume`, the schedule values."""
+        mismatched = [f"{k}: this run {getattr(self, k)!r}, checkpoint {state[k]!r}"
+                      for k in _SCHEDULE_KEYS if k in state and state[k] != getattr(self, k)]
+        if mismatched and self.on_resume == "check":
+            raise UsageError([f"learning-rate schedule differs from the checkpoint's ({m}) — resume with the "
+                              "same schedule, or choose which one wins (Megatron's --override-opt-param-scheduler"
+                              " / --use-checkpoint-opt-param-scheduler)" for m in mismatched])
+        if self.on_resume == "checkpoint":
+            for key in _SCHEDULE_KEYS:
+                if key in state:
+                    setattr(self, key, state[key])
         self.num_steps = 0
         self.step(int(state["num_steps"]))
 
