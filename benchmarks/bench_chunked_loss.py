@@ -62,11 +62,13 @@ def main() -> None:
     print(f"tokens={args.tokens} hidden={args.hidden} vocab={args.vocab} chunk={args.chunk} device={args.device} "
           f"(fp32 logits of the full batch: {logits_mib:.0f} MiB)")
     for name, r in results.items():
-        print(f"{name:8s} peak {r['peak_bytes'] / 2**20:8.1f} MiB (above start {(r['peak_bytes'] - r['base_bytes']) / 2**20:7.1f})"
+        growth = (r["peak_bytes"] - r["base_bytes"]) / 2**20
+        print(f"{name:8s} peak {r['peak_bytes'] / 2**20:8.1f} MiB (above start {growth:7.1f})"
               f"  step {r['step_s'] * 1000:8.1f} ms  loss {r['loss']:.6f}")
     full, chunked = results["full"], results["chunked"]
     grow = lambda r: max(r["peak_bytes"] - r["base_bytes"], 1)  # noqa: E731
-    print(f"ratio chunked/full: peak growth {grow(chunked) / grow(full):.2f}, time {chunked['step_s'] / full['step_s']:.2f}")
+    print(f"ratio chunked/full: peak growth {grow(chunked) / grow(full):.2f}, "
+          f"time {chunked['step_s'] / full['step_s']:.2f}")
 
 
 if __name__ == "__main__":

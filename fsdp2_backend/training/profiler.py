@@ -19,7 +19,7 @@ Output, under `profile_save_path`:
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
