@@ -4,12 +4,14 @@
 
 Layers, in order: the YAML file, the Megatron translation, the `--group.field` overrides (which may override
 the YAML). A field set both by a Megatron flag and natively to different values is an error naming both.
-`--dry-run` validates against WORLD_SIZE (default 1) and prints the config as YAML (the flag report as YAML
+`--dry-run` validates against WORLD_SIZE (unset: the smallest world the layout fits) and prints the config as YAML (the flag report as YAML
 comments, so the whole output loads back) without touching devices, data or model files. Torch is imported
 only when training starts.
 """
 from __future__ import annotations
 
+import functools
+import math
 import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
@@ -22,25 +24,47 @@ from fsdp2_backend.errors import UsageError, exit_on_usage_error
 DRY_RUN_FLAG = "--dry-run"
 
 
-def _conflicts(megatron: Dict[str, Dict[str, Any]], native: List[Tuple[str, Dict[str, Dict[str, Any]]]],
-               flag_of: Dict[str, str]) -> List[str]:
+def _conflicts(explicit: Dict[str, Dict[str, Any]], native: List[Tuple[str, Dict[str, Dict[str, Any]]]],
+               sources: Dict[str, str]) -> List[str]:
     """Fields set by a Megatron flag and natively to a different value."""
-    probe = build_config([("", megatron)])
+    probe = build_config([("Megatron flags", explicit)])
     errors = []
     for origin, groups in native:
         single = build_config([(origin, groups)])
         for group, values in groups.items():
             for name in values:
+                if name not in explicit.get(group, {}):
+                    continue
                 ours, theirs = getattr(getattr(probe, group), name), getattr(getattr(single, group), name)
-                if name in megatron.get(group, {}) and ours != theirs:
-                    flag = flag_of.get(f"{group}.{name}", "a Megatron flag")
-                    errors.append(f"{group}.{name}: set two different ways — {flag} gives {ours!r}, {origin} gives "
-                                  f"{theirs!r}; keep one")
+                if ours != theirs:
+                    errors.append(f"{group}.{name}: set two different ways — {sources[f'{group}.{name}']} gives "
+                                  f"{ours!r}, {origin} gives {theirs!r}; keep one")
     return errors
 
 
-def parse_command_line(argv: List[str], world_size: int) -> Tuple[Config, List[str]]:
-    """argv → validated Config and the report lines of the Megatron translation (empty without one)."""
+def _split_by_source(translation) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Dict[str, Any]]]:
+    """(Megatron's defaults, fields set by a flag the script gives): native settings override the former."""
+    defaults: Dict[str, Dict[str, Any]] = {}
+    explicit: Dict[str, Dict[str, Any]] = {}
+    for group, values in translation.fields.items():
+        for name, value in values.items():
+            by_flag = translation.sources.get(f"{group}.{name}", "").startswith("-")
+            (explicit if by_flag else defaults).setdefault(group, {})[name] = value
+    return defaults, explicit
+
+
+def minimal_world_size(config: Config) -> int:
+    """The smallest world the config's parallel sizes fit: used by --dry-run when WORLD_SIZE is not set."""
+    p = config.parallel
+    sizes = [p.tp_size * p.cp_size * max(p.fsdp_size, 1), p.ep_size * p.ep_fsdp_size]
+    return functools.reduce(math.lcm, [max(s, 1) for s in sizes])
+
+
+def parse_command_line(argv: List[str], world_size: Optional[int]) -> Tuple[Config, List[str]]:
+    """argv → validated Config and the report lines (Megatron translation, world size used) for the user.
+
+    `world_size` None (a dry run without WORLD_SIZE) validates for the smallest world the layout fits.
+    """
     argv = [a for a in argv if a != DRY_RUN_FLAG]
     native: List[Tuple[str, Dict[str, Dict[str, Any]]]] = []
     if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml")):
@@ -54,20 +78,26 @@ def parse_command_line(argv: List[str], world_size: int) -> Tuple[Config, List[s
     if rest:
         from megatron_compat.translate import report_lines, translate_megatron
 
-        translation = translate_megatron(rest, world_size=world_size)
+        translation = translate_megatron(rest, world_size=world_size or 1)
         report = report_lines(translation.report)
-        flag_of = {target: flag for flag, target in translation.report.mapped}
-        errors = _conflicts(translation.fields, native, flag_of)
+        defaults, explicit = _split_by_source(translation)
+        errors = _conflicts(explicit, native, translation.sources)
         if errors:
             raise UsageError(errors)
-        layers = native[:1] + [("Megatron flags", translation.fields)] + native[1:]
+        layers = [("Megatron defaults", defaults)] + native[:1] + [("Megatron flags", explicit)] + native[1:]
     config = build_config(layers)
+    if world_size is None:
+        world_size = minimal_world_size(config)
+        report.append(f"validated for world size {world_size} (the smallest this layout fits; set WORLD_SIZE "
+                      f"to check another)")
     return validate(config, world_size), report
 
 
-def world_size_from_env() -> int:
+def world_size_from_env(default: Optional[int] = 1) -> Optional[int]:
+    if "WORLD_SIZE" not in os.environ:
+        return default
     try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
+        return int(os.environ["WORLD_SIZE"])
     except ValueError:
         raise UsageError(f"WORLD_SIZE: not an integer ({os.environ['WORLD_SIZE']!r}) — unset it or fix it") from None
 
@@ -75,8 +105,9 @@ def world_size_from_env() -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with exit_on_usage_error():
-        config, report = parse_command_line(argv, world_size_from_env())
-    if DRY_RUN_FLAG in argv:
+        dry_run = DRY_RUN_FLAG in argv
+        config, report = parse_command_line(argv, world_size_from_env(None if dry_run else 1))
+    if dry_run:
         sys.stdout.write(to_yaml(config))
         for line in report:
             sys.stdout.write(f"# {line}\n")

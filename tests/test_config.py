@@ -208,3 +208,26 @@ def test_cli_dry_run_prints_loadable_yaml(tmp_path):
     out.write_text(result.stdout)
     again = build_config([(str(out), load_yaml(str(out)))])
     assert again.training.lr == 3e-4 and again == validate(pt_config(training={"lr": 3e-4}))
+
+
+def test_megatron_flag_and_native_field_in_conflict_named(tmp_path):
+    result = run_cli("--lr", "1e-4", "--training.lr", "2e-4", "--train-iters", "5", "--mock-data",
+                     "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--num-layers", "2",
+                     "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                     "--max-position-embeddings", "32", "--micro-batch-size", "1", "--dry-run")
+    assert result.returncode == 2
+    assert "training.lr: set two different ways — --lr gives 0.0001, --group.field overrides gives 0.0002" in \
+        result.stderr
+
+
+def test_native_override_beats_megatron_default_and_dry_run_sizes_world():
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    result = run_cli("--training.seed", "7", "--train-iters", "5", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                     "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                     "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+                     "--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--dry-run", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "  seed: 7\n" in result.stdout
+    assert "# validated for world size 4 " in result.stdout
