@@ -119,6 +119,12 @@ def _rank_batches(rank, world_size, tmp, raw, out):
         message = "no error"
     except UsageError as exc:
         message = str(exc)
+    # Two "nodes" without shared storage: each rank is its node's local rank 0 with a node-local cache folder.
+    os.environ["LOCAL_RANK"] = "0"
+    config = _config_at(tmp, raw)
+    config.data.no_shared_storage, config.data.mock_data = True, True
+    config.data.data_cache_path = os.path.join(tmp, f"node{rank}")
+    build_pretrain_data(config, NullTokenizer(1000), rank, world_size, 0, 8, 2, 6)
     torch.save((batches, message), f"{out}.{rank}")
 
 
@@ -140,3 +146,4 @@ def test_two_ranks_preprocess_once_and_share_the_global_batch(tmp_path):
     two_rows = torch.cat([two[0][0], two[1][0], two[0][1], two[1][1]])
     assert torch.equal(two_rows, torch.cat(one))
     assert len(list((tmp_path / "tok").glob("*.bin"))) == 1
+    assert all(len(list((tmp_path / f"node{r}").glob("*.npy"))) == 9 for r in range(2))  # 3 arrays x 3 splits
