@@ -55,7 +55,8 @@ def build_pretrain_data(config, tokenizer, dp_rank: int, dp_size: int, consumed_
                         consumed_valid_samples: int = 0) -> PretrainData:
     """Datasets and loaders for this data-parallel rank; call on every rank (ranks synchronise while caches
     and preprocessed files are built). `tokenizer` needs `eod` and `vocab_size` (megatron_compat's tokenizers;
-    an HF tokenizer is adapted); raw inputs are tokenized with it."""
+    an HF tokenizer is adapted); raw inputs are tokenized with it. On resume pass Megatron's
+    consumed_valid_samples = (iteration // eval_interval) x eval_iters x gbs unless it was saved."""
     data, training = config.data, config.training
     counts = pretrain_sample_counts(train_iters, global_batch_size, training.train_samples,
                                     training.eval_interval, training.eval_iters)
@@ -79,7 +80,8 @@ def build_pretrain_data(config, tokenizer, dp_rank: int, dp_size: int, consumed_
 
 
 def data_iterator(loader: Optional[DataLoader], dataloader_type: str) -> Optional[Iterator]:
-    """Megatron's iterator over a loader: once through for `single`, endlessly (epoch after epoch) for `cyclic`."""
+    """Megatron's iterator over a loader: once through for `single`, endlessly (epoch after epoch) for `cyclic`.
+    Keep one per split for the whole run: Megatron's validation continues where the last evaluation stopped."""
     if loader is None:
         return None
     if dataloader_type == "cyclic":
