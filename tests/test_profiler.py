@@ -58,6 +58,12 @@ def test_to_the_end_from_a_resumed_iteration(tmp_path):
     assert {"train_iteration_11", "train_iteration_13"} <= names
 
 
+def test_resumed_inside_the_window_profiles_its_rest(tmp_path):
+    args = ProfilingArguments(profile=True, profile_step_start=2, profile_step_end=5, profile_save_path=str(tmp_path))
+    _tiny_loop(StepProfiler(args, rank=0, device_type="cpu", first_iteration=3, print_fn=lambda _s: None), 4, first=3)
+    assert sorted(os.listdir(tmp_path)) == ["rank0_steps3-4.pt.trace.json", "rank0_steps3-4.table.txt"]
+
+
 def test_disabled_or_other_rank_writes_nothing(tmp_path):
     for args in (ProfilingArguments(profile=False, profile_save_path=str(tmp_path)),
                  ProfilingArguments(profile=True, profile_ranks=[3], profile_save_path=str(tmp_path))):

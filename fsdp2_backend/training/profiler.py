@@ -2,7 +2,8 @@
 
 Owns `StepProfiler`. Steps are counted like Megatron's `--profile-step-start/-end`: the step with 0-based index
 i is the (i+1)-th iteration of the run's global count (so a resumed run keeps its numbering); the window is
-[profile_step_start, profile_step_end), profile_step_end -1 = to the end of training. Only ranks in
+[profile_step_start, profile_step_end), profile_step_end -1 = to the end of training (a run resumed inside
+the window profiles the rest of it; Megatron would skip it). Only ranks in
 `profile_ranks` ([-1] = all) profile; the others do nothing.
 
 Output, under `profile_save_path`:
@@ -44,12 +45,12 @@ class StepProfiler:
         ranks = list(profiling.profile_ranks)
         self.enabled = bool(profiling.profile) and (-1 in ranks or rank in ranks)
         self._prof = None
-        self._last_done = self.start_step  # the last completed step inside the window
+        self._first = self._last_done = self.start_step  # first recorded / last completed step of the window
         if not profiling.profile:
             return
         _check(profiling, device_type)
-        if self.enabled and self.start_step == first_iteration:
-            self._start()
+        if self.enabled and self._in_window(first_iteration):  # a run resumed inside the window profiles the rest
+            self._start(first_iteration)
 
     @property
     def active(self) -> bool:
@@ -65,21 +66,25 @@ class StepProfiler:
                 self._stop()
             else:
                 self._prof.step()
-        elif iteration == self.start_step:
-            self._start()
+        elif self._in_window(iteration):
+            self._start(iteration)
 
     def close(self) -> None:
         """Stops and writes an open window (profile_step_end -1, or training ended inside the window)."""
         if self._prof is not None:
             self._stop()
 
-    def _start(self) -> None:
+    def _in_window(self, step: int) -> bool:
+        return self.start_step <= step and (self.end_step == -1 or step < self.end_step)
+
+    def _start(self, step: int) -> None:
+        self._first = self._last_done = step
         os.makedirs(self.args.profile_save_path, exist_ok=True)
         if self.device_type == "npu":
             self._prof = _npu_profiler(self.args)
         else:
             self._prof = self._torch_profiler()
-            self._prof.step_num = self.start_step  # step markers carry the training step index
+            self._prof.step_num = step  # step markers carry the training step index
         self._prof.start()
 
     def _stop(self) -> None:
@@ -99,13 +104,13 @@ class StepProfiler:
 
     def _write_torch_trace(self, prof) -> None:
         last = self._last_done
-        stem = os.path.join(self.args.profile_save_path, f"rank{self.rank}_steps{self.start_step}-{last}")
+        stem = os.path.join(self.args.profile_save_path, f"rank{self.rank}_steps{self._first}-{last}")
         prof.export_chrome_trace(stem + ".pt.trace.json")
         sort_key = "self_cuda_time_total" if self.device_type == "cuda" else "self_cpu_time_total"
         with open(stem + ".table.txt", "w", encoding="utf-8") as f:
             f.write(prof.key_averages(group_by_input_shape=self.args.profile_record_shapes)
                     .table(sort_by=sort_key, row_limit=50))
-        self.print_fn(f"profile: rank {self.rank} wrote {stem}.pt.trace.json (steps {self.start_step}..{last})")
+        self.print_fn(f"profile: rank {self.rank} wrote {stem}.pt.trace.json (steps {self._first}..{last})")
 
 
 def _check(profiling: Any, device_type: str) -> None:
