@@ -2,8 +2,8 @@
 helpers (`helpers.cpp`), with identical results.
 
 Why our own: megatron-core compiles a C++ extension for these loops; a drop-in must not need a compiler or
-megatron-core at run time. The GPT indices vectorise (a cumulative token count and one `searchsorted`
-replace the per-document walk); the blending indices are an inherently sequential greedy choice and run as a
+megatron-core at run time. The GPT indices vectorise (per cache-sized chunk of the document index, a
+cumulative token count and one `searchsorted` replace the per-document walk); the blending indices are an inherently sequential greedy choice and run as a
 tight Python loop over Python floats, which round exactly like the C++ doubles.
 
 Facts reproduced (megatron-core 0.16.1, gpt_dataset.py / helpers.cpp / blended_dataset.py):
