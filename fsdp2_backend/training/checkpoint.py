@@ -17,6 +17,20 @@ collectives use a gloo process group of their own, created once here, so they ne
 training loop's collectives on the default group. DCP gathers every rank's write result on rank 0 before
 it writes ``.metadata``, so when rank 0's save finishes every rank has written: rank 0 then renames the
 checkpoint into place (in a committer thread for async saves) with no further collective.
+
+Integration (every call on every rank)::
+
+    manager = CheckpointManager.from_training_args(cfg.training)      # when training.save_checkpoints
+    ckpt, finetune = choose_resume(cfg.model.model_name_or_path, cfg.training.output_dir,
+                                   cfg.training.resume_from_checkpoint, cfg.training.finetune)
+    # build the model from checkpoint_hf_dir(ckpt) when --load holds no HF weights, shard it, then:
+    if ckpt: trainer.state = load_checkpoint(ckpt, model, optimizer, scheduler, trainer.state,
+                                             no_load_optim=..., no_load_rng=..., finetune=finetune,
+                                             extra_states={"loss_scaler": trainer.loss_scaler})
+    manager.save(state.iteration, model, optimizer, scheduler, state, tokenizer, hf_config,
+                 extra_states={"loss_scaler": trainer.loss_scaler})  # at save_steps and at exit
+    manager.finalize()                                                # before destroy_process_group
+    export_hf(model, Path(cfg.training.output_dir) / "hf", tokenizer)  # save_hf_weights
 """
 from __future__ import annotations
 
