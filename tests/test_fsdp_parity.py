@@ -37,7 +37,7 @@ class _ConstantLR:
         pass
 
 
-def _train(model_dir, per_token, world_size, tp=1):
+def _train(model_dir, per_token, world_size, tp=1, cp=1):
     from fsdp2_backend.distributed.context import ParallelContext
     from fsdp2_backend.models.loading import create_model, load_hf_config
     from fsdp2_backend.parallel.apply import apply_parallelism
@@ -49,10 +49,10 @@ def _train(model_dir, per_token, world_size, tp=1):
     config.training.per_device_train_batch_size = MBS
     config.training.calculate_per_token_loss = per_token
     config.training.max_grad_norm = 0.5  # small enough to clip: the clipped update must agree too
-    config.parallel.tp_size = tp
+    config.parallel.tp_size, config.parallel.cp_size = tp, cp
     ctx = ParallelContext.create(config.parallel)
     dp = ctx.dp_size
-    assert dp * tp == world_size
+    assert dp * tp * cp == world_size
     model = create_model(config.model, load_hf_config(config.model), seed=0, device=ctx.device.torch_device,
                          parallelize=lambda m: apply_parallelism(m, config, ctx))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
@@ -68,6 +68,7 @@ def _worker(rank, world_size, model_dir, out_path):
     results = {mode: _train(model_dir, mode == "per_token", world_size) for mode in ("mean", "per_token")}
     if world_size == 2:  # tensor parallel through the same engine (dp 1, tp 2) must agree as well
         results["tp2"] = _train(model_dir, False, world_size, tp=2)
+        results["cp2"] = _train(model_dir, False, world_size, cp=2)  # Ulysses; mean over the whole sequence
     if rank == 0:
         with open(out_path, "w") as handle:
             json.dump(results, handle)
@@ -88,7 +89,7 @@ def test_one_rank_and_two_rank_fsdp_agree_per_step(model_dir, tmp_path):
     _worker(0, 1, model_dir, str(one))  # the 1-rank reference runs in this process (its own 1-rank group)
     run_distributed(_worker, 2, model_dir, str(two))
     one, two = json.loads(one.read_text()), json.loads(two.read_text())
-    for mode, other in (("mean", "mean"), ("per_token", "per_token"), ("mean", "tp2")):
+    for mode, other in (("mean", "mean"), ("per_token", "per_token"), ("mean", "tp2"), ("mean", "cp2")):
         for key in ("losses", "grad_norms"):
             a, b = one[mode][key], two[other][key]
             assert len(a) == len(b) == STEPS

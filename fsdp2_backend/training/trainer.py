@@ -113,15 +113,32 @@ class Trainer:
             tensorboard_dir=config.training.tensorboard_dir)
         self.device = ctx.device.torch_device
         self.loss_group = ctx.loss_mesh.get_group()
+        self.cp_size = ctx.cp_mesh.size()
         enable_sum_gradient_reduction(model)
 
     # -- one iteration -------------------------------------------------------------------------------------
     def _forward_loss(self, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(sum of masked per-token losses, number of loss tokens) of one micro-batch on this rank."""
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
-        logits = self.model(input_ids=batch["tokens"], position_ids=batch.get("position_ids"),
+        """(sum of masked per-token losses, number of loss tokens) of one micro-batch on this rank (its share
+        of the sequence under context parallel)."""
+        batch = {("input_ids" if k == "tokens" else k): v.to(self.device, non_blocking=True)
+                 for k, v in batch.items() if torch.is_tensor(v)}
+        if self.cp_size > 1:
+            from fsdp2_backend.parallel.context_parallel.batch import shard_batch_for_cp
+
+            batch = shard_batch_for_cp(batch, self.ctx.cp_mesh.get_local_rank(), self.cp_size,
+                                       self.config.parallel.cp_type)
+        logits = self.model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"),
                             use_cache=False).logits
         return self.loss_fn(logits, batch["labels"], batch["loss_mask"])
+
+    def _sequence_share(self, count: torch.Tensor) -> torch.Tensor:
+        """Under context parallel a micro-batch's mean runs over the whole sequence: this rank's tokens over
+        all cp ranks' tokens, times cp (GlobalBatchLoss divides by dp x cp, the sequence's ranks SUM)."""
+        if self.cp_size == 1 or self.config.training.calculate_per_token_loss:
+            return torch.ones((), device=self.device)
+        total = count.detach().float().clone()
+        dist.all_reduce(total, group=self.ctx.cp_mesh.get_group())
+        return count.detach().float() * self.cp_size / total.clamp(min=1)
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.ctx.loss_mesh.size() > 1:
@@ -139,7 +156,8 @@ class Trainer:
             batch = next(self.train_batches)
             tokens += batch["tokens"].numel()
             loss_sum, count = self._forward_loss(batch)
-            (accounting.backward_loss(loss_sum, count) * self.loss_scaler.scale).backward()
+            scaled = accounting.backward_loss(loss_sum, count) * self._sequence_share(count)
+            (scaled * self.loss_scaler.scale).backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
         loss = accounting.finish(params)
         grad_norm = self._unscale_and_clip(params)
@@ -230,9 +248,6 @@ def _decline_unsupported(config: Config) -> None:
         problems.append(f"training.stage / data.data_manager_type: '{config.training.stage}' / "
                         f"'{config.data.data_manager_type}' — only pretraining (stage pt, data_manager_type mg) is "
                         f"available in this version; SFT comes later")
-    if config.parallel.cp_size > 1:
-        # TODO(lead/F): shard batches with context_parallel.batch.shard_batch_for_cp and normalise per sequence.
-        problems.append("parallel.cp_size: context parallelism is not wired into the training loop yet — use 1")
     if config.optimization.chunk_loss_size:
         problems.append("optimization.chunk_loss_size: chunked loss is not wired into the trainer yet — unset it")
     if problems:
