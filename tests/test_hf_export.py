@@ -95,6 +95,22 @@ def test_converter_bad_input_exits_2(tmp_path):
     assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
 
 
+def test_export_never_replaces_a_directory_that_is_not_an_export(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fsdp2_backend.errors import UsageError
+    from fsdp2_backend.training.hf_export import export_hf
+
+    (tmp_path / "iter_0000010").mkdir()  # e.g. the output directory itself, holding checkpoints
+    model = AutoModelForCausalLM.from_config(tiny_qwen3_config())
+    with pytest.raises(UsageError, match="holds directories"):
+        export_hf(model, tmp_path)
+    assert (tmp_path / "iter_0000010").is_dir()
+    export_hf(model, tmp_path / "hf")
+    export_hf(model, tmp_path / "hf")  # an earlier export is replaced
+    assert (tmp_path / "hf" / "config.json").is_file() and not (tmp_path / "hf.tmp").exists()
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_moe_export_and_converter_write_per_expert_hf_layout(tmp_path):
     """The project's grouped-GEMM Qwen3-MoE keeps stacked experts in memory; both exports must write

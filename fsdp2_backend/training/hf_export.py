@@ -44,6 +44,10 @@ def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, tokenizer: Any
 def write_hf_dir(model: torch.nn.Module, state_dict: dict, out_dir: Path, tokenizer: Any = None) -> None:
     """Saves ``state_dict`` with ``model``'s ``save_pretrained`` (``model`` may live on the meta device),
     plus the tokenizer (an object with ``save_pretrained`` or a directory of tokenizer files)."""
+    if out_dir.is_dir() and any(child.is_dir() for child in out_dir.iterdir()):
+        # An HF directory is flat; this one may be an output or checkpoint directory: never delete it.
+        raise UsageError(f"{out_dir}: exists and holds directories, so it is no earlier HF export to replace "
+                         f"— export to a new directory (e.g. OUTPUT_DIR/hf)")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), state_dict=state_dict)
