@@ -9,6 +9,7 @@ One spawn runs, on the tiny qwen3_moe with FSDP2 + AdamW:
 - the gathered full state dict of the EP 2 model loaded into transformers' own Qwen3-MoE gives the same loss;
 - EP 1 x expert-FSDP 2 (`shard_by_dim_1`), resumed from the EP 2 checkpoint, continues with the EP 2 run's
   losses, and an EP 2 run resumed from its checkpoint after step 6 too (DCP reshards experts by global index).
+A second, 4-rank run checks EP 2 x expert-FSDP 2 against the 1-process reference for 2 steps.
 """
 import pytest
 import torch
@@ -39,14 +40,14 @@ def _optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
 
 
-def _reference():
-    """One process, both ranks' micro-batches in turn: loss = their mean."""
+def _reference(world_size=2, steps=STEPS):
+    """One process, every rank's micro-batch in turn: loss = their mean."""
     model = _model()
     opt = _optimizer(model)
     losses, grads = [], None
-    for step in range(STEPS):
+    for step in range(steps):
         opt.zero_grad()
-        loss = sum(model(**_micro_batch(step, r)).loss for r in range(2)) / 2
+        loss = sum(model(**_micro_batch(step, r)).loss for r in range(world_size)) / world_size
         loss.backward()
         if step == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -181,6 +182,25 @@ def _with_opt(model):
 
 def test_expert_parallel_matches_one_process_and_resumes_across_ep_sizes(tmp_path):
     run_distributed(_ranks, 2, _reference(), str(tmp_path / "ckpt"))
+
+
+def _ranks_ep_and_expert_fsdp(rank, world_size, reference):
+    from torch.distributed.tensor import Shard
+
+    model, opt = _with_opt(_parallel_model(ep=2, ep_fsdp=2, dispatcher="fused"))
+    weight = model.model.layers[1].mlp.experts.gate_up_proj
+    assert weight.device_mesh.mesh_dim_names == ("ep_fsdp", "ep")
+    assert weight.placements == (Shard(1), Shard(0)) and weight.to_local().shape == (2, 32, 64)
+    losses, grads = _train(model, opt, range(len(reference[0])), rank)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]), rtol=1e-5, atol=0)
+    for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.gate.weight"):
+        torch.testing.assert_close(grads[name], reference[1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_expert_parallel_with_expert_fsdp_on_four_ranks():
+    """EP 2 x expert-FSDP 2: experts split over `ep` and each expert's rows over `ep_fsdp` (gloo has no
+    PREMUL_SUM, so this also checks the expert units' sum-then-divide reduction)."""
+    run_distributed(_ranks_ep_and_expert_fsdp, 4, _reference(world_size=4, steps=2))
 
 
 def test_mc2_dispatcher_is_a_usage_error_off_npu():

@@ -96,6 +96,11 @@ def apply_expert_fsdp(model: nn.Module, mesh: DeviceMesh, patterns: Iterable[str
         fully_shard(module, mesh=mesh, shard_placement_fn=shard_placement_fn,
                     reshard_after_forward=reshard_after_forward, mp_policy=mp_policy or MixedPrecisionPolicy())
         module.set_gradient_divide_factor(float(gradient_divide_factor))
+        shard_size = mesh.size(mesh.ndim - 1)
+        if shard_size > 1 and gradient_divide_factor != shard_size:
+            # FSDP would use PREMUL_SUM, which gloo lacks: sum, then divide. Not on a 1-rank shard group, where
+            # torch 2.13 divides twice with force-sum (its no-communication branch divides, then post-divides).
+            module.set_force_sum_reduction_for_comms(True)
         units.append(module)
     return units
 
