@@ -121,3 +121,41 @@ def test_loop_counts_exits_validates_and_calls_save_hook(parts):
     validation = [line for line in lines if "validation loss at iteration" in line]
     assert len(validation) == 2 and f"lm loss value: {result.valid_losses[0][1]:.6E}" in validation[0]
     assert result.losses[-1] < result.losses[0]
+
+
+def test_bf16_mixed_precision_trains(parts):
+    config, ctx, model, optimizer, scheduler = parts
+    del model, optimizer, scheduler
+    from fsdp2_backend.models.loading import create_model, load_hf_config
+    from fsdp2_backend.parallel.apply import apply_parallelism
+    from fsdp2_backend.training.optimizer import build_optimizer
+    from fsdp2_backend.training.scheduler import ParamScheduler, scheduler_steps
+
+    config.parallel.param_dtype = "bf16"
+    model = create_model(config.model, load_hf_config(config.model), seed=0, device=ctx.device.torch_device,
+                         parallelize=lambda m: apply_parallelism(m, config, ctx))
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights, bf16 compute
+    optimizer = build_optimizer(model, lr=config.training.lr, weight_decay=0.0)
+    trainer = _trainer(config, ctx, model, optimizer, ParamScheduler(optimizer, **scheduler_steps(config.training, MBS)))
+    result = trainer.train()
+    assert not any(result.skipped) and result.losses[-1] < result.losses[0]
+
+
+def test_fp16_loss_scale_follows_megatron_rules():
+    from fsdp2_backend.training.loss_scaler import LossScaler
+
+    assert LossScaler.for_dtype("bf16").scale == 1.0 and not LossScaler.for_dtype("fp32").dynamic
+    scaler = LossScaler.for_dtype("fp16")
+    scaler.window = 3
+    assert scaler.scale == 2.0 ** 32
+    scaler.update(True)  # hysteresis 2: the first overflow keeps the scale
+    assert scaler.scale == 2.0 ** 32
+    scaler.update(True)
+    assert scaler.scale == 2.0 ** 31
+    scaler.update(True)  # hysteresis stays spent until a growth
+    assert scaler.scale == 2.0 ** 30
+    for _ in range(3):
+        scaler.update(False)
+    assert scaler.scale == 2.0 ** 31  # a clean window grows it and restores the hysteresis
+    scaler.update(True)
+    assert scaler.scale == 2.0 ** 31
