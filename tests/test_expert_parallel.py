@@ -219,3 +219,20 @@ def test_ep_modules_must_be_stacked_experts():
     assert len(expert_modules(model, [EXPERTS], "parallel.ep_modules")) == 2
     with pytest.raises(UsageError, match="parallel.ep_modules: matches modules that are not stacked MoE experts"):
         expert_modules(model, ["model.layers.{*}.mlp.gate"], "parallel.ep_modules")
+
+
+def test_layouts_that_would_reduce_wrongly_are_refused():
+    """Checked before any mesh is touched (ctx is not needed to refuse)."""
+    from types import SimpleNamespace
+
+    from fsdp2_backend.config import ParallelArguments
+    from fsdp2_backend.errors import UsageError
+    from fsdp2_backend.parallel.expert_parallel import apply_expert_parallel
+
+    def apply(**fields):
+        apply_expert_parallel(_model(), SimpleNamespace(parallel=ParallelArguments(**fields)), ctx=None)
+
+    with pytest.raises(UsageError, match=r"parallel.ep_fsdp_modules: model.layers.0.mlp, .* hold non-expert"):
+        apply(ep_size=2, ep_fsdp_modules=["model.layers.{*}.mlp"])
+    with pytest.raises(UsageError, match="together with tensor parallelism"):
+        apply(ep_size=2, tp_size=2)

@@ -7,8 +7,11 @@ Meshes (built by `ParallelContext`): `ep_mesh` is `(ep_replicate, ep, ep_fsdp)` 
 - Expert FSDP (`apply_expert_fsdp`): every module matched by `ep_fsdp_modules` becomes its own FSDP unit on
   the `ep_fsdp` mesh (HSDP `(ep_replicate, ep_fsdp)` when the expert group does not span the world), its
   placement from `efsdp_shard_placement_fn` (default `shard_by_dim_1`: dim 0 is already split over experts).
-  The resulting parameters are DTensors on the `(ep_fsdp, ep)` mesh with placements `(Shard(1), Shard(0))`,
-  so DCP saves every expert under its global index and reshards EP 2 ↔ EP 1.
+  The resulting parameters are DTensors on the `(ep_fsdp, ep)` mesh with placements `(Shard(1), Shard(0))`
+  (`(Replicate(), Shard(1), Shard(0))` under HSDP; `(Shard(1),)` on `ep_fsdp` alone when ep is 1), so DCP
+  saves every expert under its global index and reshards EP 2 ↔ EP 1.
+  With ep > 1 an expert-FSDP unit may hold expert weights only: anything else in it (a router) would be
+  reduced over the expert group instead of all data-parallel ranks.
 
 Gradient scale: an expert's gradient already sums the contributions of every rank of its `ep` group (the
 all-to-all backward), and its FSDP group has only `world / ep` ranks, so FSDP's default average would be
@@ -123,6 +126,13 @@ def apply_expert_parallel(model: nn.Module, config, ctx) -> Set[nn.Parameter]:
                          "(--expert-tensor-parallel-size) is not supported yet — use tp_size 1 with EP")
     ep_names = [name for name, _ in expert_modules(model, parallel.ep_modules, "parallel.ep_modules")]
     if parallel.ep_size > 1:
+        expert_params = {p for name in ep_names for p in model.get_submodule(name).parameters()}
+        mixed = [name for name, module in require_matches(model, parallel.ep_fsdp_modules, "parallel.ep_fsdp_modules")
+                 if any(p not in expert_params for p in module.parameters())]
+        if mixed:
+            raise UsageError(f"parallel.ep_fsdp_modules: {', '.join(mixed[:3])} hold non-expert parameters, which "
+                             f"must be reduced over all data-parallel ranks — name the experts modules only "
+                             f"(model.layers.{{*}}.mlp.experts)")
         group = ctx.ep_mesh["ep"].get_group()
         shard_experts(model, ctx.ep_mesh["ep"], parallel.ep_modules,
                       make_dispatcher(parallel.ep_dispatcher, group, ctx.device.type))
