@@ -3,11 +3,10 @@
 Both sides train the same HF Qwen3 (4 layers, hidden 256, seq 512) from the same weights with AdamW on the
 same data, fully_shard per decoder layer + root, fp32. The bare loop is the minimum a person writes by hand:
 forward with labels, backward, step, zero_grad — no clipping, so everything the engine adds counts as
-overhead (with torch's clip_grad_norm_ over the DTensor gradients the bare loop was the slower one here). The
-engine adds everything it does per
-step: Megatron's loss accounting, the global gradient norm and clipping, skip checks, and a Megatron log line
-every step. The two alternate step by step and
-the median step time of each is compared, so machine load hits both alike.
+overhead (with torch's clip_grad_norm_ over the DTensor gradients the bare loop was the slower one here).
+The engine adds Megatron's loss accounting, the global gradient norm and clipping, skip checks and a
+Megatron log line every step. The two alternate step by step and the median step time of each is
+compared, so machine load hits both alike.
 
     python benchmarks/bench_engine_overhead.py [--steps 12]
 
