@@ -228,7 +228,7 @@ def test_two_ranks_save_one_rank_resumes(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_discovery_prefers_save_dir_and_skips_partials(tmp_path):
+def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     """Real single-process DCP saves of a plain module: rotation, marker, resume order, restarts."""
     from fsdp2_backend.errors import UsageError
     from fsdp2_backend.training import checkpoint_io as io
@@ -245,6 +245,9 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path):
     for iteration in (10, 20, 30):
         manager.save(iteration, model, train_state=_State(iteration, iteration))
     assert manager.save(30, model) is None  # the exit save right after an interval save
+    printed = capsys.readouterr().out  # Megatron's lines, which log watchers match
+    assert f"saving checkpoint at iteration      10 to {save_dir} in " in printed
+    assert f"\n  successfully saved checkpoint from iteration      30 to {save_dir}\n" in printed
     assert [i for i, _ in io.complete_checkpoints(save_dir)] == [20, 30]
     found = io.find_resume_checkpoint(str(tmp_path / "pretrained"), str(save_dir))
     assert found == save_dir / "iter_0000030" and io.is_restart(found, str(save_dir))
@@ -267,6 +270,7 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path):
     restored = torch.nn.Linear(4, 4)
     assert load_checkpoint(found, restored, train_state=_State()) == _State(30, 30)
     assert torch.equal(restored.weight, model.weight)
+    assert f"\n  successfully loaded checkpoint from {save_dir} at iteration 30\n" in capsys.readouterr().out
 
     # A --finetune run saving into its --load directory: iteration restarts below the loaded one. Its own
     # checkpoints are kept by rotation, a re-save of an existing iteration replaces it, and a restart

@@ -143,6 +143,7 @@ class CheckpointManager:
             return None  # e.g. the exit save right after an interval save
         self.wait()
         started = time.perf_counter()
+        io.print_rank0(f"saving checkpoint at iteration {iteration:7d} to {self.save_dir} in {io.FORMAT} format")
         final_dir = self.save_dir / io.iter_dir_name(iteration)
         tmp_dir = io.tmp_dir_for(final_dir)
         rank = _rank()
@@ -171,7 +172,7 @@ class CheckpointManager:
         else:
             dcp.save(state, checkpoint_id=str(tmp_dir))
             if rank == 0:
-                io.commit(tmp_dir, final_dir, iteration, self.save_total_limit)
+                self._commit(tmp_dir, final_dir, iteration)
             _barrier()
             self._last_saved = iteration
             logger.info("checkpoint %s saved in %.2fs", final_dir, time.perf_counter() - started)
@@ -179,8 +180,12 @@ class CheckpointManager:
 
     def _finish(self, upload: Future, tmp_dir: Path, final_dir: Path, iteration: int) -> None:
         upload.result()  # rank 0's save returns after all ranks' writes and the .metadata file
+        self._commit(tmp_dir, final_dir, iteration)
+
+    def _commit(self, tmp_dir: Path, final_dir: Path, iteration: int) -> None:
         io.commit(tmp_dir, final_dir, iteration, self.save_total_limit)
-        logger.info("checkpoint %s committed (async)", final_dir)
+        # Megatron's line, printed once the marker is written (log watchers key on it).
+        print(f"  successfully saved checkpoint from iteration {iteration:7d} to {self.save_dir}", flush=True)
 
     def _write_rank0_files(self, tmp_dir: Path, iteration: int, model, with_optim: bool, scheduler, train_state,
                            tokenizer, model_config, extra_states) -> None:
@@ -248,6 +253,7 @@ def load_checkpoint(checkpoint: str | os.PathLike, model: torch.nn.Module,
     if meta.get("format") != io.FORMAT:
         raise UsageError(f"{checkpoint}: checkpoint format {meta.get('format')!r}, expected {io.FORMAT!r} — "
                          f"load it with the version that wrote it, or convert it to HF and start from that")
+    io.print_rank0(f" loading checkpoint from {checkpoint.parent} at iteration {meta['iteration']}")
     load_optim = optimizer is not None and not (no_load_optim or finetune)
     if load_optim and not meta["has_optimizer"]:
         logger.warning("%s holds no optimizer state: the optimizer starts fresh", checkpoint)
@@ -282,6 +288,8 @@ def load_checkpoint(checkpoint: str | os.PathLike, model: torch.nn.Module,
 
     logger.info("loaded %s (iteration %s, saved by %s ranks, loaded by %s)%s", checkpoint, meta["iteration"],
                 meta["world_size"], _world_size(), " for finetuning: iteration reset to 0" if finetune else "")
+    io.print_rank0(f"  successfully loaded checkpoint from {checkpoint.parent} at iteration "
+                 f"{0 if finetune else meta['iteration']}")
     if finetune:
         return train_state
     return train_state_from_dict(train_state, io.read_json(checkpoint / io.TRAIN_STATE_FILE))

@@ -53,6 +53,12 @@ _TMP_SUFFIX = ".tmp"
 _DELETING_SUFFIX = ".deleting"
 
 
+def print_rank0(line: str) -> None:
+    """User-facing checkpoint lines (Megatron's among them), on stdout of rank 0 as print_rank_0 writes."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(line, flush=True)
+
+
 def iter_dir_name(iteration: int) -> str:
     """Megatron's directory name for an iteration: ``iter_0000010``."""
     return f"iter_{iteration:07d}"
@@ -135,8 +141,8 @@ def find_resume_checkpoint(load_dir: Optional[str], save_dir: Optional[str]) -> 
             continue
         found = resolve_checkpoint(directory)
         if found is not None:
-            logger.info("resuming from the newest complete checkpoint %s (found under the %s directory)",
-                        found, source)
+            print_rank0(f"resuming from the newest complete checkpoint {found} (found under the {source} "
+                        f"directory)")
             return found
     return None
 
@@ -160,7 +166,7 @@ def choose_resume(load_dir: Optional[str], save_dir: Optional[str], resume_from_
             raise UsageError(f"training.resume_from_checkpoint: {resume_from_checkpoint} holds no complete "
                              f"checkpoint (an iter_* directory with {META_FILE}) — point it at an iter_* "
                              f"directory or at the --save directory of a run, or unset it")
-        logger.info("resuming from %s (resume_from_checkpoint)", found)
+        print_rank0(f"resuming from {found} (resume_from_checkpoint)")
     else:
         found = find_resume_checkpoint(load_dir, save_dir)
     if found is None:
