@@ -5,7 +5,6 @@ mistake in Megatron's loss normalisation: micro-batches have different numbers o
 normalisation changes the numbers. Both Megatron modes are checked (per micro-batch mean, per-token loss).
 """
 import json
-import os
 
 import pytest
 import torch

@@ -111,10 +111,6 @@ def _module_tensors(module: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
     yield from ((n, b) for n, b in module.named_buffers(recurse=False) if b is not None)
 
 
-def _full_shape(tensor: torch.Tensor) -> torch.Size:
-    return tensor.shape  # a DTensor reports its global shape
-
-
 def _assign_full(target: torch.Tensor, full: torch.Tensor) -> None:
     """Writes `full` (the whole tensor) into `target`, which may be a sharded DTensor: keep the local shard."""
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -147,7 +143,7 @@ def seeded_initialize(model: nn.Module, seed: int, *, buffers_only: bool = False
         stand_in = _stand_in(module)
         fresh = {}
         for name, tensor in names:
-            full = torch.empty(_full_shape(tensor), dtype=tensor.dtype, device="cpu")
+            full = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")  # a DTensor's shape is global
             is_param = name in module._parameters
             if (is_param and (buffers_only or id(tensor) in seen)):
                 full._is_hf_initialized = True  # loaded or tied: HF's init functions skip flagged tensors
