@@ -287,6 +287,15 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     assert load_checkpoint(shared / "iter_0000100", replaced, train_state=_State()) == _State(100, 100)
     assert torch.equal(replaced.weight, finetuned.weight)
 
+    # A Megatron-LM checkpoint where ours would be (Megatron scripts often --load and --save the same dir).
+    megatron = tmp_path / "megatron"
+    (megatron / "iter_0000500" / "mp_rank_00").mkdir(parents=True)
+    (megatron / io.LATEST_FILE).write_text("500")
+    with pytest.raises(UsageError, match="--save / training.output_dir: .*iter_0000500 without"):
+        io.choose_resume(str(megatron), str(megatron))
+    with pytest.raises(UsageError, match="--load / model.model_name_or_path: "):
+        io.find_resume_checkpoint(str(megatron), str(tmp_path / "fresh"))
+
     meta_file = shared / "iter_0000100" / io.META_FILE
     meta_file.write_text(meta_file.read_text().replace(io.FORMAT, "some-other-format"))
     with pytest.raises(UsageError, match="checkpoint format 'some-other-format'"):

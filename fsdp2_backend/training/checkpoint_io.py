@@ -140,11 +140,27 @@ def find_resume_checkpoint(load_dir: Optional[str], save_dir: Optional[str]) -> 
         if not directory:
             continue
         found = resolve_checkpoint(directory)
+        if found is None:
+            _refuse_foreign_checkpoint(Path(directory), source)
         if found is not None:
             print_rank0(f"resuming from the newest complete checkpoint {found} (found under the {source} "
                         f"directory)")
             return found
     return None
+
+
+def _refuse_foreign_checkpoint(root: Path, source: str) -> None:
+    """A Megatron-LM (or other) checkpoint where ours would be: starting fresh there would silently ignore
+    it and overwrite its latest marker, so stop and say what to do."""
+    if not root.is_dir():
+        return
+    foreign = sorted(child.name for child in root.iterdir() if _ITER_RE.match(child.name) and child.is_dir())
+    if foreign or (root / LATEST_FILE).is_file():
+        flag = "--save / training.output_dir" if source == "save" else "--load / model.model_name_or_path"
+        raise UsageError(f"{flag}: {root} holds a checkpoint this backend did not write "
+                         f"({foreign[-1] if foreign else LATEST_FILE} without {META_FILE}; a Megatron-LM "
+                         f"checkpoint?) — convert it to Hugging Face format, --load that directory and --save "
+                         f"to a new one")
 
 
 def is_restart(checkpoint: os.PathLike | str, save_dir: Optional[str]) -> bool:
