@@ -1,4 +1,5 @@
-"""Meta-device initialisation gives the weights of a normal initialisation, sharded over 2 gloo ranks.
+"""Meta-device initialisation gives the weights of a normal initialisation, sharded over 2 gloo ranks
+(FSDP 2, and TP 2 with FSDP 1).
 
 References are independent: HF's own `initialize_weights` from the same seed (from scratch) and HF's
 `from_pretrained` (loading), both on one unsharded model in this process.
@@ -35,14 +36,15 @@ def _build(config):
 
 
 def _worker(rank, world_size, model_dir, out_dir):
-    for name, scratch in (("scratch", True), ("loaded", False)):
+    for name, scratch, tp in (("scratch", True, 1), ("loaded", False, 1), ("scratch_tp2", True, 2)):
         config = Config()
         config.model.model_name_or_path = model_dir
         config.model.train_from_scratch = scratch
         config.model.init_model_with_meta_device = True
         config.parallel.param_dtype = "fp32"
+        config.parallel.tp_size = tp
         ctx, model = _build(config)
-        assert ctx.fsdp_mesh.size() == 2
+        assert ctx.fsdp_mesh.size() == 2 // tp
         assert any(p.to_local().numel() < p.numel() for p in model.parameters()), "not sharded"
         state = _full_state(model)
         if rank == 0:
@@ -76,6 +78,7 @@ def test_meta_device_init_matches_normal_init_on_two_ranks(model_dir, tmp_path):
     run_distributed(_worker, 2, model_dir, str(tmp_path))
     references = {"scratch": _reference_scratch(model_dir),
                   "loaded": AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)}
+    references["scratch_tp2"] = references["scratch"]  # tensor-parallel shards hold the same weights
     for name, reference in references.items():
         got = torch.load(tmp_path / f"{name}.pt")
         want = {k: v for k, v in reference.state_dict().items()}
