@@ -354,3 +354,67 @@ def test_checkpoint_carries_model_config_and_megatron_tokenizer(tmp_path):
         assert AutoConfig.from_pretrained(str(hf_meta)).vocab_size == 512
         assert AutoTokenizer.from_pretrained(str(hf_meta)).encode("x = [1]") == \
             AutoTokenizer.from_pretrained(str(tokenizer_dir)).encode("x = [1]")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_trainer_hooks_save_resume_finetune_and_export(tmp_path):
+    """The glue run_training calls: a Config → manager, resume plan, save hook (with the HF export at the
+    end), and the resume, with the trainer's real TrainState and LossScaler."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from fsdp2_backend.config import Config
+    from fsdp2_backend.training import checkpoint_io as io
+    from fsdp2_backend.training.checkpoint_hooks import (checkpoint_manager, resume, resume_plan,
+                                                         trainer_save_hook)
+    from fsdp2_backend.training.trainer import TrainState
+
+    def build():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_qwen3_config())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    config = Config()
+    config.training.output_dir, config.training.save_total_limit = str(tmp_path / "out"), 1
+    config.model.model_name_or_path = str(tmp_path / "hf_weights")  # HF weights: nothing to resume there
+    assert resume_plan(config) == (None, False)
+    model, optimizer, scheduler = build()
+    trainer = SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler,
+                              state=TrainState(iteration=3, consumed_train_samples=24),
+                              loss_scaler=LossScaler.for_dtype("fp16"))
+    trainer.loss_scaler.scale = 1024.0
+    hook = trainer_save_hook(checkpoint_manager(config), config, model_config=model.config)
+    hook(trainer, "interval")
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    trainer.state.iteration, trainer.state.consumed_train_samples = 4, 32
+    hook(trainer, "final")
+
+    out = tmp_path / "out"
+    assert [i for i, _ in io.complete_checkpoints(out)] == [4]
+    assert json.loads((out / "iter_0000004" / "run_config.json").read_text())["training"]["output_dir"] == str(out)
+    exported = AutoModelForCausalLM.from_pretrained(str(out / "hf"))
+    assert torch.equal(exported.lm_head.weight, model.lm_head.weight)
+
+    # The restart of the same command continues; --finetune does not reset a restart.
+    config.training.finetune = True
+    checkpoint, finetune = resume_plan(config)
+    assert (checkpoint, finetune) == (out / "iter_0000004", False)
+    model, optimizer, scheduler = build()
+    scaler = LossScaler.for_dtype("fp16")
+    state = resume(config, checkpoint, finetune, model, optimizer, scheduler, TrainState(),
+                   extra_states={"loss_scaler": scaler})
+    assert (state.iteration, state.consumed_train_samples, scaler.scale) == (4, 32, 1024.0)
+    assert torch.equal(model.lm_head.weight, exported.lm_head.weight)
+
+    # A new run that --load's this one with --finetune: weights only, counters at 0.
+    config.model.model_name_or_path, config.training.output_dir = str(out), str(tmp_path / "next")
+    checkpoint, finetune = resume_plan(config)
+    assert (checkpoint, finetune) == (out / "iter_0000004", True)
+    state = resume(config, checkpoint, finetune, *build(), TrainState())
+    assert (state.iteration, state.consumed_train_samples) == (0, 0)
+
+    config.training.save_checkpoints = False
+    assert checkpoint_manager(config) is None and trainer_save_hook(None, config) is None

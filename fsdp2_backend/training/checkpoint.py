@@ -18,19 +18,7 @@ training loop's collectives on the default group. DCP gathers every rank's write
 it writes ``.metadata``, so when rank 0's save finishes every rank has written: rank 0 then renames the
 checkpoint into place (in a committer thread for async saves) with no further collective.
 
-Integration (every call on every rank)::
-
-    manager = CheckpointManager.from_training_args(cfg.training)      # when training.save_checkpoints
-    ckpt, finetune = choose_resume(cfg.model.model_name_or_path, cfg.training.output_dir,
-                                   cfg.training.resume_from_checkpoint, cfg.training.finetune)
-    # build the model from checkpoint_hf_dir(ckpt) when --load holds no HF weights, shard it, then:
-    if ckpt: trainer.state = load_checkpoint(ckpt, model, optimizer, scheduler, trainer.state,
-                                             no_load_optim=..., no_load_rng=..., finetune=finetune,
-                                             extra_states={"loss_scaler": trainer.loss_scaler})
-    manager.save(state.iteration, model, optimizer, scheduler, state, tokenizer, hf_config,
-                 extra_states={"loss_scaler": trainer.loss_scaler})  # at save_steps and at exit
-    manager.finalize()                                                # before destroy_process_group
-    export_hf(model, Path(cfg.training.output_dir) / "hf", tokenizer)  # save_hf_weights
+The trainer-facing glue (Config → manager, resume plan, save hook, HF export) is ``checkpoint_hooks``.
 """
 from __future__ import annotations
 
@@ -130,11 +118,13 @@ class CheckpointManager:
     # ----------------------------------------------------------------------------------------- saving
     def save(self, iteration: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
              scheduler: Any = None, train_state: Any = None, tokenizer: Any = None,
-             model_config: Any = None, extra_states: Optional[dict] = None) -> Optional[Path]:
+             model_config: Any = None, extra_states: Optional[dict] = None,
+             run_config: Optional[dict] = None) -> Optional[Path]:
         """Saves a checkpoint of ``iteration`` (collective); returns its final path, None if already saved.
 
         ``extra_states``: more optimizer-side objects with state_dict/load_state_dict, equal on every rank
-        (e.g. {"loss_scaler": scaler}); saved and loaded like the scheduler.
+        (e.g. {"loss_scaler": scaler}); saved and loaded like the scheduler. ``run_config``: the run's
+        configuration (``Config.to_dict()``), kept as run_config.json for people and tools.
 
         With ``async_save`` it returns once the state is staged in CPU memory; the checkpoint appears
         under its final name when the background write has finished everywhere.
@@ -154,7 +144,7 @@ class CheckpointManager:
         with_optim = optimizer is not None and self.save_optim
         if rank == 0:
             self._write_rank0_files(tmp_dir, iteration, model, with_optim, scheduler, train_state, tokenizer,
-                                    model_config, extra_states)
+                                    model_config, extra_states, run_config)
         if with_optim:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}
@@ -188,12 +178,14 @@ class CheckpointManager:
         print(f"  successfully saved checkpoint from iteration {iteration:7d} to {self.save_dir}", flush=True)
 
     def _write_rank0_files(self, tmp_dir: Path, iteration: int, model, with_optim: bool, scheduler, train_state,
-                           tokenizer, model_config, extra_states) -> None:
+                           tokenizer, model_config, extra_states, run_config) -> None:
         io.write_json(tmp_dir / io.TRAIN_STATE_FILE, {**train_state_to_dict(train_state), "iteration": iteration})
         if scheduler is not None and self.save_scheduler:
             torch.save(scheduler.state_dict(), tmp_dir / io.SCHEDULER_FILE)
         if extra_states and self.save_optim:
             torch.save({name: obj.state_dict() for name, obj in extra_states.items()}, tmp_dir / io.EXTRA_FILE)
+        if run_config is not None:
+            io.write_json(tmp_dir / io.RUN_CONFIG_FILE, run_config)
         hf_meta = tmp_dir / io.HF_META_DIR
         hf_meta.mkdir(exist_ok=True)
         save_tokenizer(tokenizer, hf_meta)
@@ -217,7 +209,8 @@ class CheckpointManager:
         self._last_saved = iteration
 
     def finalize(self) -> None:
-        """Waits for the last async save; call on every rank before the process group is destroyed."""
+        """Waits for the last async save and releases the manager (no save after it); call on every rank
+        before the process group is destroyed."""
         self.wait()
         if self._committer is not None:
             self._committer.shutdown(wait=True)

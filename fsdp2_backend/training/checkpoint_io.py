@@ -7,6 +7,7 @@ A save directory looks like Megatron's::
         .metadata, __0_0.distcp, ...              # torch.distributed.checkpoint: "model" (+ "optimizer")
         checkpoint_meta.json                      # format, iteration, world size, what is inside
         train_state.json                          # iteration, consumed samples, ... (the trainer's state)
+        run_config.json                           # the run's configuration, for people and tools
         scheduler.pt                              # the LR scheduler's state_dict
         extra_state.pt                            # other optimizer-side states, by name (loss scaler)
         rng/rank_00000.pt                         # python / numpy / torch cpu / device RNG, one file per rank
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 META_FILE = "checkpoint_meta.json"
 TRAIN_STATE_FILE = "train_state.json"
+RUN_CONFIG_FILE = "run_config.json"
 SCHEDULER_FILE = "scheduler.pt"
 EXTRA_FILE = "extra_state.pt"
 HF_META_DIR = "hf_meta"
@@ -241,7 +243,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True))
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
 
 
 def read_json(path: Path) -> dict:
