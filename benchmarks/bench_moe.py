@@ -1,7 +1,7 @@
 """MoE throughput and memory on CPU: no EP vs EP 2 (eager / fused dispatch) on 2 gloo ranks, and grouped GEMM
 vs the per-expert loop in one process.
 
-    python benchmarks/bench_moe.py [--steps 4] [--seq 256] [--experts 8] [--grouped-gemm] [--skip-ep]
+    python benchmarks/bench_moe.py [--steps 4] [--seq 256] [--experts 8] [--grouped-gemm] [--skip-ep | --skip-gemm]
 
 Per layout: training tokens/s over both ranks (best step time after one warm-up step), and the peak RSS of a
 rank process during the timed steps (VmHWM, reset after the warm-up; whole process, imports included) with its
@@ -171,8 +171,10 @@ def main():
     parser.add_argument("--gemm-n", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--skip-ep", action="store_true", help="only the grouped GEMM comparison")
+    parser.add_argument("--skip-gemm", action="store_true", help="only the EP layouts")
     args = parser.parse_args()
-    bench_grouped_gemm(args)
+    if not args.skip_gemm:
+        bench_grouped_gemm(args)
     if not args.skip_ep:
         bench_layouts(args)
 
