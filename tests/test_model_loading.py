@@ -65,10 +65,10 @@ def test_hf_dir_loads_the_checkpoint(hf_dir, ctx, model_id):
 
 def test_unknown_model_id_and_missing_weights_are_usage_errors(tmp_path, hf_dir):
     from fsdp2_backend.models.loading import create_model, load_hf_config
-    from fsdp2_backend.models.registry import model_builder
+    from fsdp2_backend.models.registry import model_spec
 
     with pytest.raises(UsageError, match="model.model_id: 'step35'"):
-        model_builder("step35")
+        model_spec("step35")
     (tmp_path / "config.json").write_text((__import__("pathlib").Path(hf_dir) / "config.json").read_text())
     config = _config(str(tmp_path))
     with pytest.raises(UsageError, match="holds no \\*.safetensors"):
@@ -154,3 +154,75 @@ def test_plan_patterns():
     assert names(["model.layers"]) == ["model.layers"]  # literal, whole-name match
     with pytest.raises(UsageError, match="parallel.fsdp_modules: pattern 'model.blocks.{}' matches no module"):
         require_matches(model, ["model.blocks.{}"], "parallel.fsdp_modules")
+
+
+def _tiny_moe_config(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    values = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                  num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=128, decoder_sparse_step=1, mlp_only_layers=[],
+                  tie_word_embeddings=False)
+    values.update(overrides)
+    return Qwen3MoeConfig(**values)
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_qwen3_moe_model_id_loads_stock_per_expert_checkpoints(tmp_path, ctx, meta):
+    from transformers import Qwen3MoeForCausalLM
+
+    from fsdp2_backend.models.loading import create_model, load_hf_config
+
+    torch.manual_seed(4)
+    Qwen3MoeForCausalLM(_tiny_moe_config()).save_pretrained(tmp_path)
+    reference = Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    config = _config(str(tmp_path), model_id="qwen3_moe", init_model_with_meta_device=meta)
+    from fsdp2_backend.parallel.apply import apply_parallelism
+
+    model = create_model(config.model, load_hf_config(config.model), seed=0, device=torch.device("cpu"),
+                         parallelize=lambda m: apply_parallelism(m, config, ctx))
+    assert type(model).__name__.endswith("Qwen3MoeGroupedForCausalLM")
+    ids = torch.randint(0, 300, (2, 12))
+    torch.testing.assert_close(_logits(model, ids), _logits(reference, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_trainer_adds_the_moe_aux_loss_to_backward(tmp_path, ctx):
+    """The trainer's gradients equal those of mean CE + router_aux_loss_coef x aux_loss (HF's own loss)."""
+    import torch.nn.functional as F
+    from transformers import Qwen3MoeForCausalLM
+
+    from fsdp2_backend.models.loading import create_model, load_hf_config
+    from fsdp2_backend.parallel.apply import apply_parallelism
+    from fsdp2_backend.training.grad_clip import clip_grad_norm
+    from fsdp2_backend.training.trainer import Trainer
+
+    torch.manual_seed(4)
+    Qwen3MoeForCausalLM(_tiny_moe_config(output_router_logits=True, router_aux_loss_coef=0.5)).save_pretrained(
+        tmp_path)
+    config = _config(str(tmp_path), model_id="qwen3_moe")
+    config.training.per_device_train_batch_size = 2
+    model = create_model(config.model, load_hf_config(config.model), seed=0, device=torch.device("cpu"),
+                         parallelize=lambda m: apply_parallelism(m, config, ctx))
+    text = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(1))
+    batch = dict(tokens=text[:, :-1], labels=text[:, 1:], loss_mask=torch.ones(2, 16))
+    reference = Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    out = reference(input_ids=batch["tokens"])
+    assert out.aux_loss is not None and out.aux_loss.item() > 0
+    (F.cross_entropy(out.logits.flatten(0, 1), batch["labels"].flatten()) + 0.5 * out.aux_loss).backward()
+    seen = {}
+
+    def capture(params, max_norm):
+        seen.update({n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.grad is not None})
+        return clip_grad_norm(params, max_norm)
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    trainer = Trainer(config, ctx, model, optimizer, type("Fixed", (), {"step": lambda s, n: None})(), iter([batch]),
+                      1, micro_batches=1, clip_fn=capture)
+    trainer.train_step()
+    ref = dict(reference.named_parameters())
+    gate = "model.layers.0.mlp.gate.weight"
+    torch.testing.assert_close(seen[gate], ref[gate].grad, rtol=1e-4, atol=1e-6)
+    without_aux = torch.autograd.grad(F.cross_entropy(reference(input_ids=batch["tokens"]).logits.flatten(0, 1),
+                                                      batch["labels"].flatten()), ref[gate])[0]
+    assert not torch.allclose(seen[gate], without_aux, rtol=1e-3)  # the aux loss does reach the router
+    torch.testing.assert_close(seen["lm_head.weight"], ref["lm_head.weight"].grad, rtol=1e-4, atol=1e-6)

@@ -15,6 +15,7 @@ the sharding.
 from __future__ import annotations
 
 import os
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -23,7 +24,7 @@ from torch import nn
 
 from fsdp2_backend.config import ModelArguments
 from fsdp2_backend.errors import UsageError
-from fsdp2_backend.models.registry import model_builder
+from fsdp2_backend.models.registry import ModelSpec, model_spec
 
 Parallelize = Callable[[nn.Module], nn.Module]
 
@@ -101,7 +102,7 @@ def build_model(model_args: ModelArguments, hf_config, *, on_meta: bool) -> nn.M
     device = torch.device("meta") if on_meta else torch.device("cpu")
     with device:
         if model_args.model_id:
-            return model_builder(model_args.model_id)(hf_config).float()
+            return model_spec(model_args.model_id).build(hf_config).float()
         return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=model_args.trust_remote_code,
                                                 dtype=torch.float32)
 
@@ -179,42 +180,40 @@ def _children_first(module: nn.Module) -> Iterator[nn.Module]:
 
 
 @torch.no_grad()
-def load_safetensors(model: nn.Module, path: str, new_rows: Optional[Callable] = None) -> None:
-    """Fills every parameter of `model` (full or sharded) from the safetensors files under `path`.
+def load_safetensors(model: nn.Module, path: str, new_rows: Optional[Callable] = None,
+                     spec: Optional[ModelSpec] = None, hf_config=None) -> None:
+    """Fills every parameter of `model` (full or sharded) from the safetensors files under `path`, one
+    parameter at a time.
 
-    Checkpoint keys must equal parameter names. A parameter with more rows than its checkpoint tensor
-    (a resized vocabulary) gets the checkpoint rows plus `new_rows(old_full, n_new)`.
+    Checkpoint keys equal parameter names unless `spec` maps them (`checkpoint_keys` / `from_checkpoint`).
+    A parameter with more rows than its checkpoint tensor (a resized vocabulary) gets the checkpoint rows
+    plus `new_rows(old_full, n_new)`.
     """
     from safetensors import safe_open
 
-    params = dict(model.named_parameters())
-    found = set()
-    for file in _safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for key in handle.keys():
-                if key not in params:
-                    continue
-                full = handle.get_tensor(key)
-                target = params[key]
-                if full.shape[0] < target.shape[0] and full.shape[1:] == target.shape[1:] and new_rows:
-                    full = torch.cat([full.float(), new_rows(full.float(), target.shape[0] - full.shape[0])])
-                if full.shape != target.shape:
-                    raise UsageError(f"model.model_name_or_path: {key} has shape {tuple(full.shape)} in {file.name}"
-                                     f" but the model expects {tuple(target.shape)} — the checkpoint does not "
-                                     f"match the model config")
-                _assign_full(target, full)
-                found.add(key)
-    missing = sorted(set(params) - found - _tied_names(model))
+    keys_of = (lambda name: spec.checkpoint_keys(name, hf_config)) if spec and spec.checkpoint_keys else \
+        (lambda name: [name])
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+                   for f in _safetensors_files(path)]
+        where = {key: handle for handle in handles for key in handle.keys()}
+        missing = []
+        for name, target in model.named_parameters():
+            keys = keys_of(name)
+            if any(key not in where for key in keys):
+                missing.append(name)
+                continue
+            tensors = {key: where[key].get_tensor(key) for key in keys}
+            full = spec.from_checkpoint(name, tensors, hf_config) if spec and spec.from_checkpoint else tensors[name]
+            if full.shape[0] < target.shape[0] and full.shape[1:] == target.shape[1:] and new_rows:
+                full = torch.cat([full.float(), new_rows(full.float(), target.shape[0] - full.shape[0])])
+            if full.shape != target.shape:
+                raise UsageError(f"model.model_name_or_path: {name} has shape {tuple(full.shape)} in {path} but the "
+                                 f"model expects {tuple(target.shape)} — the checkpoint does not match the config")
+            _assign_full(target, full)
     if missing:
         raise UsageError(f"model.model_name_or_path: {path} lacks {len(missing)} weights the model needs (first: "
                          f"{', '.join(missing[:3])}) — use a checkpoint of this model, or train_from_scratch")
-
-
-def _tied_names(model: nn.Module) -> set:
-    """Parameter names that are another parameter under a second name (tied embeddings)."""
-    everything = dict(model.named_parameters(remove_duplicate=False))
-    unique = dict(model.named_parameters())
-    return set(everything) - set(unique)
 
 
 def create_model(model_args: ModelArguments, hf_config, *, seed: int, device: torch.device,
@@ -225,6 +224,7 @@ def create_model(model_args: ModelArguments, hf_config, *, seed: int, device: to
     `new_rows(old_full, n_new)`.
     """
     load = weights_available(model_args)
+    spec = model_spec(model_args.model_id) if model_args.model_id else None
     if model_args.model_name_or_path and not model_args.train_from_scratch and not load and \
             not model_args.architecture:
         raise UsageError(f"model.model_name_or_path (--load): {model_args.model_name_or_path} holds no "
@@ -233,7 +233,7 @@ def create_model(model_args: ModelArguments, hf_config, *, seed: int, device: to
         model = parallelize(build_model(model_args, hf_config, on_meta=True))
         model.to_empty(device=device)
         if load:
-            load_safetensors(model, model_args.model_name_or_path, new_rows)
+            load_safetensors(model, model_args.model_name_or_path, new_rows, spec, hf_config)
         seeded_initialize(model, seed, buffers_only=load)
         return model
     if load and not model_args.model_id and _checkpoint_vocab(model_args) == hf_config.vocab_size:
@@ -246,7 +246,7 @@ def create_model(model_args: ModelArguments, hf_config, *, seed: int, device: to
     else:
         model = build_model(model_args, hf_config, on_meta=False)
         if load:
-            load_safetensors(model, model_args.model_name_or_path, new_rows)
+            load_safetensors(model, model_args.model_name_or_path, new_rows, spec, hf_config)
         else:
             seeded_initialize(model, seed)
     return parallelize(model.to(device))

@@ -1,21 +1,33 @@
-"""Model ids → builders: how this project's own model implementations are found.
+"""Model ids → how to build, load and configure this project's own model implementations.
 
 `model.model_id` unset runs the native transformers causal LM of the HF directory; a model id runs the
-builder registered here. A builder takes the HF config and returns an `nn.Module` causal LM whose parameter
-names equal the HF checkpoint's keys (so the safetensors loader and the HF export work unchanged) and which
-has HF's `_init_weights(module)` for seeded initialisation. Later issues add a model by adding one entry to
-`_BUILDERS`.
+`ModelSpec` registered here. A spec's `build(hf_config)` returns an `nn.Module` causal LM with HF's
+`_init_weights(module)` (seeded initialisation). Its parameters are named like the HF checkpoint's keys
+unless the spec says otherwise: `checkpoint_keys(name, hf_config)` lists the keys holding a parameter and
+`from_checkpoint(name, tensors, hf_config)` assembles it (e.g. per-expert tensors → stacked experts).
+`configure(model, config)` applies the run's switches (e.g. MoE kernels). Later issues add a model by adding
+one entry to `_SPECS`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import Callable, List, Mapping, Optional
 
+import torch
 from torch import nn
 
 from fsdp2_backend.errors import UsageError
 
-ModelBuilder = Callable[[object], nn.Module]
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How the engine builds, loads and configures one model id."""
+
+    build: Callable[[object], nn.Module]
+    checkpoint_keys: Optional[Callable[[str, object], List[str]]] = None
+    from_checkpoint: Optional[Callable[[str, Mapping[str, torch.Tensor], object], torch.Tensor]] = None
+    configure: Optional[Callable[[nn.Module, object], None]] = None
 
 
 def _build_qwen3(hf_config) -> nn.Module:
@@ -24,19 +36,46 @@ def _build_qwen3(hf_config) -> nn.Module:
     return Qwen3ForCausalLM(hf_config)
 
 
-_BUILDERS: Mapping[str, ModelBuilder] = MappingProxyType({
-    "qwen3": _build_qwen3,
+def _build_qwen3_moe(hf_config) -> nn.Module:
+    from fsdp2_backend.models.qwen3_moe import build_qwen3_moe
+
+    return build_qwen3_moe(hf_config)
+
+
+def _qwen3_moe_keys(name: str, hf_config) -> List[str]:
+    from fsdp2_backend.models.qwen3_moe import checkpoint_keys
+
+    return checkpoint_keys(name, hf_config.num_experts)
+
+
+def _qwen3_moe_param(name: str, tensors: Mapping[str, torch.Tensor], hf_config) -> torch.Tensor:
+    from fsdp2_backend.models.qwen3_moe import param_from_checkpoint
+
+    return param_from_checkpoint(name, tensors, hf_config.num_experts)
+
+
+def _configure_qwen3_moe(model: nn.Module, config) -> None:
+    from fsdp2_backend.models.qwen3_moe import configure_moe
+
+    configure_moe(model, moe_grouped_gemm=config.optimization.moe_grouped_gemm,
+                  fix_router=config.optimization.fix_router)
+
+
+_SPECS: Mapping[str, ModelSpec] = MappingProxyType({
+    "qwen3": ModelSpec(build=_build_qwen3),
+    "qwen3_moe": ModelSpec(build=_build_qwen3_moe, checkpoint_keys=_qwen3_moe_keys,
+                           from_checkpoint=_qwen3_moe_param, configure=_configure_qwen3_moe),
 })
 
 
 def registered_model_ids() -> tuple:
-    """The model ids that have a builder."""
-    return tuple(_BUILDERS)
+    """The model ids that have an implementation."""
+    return tuple(_SPECS)
 
 
-def model_builder(model_id: str) -> ModelBuilder:
-    """The builder for `model_id`; an unknown or not-yet-implemented id is a usage error."""
-    if model_id not in _BUILDERS:
+def model_spec(model_id: str) -> ModelSpec:
+    """The spec for `model_id`; an unknown or not-yet-implemented id is a usage error."""
+    if model_id not in _SPECS:
         raise UsageError(f"model.model_id: '{model_id}' has no implementation in this project yet — use one of "
-                         f"{', '.join(_BUILDERS)} or leave model_id unset to run the transformers model")
-    return _BUILDERS[model_id]
+                         f"{', '.join(_SPECS)} or leave model_id unset to run the transformers model")
+    return _SPECS[model_id]

@@ -8,6 +8,7 @@ from torch import nn
 from fsdp2_backend.config import Config
 from fsdp2_backend.distributed.context import ParallelContext
 from fsdp2_backend.models.loading import create_model, load_hf_config, weights_available
+from fsdp2_backend.models.registry import model_spec
 from fsdp2_backend.models.tokenizer import load_tokenizer, model_vocab_size, noise_init_rows
 from fsdp2_backend.parallel.apply import apply_parallelism
 
@@ -28,7 +29,13 @@ def setup_model_and_tokenizer(config: Config, ctx: ParallelContext) -> ModelBund
         config_vocab = None  # Megatron sizes a from-scratch model by its tokenizer
     hf_config.vocab_size = model_vocab_size(config.model, config_vocab, tokenizer, from_checkpoint=from_checkpoint,
                                             tp_size=ctx.layout.tp)
+    spec = model_spec(config.model.model_id) if config.model.model_id else None
+
+    def parallelize(model: nn.Module) -> nn.Module:
+        if spec is not None and spec.configure is not None:
+            spec.configure(model, config)  # the run's switches, before any stage wraps modules
+        return apply_parallelism(model, config, ctx)
+
     model = create_model(config.model, hf_config, seed=config.training.seed, device=ctx.device.torch_device,
-                         parallelize=lambda m: apply_parallelism(m, config, ctx),
-                         new_rows=noise_init_rows(config.training.seed))
+                         parallelize=parallelize, new_rows=noise_init_rows(config.training.seed))
     return ModelBundle(model=model, tokenizer=tokenizer, hf_config=hf_config)

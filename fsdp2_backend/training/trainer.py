@@ -117,9 +117,9 @@ class Trainer:
         enable_sum_gradient_reduction(model)
 
     # -- one iteration -------------------------------------------------------------------------------------
-    def _forward_loss(self, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(sum of masked per-token losses, number of loss tokens) of one micro-batch on this rank (its share
-        of the sequence under context parallel)."""
+    def _forward_loss(self, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(sum of masked per-token losses, number of loss tokens, weighted MoE aux loss or None) of one
+        micro-batch on this rank (its share of the sequence under context parallel)."""
         batch = {("input_ids" if k == "tokens" else k): v.to(self.device, non_blocking=True)
                  for k, v in batch.items() if torch.is_tensor(v)}
         if self.cp_size > 1:
@@ -127,9 +127,12 @@ class Trainer:
 
             batch = shard_batch_for_cp(batch, self.ctx.cp_mesh.get_local_rank(), self.cp_size,
                                        self.config.parallel.cp_type)
-        logits = self.model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"),
-                            use_cache=False).logits
-        return self.loss_fn(logits, batch["labels"], batch["loss_mask"])
+        out = self.model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False)
+        loss_sum, count = self.loss_fn(out.logits, batch["labels"], batch["loss_mask"])
+        aux = getattr(out, "aux_loss", None)  # MoE load balancing (HF: with config.output_router_logits)
+        if aux is not None:
+            aux = aux * getattr(self.model, "router_aux_loss_coef", self.model.config.router_aux_loss_coef)
+        return loss_sum, count, aux
 
     def _sequence_share(self, count: torch.Tensor) -> torch.Tensor:
         """Under context parallel a micro-batch's mean runs over the whole sequence: this rank's tokens over
@@ -155,8 +158,10 @@ class Trainer:
         for _ in range(self.micro_batches):
             batch = next(self.train_batches)
             tokens += batch["tokens"].numel()
-            loss_sum, count = self._forward_loss(batch)
+            loss_sum, count, aux = self._forward_loss(batch)
             scaled = accounting.backward_loss(loss_sum, count) * self._sequence_share(count)
+            if aux is not None:  # Megatron adds it to the backward loss, averaged like the lm loss
+                scaled = scaled + aux / (self.micro_batches * self.ctx.loss_mesh.size())
             (scaled * self.loss_scaler.scale).backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
         loss = accounting.finish(params)
@@ -183,7 +188,7 @@ class Trainer:
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for _ in range(self.config.training.eval_iters):
             for _ in range(self.micro_batches):
-                loss_sum, count = self._forward_loss(next(self.valid_batches))
+                loss_sum, count, _ = self._forward_loss(next(self.valid_batches))
                 totals += torch.stack([loss_sum.double(), count.double()])
             self.state.consumed_valid_samples += self.global_batch_size
         self._all_reduce(totals)
