@@ -6,28 +6,29 @@
 unless the spec says otherwise: `checkpoint_keys(name, hf_config)` lists the keys holding a parameter and
 `from_checkpoint(name, tensors, hf_config)` assembles it (e.g. per-expert tensors → stacked experts).
 `configure(model, config)` applies the run's switches (e.g. MoE kernels). Later issues add a model by adding
-one entry to `_SPECS`.
+one entry to `_SPECS`. Importing this module does not import torch (config validation lists the ids).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, List, Mapping, Optional
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Callable, List, Mapping, Optional
 
 from fsdp2_backend.errors import UsageError
+
+if TYPE_CHECKING:  # torch stays out of this module's imports: config validation reads the model ids
+    import torch
+    from torch import nn
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """How the engine builds, loads and configures one model id."""
 
-    build: Callable[[object], nn.Module]
+    build: Callable[[object], "nn.Module"]
     checkpoint_keys: Optional[Callable[[str, object], List[str]]] = None
-    from_checkpoint: Optional[Callable[[str, Mapping[str, torch.Tensor], object], torch.Tensor]] = None
-    configure: Optional[Callable[[nn.Module, object], None]] = None
+    from_checkpoint: Optional[Callable[[str, Mapping[str, "torch.Tensor"], object], "torch.Tensor"]] = None
+    configure: Optional[Callable[["nn.Module", object], None]] = None
 
 
 def _build_qwen3(hf_config) -> nn.Module:
