@@ -226,6 +226,27 @@ class TrainingArguments:
     no_save_rng: bool = _field(False, "(Megatron) Do not save the RNG state.")
     finetune: bool = _field(False, "(Megatron) Load model weights only; restart iteration and samples at 0.")
     tensorboard_dir: Optional[str] = _field(None, "(Megatron) Write TensorBoard scalars here.")
+    decoupled_lr: Optional[float] = _field(None, "(Megatron) Peak learning rate of the input embedding and output "
+                                                 "layer weights (same schedule shape); unset: lr.")
+    decoupled_min_lr: Optional[float] = _field(None, "(Megatron) Minimum learning rate of those weights; unset: "
+                                                     "min_lr. Needs decoupled_lr.")
+    apply_wd_to_qk_layernorm: bool = _field(False, "(Megatron) Apply weight decay to the QK-norm weights "
+                                                   "(q_norm / k_norm) although they are 1-D.")
+    start_weight_decay: Optional[float] = _field(None, "(Megatron) Weight decay at the start of training "
+                                                       "(linear/cosine weight_decay_incr_style only).")
+    end_weight_decay: Optional[float] = _field(None, "(Megatron) Weight decay at the end of training "
+                                                     "(linear/cosine weight_decay_incr_style only).")
+    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = _field(
+        "constant", "(Megatron) How weight decay goes from start_weight_decay to end_weight_decay over training; "
+                    "constant uses weight_decay throughout.")
+    lr_scheduler_on_resume: Literal["check", "checkpoint", "override"] = _field(
+        "check", "(Megatron) On resume, when the schedule (lr, min_lr, warmup, decay, weight decay) differs from "
+                 "the checkpoint's: check refuses to start (Megatron's default), checkpoint continues with the "
+                 "checkpoint's schedule (--use-checkpoint-opt_param-scheduler), override uses this run's "
+                 "(--override-opt_param-scheduler).")
+    exit_duration_in_mins: Optional[float] = _field(None, "(Megatron) Stop (after saving) once training has run "
+                                                          "this many minutes; every rank stops at the same "
+                                                          "iteration.")
 
 
 @dataclass

@@ -112,6 +112,32 @@ def _check_seed_rules(config: Config, errors: List[str]) -> None:
         errors.append(f"training.save_steps: must be at least 1, got {t.save_steps}")
 
 
+def _check_optimizer_schedule(config: Config, errors: List[str]) -> None:
+    """Megatron's rules for the decoupled lr, the weight-decay increment and the time-based exit."""
+    t = config.training
+    if t.decoupled_min_lr is not None and t.decoupled_lr is None:
+        errors.append("training.decoupled_min_lr: only used with training.decoupled_lr — set decoupled_lr too, "
+                      "or unset decoupled_min_lr")
+    for name in ("decoupled_lr", "decoupled_min_lr", "start_weight_decay", "end_weight_decay"):
+        value = getattr(t, name)
+        if value is not None and value < 0:
+            errors.append(f"training.{name}: must be >= 0, got {value}")
+    given = [n for n in ("start_weight_decay", "end_weight_decay") if getattr(t, n) is not None]
+    if t.weight_decay_incr_style == "constant" and given:
+        errors.append(f"training.{given[0]}: only used with weight_decay_incr_style linear or cosine (constant "
+                      "uses weight_decay) — set the style, or unset start/end_weight_decay")
+    elif t.weight_decay_incr_style != "constant":
+        if len(given) < 2:
+            errors.append(f"training.weight_decay_incr_style: {t.weight_decay_incr_style} needs both "
+                          "start_weight_decay and end_weight_decay — set them")
+        elif t.start_weight_decay > t.end_weight_decay:
+            errors.append(f"training.start_weight_decay: {t.start_weight_decay} exceeds end_weight_decay "
+                          f"{t.end_weight_decay} — weight decay can only increase (Megatron's rule)")
+    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
+        errors.append(f"training.exit_duration_in_mins: must be positive, got {t.exit_duration_in_mins} — give "
+                      "minutes, or unset it")
+
+
 def _check_not_yet(config: Config, errors: List[str]) -> None:
     defaults = Config()
     for group, name, why in NOT_YET:
@@ -156,6 +182,7 @@ def validate(config: Config, world_size: int = 1) -> Config:
     """Checks every rule; returns the config with derived values filled in, or raises UsageError listing all."""
     errors: List[str] = []
     _check_seed_rules(config, errors)
+    _check_optimizer_schedule(config, errors)
     _check_not_yet(config, errors)
     _check_sizes(config, world_size, errors)
     _check_architecture(config, errors)

@@ -142,7 +142,7 @@ _NO_EFFECT: Dict[str, str] = {
         async_ckpt_io_priority async_ckpt_use_cpu_shm no_save_tokenizer_assets use_checkpoint_args
         use_mp_args_from_checkpoint_args no_use_tokenizer_model_from_checkpoint_args
         load_main_params_from_ckpt exit_on_missing_checkpoint save_retain_interval
-        use_checkpoint_opt_param_scheduler override_opt_param_scheduler enable_hf2mg_convert
+        enable_hf2mg_convert
         enable_mg2hf_convert model_type_hf hf_cfg_dir load_checkpoint_loosely verify_integrity
         no_ckpt_fully_parallel_save replication replication_jump replication_factor""",
     "a logging or monitoring extra without a counterpart here (the Megatron log line is printed as usual)":
@@ -273,8 +273,6 @@ _DECLINED: Dict[str, str] = {
         relative_attention_num_buckets relative_attention_max_distance""",
     "freezing or per-layer learning-rate changes are not implemented and would change results — drop it":
         """freeze_all_layers head_lr_mult no_weight_decay_cond_type moe_upcycling_granularity moe_use_upcycling""",
-    "weight decay on the QK-layernorm weights is not implemented (1-D parameters get none) — drop it":
-        """apply_wd_to_qk_layernorm""",
     "Megatron's YAML config files are not read — pass the flags on the command line, or write the native YAML":
         """yaml_cfg""",
     "`--warmup` is Megatron's removed warmup argument — use --lr-warmup-fraction, --lr-warmup-iters or "
@@ -291,16 +289,8 @@ _DECLINED: Dict[str, str] = {
     "non-persistent (local) checkpoints are not supported — use --save-interval with --save":
         """non_persistent_save_interval non_persistent_ckpt_type non_persistent_global_ckpt_dir
         non_persistent_local_ckpt_dir non_persistent_local_ckpt_algo""",
-    "a time-based exit is not supported yet (training.exit_duration_in_mins is missing) — use --exit-interval "
-    "or --train-iters":
-        """exit_duration_in_mins""",
-    "a separate learning rate for embeddings and output layer is not supported yet (training.decoupled_lr is "
-    "missing) — drop --decoupled-lr/--decoupled-min-lr":
-        """decoupled_lr decoupled_min_lr""",
     "bf16 optimizer states (MindSpeed O2) change the results and are not implemented — drop --o2-optimizer":
         """o2_optimizer""",
-    "a weight-decay schedule is not supported yet (only a constant --weight-decay) — drop it":
-        """start_weight_decay end_weight_decay weight_decay_incr_style""",
     "hybrid/heterogeneous layer stacks (Mamba, per-layer configs) cannot be described by an HF config here — "
     "give --load with an HF directory of that model":
         """heterogeneous_layers_config_path heterogeneous_layers_config_encoded_json""",

@@ -333,6 +333,54 @@ def _optimizer(ctx, value):
         ctx.decline("optimizer", f"'{value}' is not available — use adam (AdamW) or muon")
 
 
+_direct("decoupled_lr", "training.decoupled_lr")
+_direct("apply_wd_to_qk_layernorm", "training.apply_wd_to_qk_layernorm")
+_direct("exit_duration_in_mins", "training.exit_duration_in_mins")
+
+
+@handles("decoupled_min_lr", "training.decoupled_min_lr")
+def _decoupled_min_lr(ctx, value):
+    if value is None:
+        return
+    if ctx.get("decoupled_lr") is None:  # Megatron applies it only to the decoupled-lr groups
+        ctx.record("decoupled_min_lr", "no_effect", "Megatron reads it only with --decoupled-lr")
+    else:
+        ctx.set("training.decoupled_min_lr", value)
+
+
+for _dest in ("start_weight_decay", "end_weight_decay"):
+    _direct(_dest, f"training.{_dest}")
+
+
+@handles("weight_decay_incr_style", "training.weight_decay_incr_style")
+def _wd_incr_style(ctx, value):
+    """Megatron's validate_args: constant takes --weight-decay and refuses start/end; linear/cosine need both."""
+    ctx.set("training.weight_decay_incr_style", value)
+    start, end = ctx.get("start_weight_decay"), ctx.get("end_weight_decay")
+    if value == "constant":
+        for dest in ("start_weight_decay", "end_weight_decay"):
+            if ctx.get(dest) is not None:
+                ctx.decline(dest, "Megatron refuses it with the constant weight-decay style — add "
+                                  "--weight-decay-incr-style linear or cosine, or drop it (constant uses --weight-decay)")
+    elif start is None or end is None:
+        ctx.decline("weight_decay_incr_style", f"'{value}' needs --start-weight-decay and --end-weight-decay — "
+                                               "give both")
+    elif not 0.0 <= start <= end:
+        ctx.decline("start_weight_decay", f"{start} must lie in [0, --end-weight-decay {end}] — weight decay can "
+                                          "only increase")
+
+
+_ON_RESUME = {"override_opt_param_scheduler": "override", "use_checkpoint_opt_param_scheduler": "checkpoint"}
+for _dest in _ON_RESUME:
+    @handles(_dest, f"training.lr_scheduler_on_resume {_ON_RESUME[_dest]}")
+    def _on_resume(ctx, value, _dest=_dest):
+        chosen = [dest for dest in _ON_RESUME if ctx.get(dest)]
+        if len(chosen) > 1:
+            ctx.decline(_dest, "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
+                               "exclusive — keep one")
+        ctx.set("training.lr_scheduler_on_resume", _ON_RESUME[chosen[0]] if len(chosen) == 1 else "check")
+
+
 def _accumulation(ctx):
     """Derives gbs / (mbs × dp) when the world size allows (dp = world / (tp × cp)); else validation does."""
     gbs, mbs = ctx.get("global_batch_size"), ctx.get("micro_batch_size") or ctx.get("batch_size")

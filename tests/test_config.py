@@ -101,6 +101,14 @@ def test_valid_pretraining_config_passes():
     ({"training": {"stage": "sft"}}, "training.stage: 'sft' is not supported yet"),
     ({"model": {"quant_recipe_name": "mxfp8"}}, "model.quant_recipe_name: quantised training"),
     ({"parallel": {"ep_dispatcher": "mc2"}}, "parallel.ep_dispatcher: mc2 needs Ascend NPUs"),
+    ({"training": {"decoupled_min_lr": 1e-5}}, "training.decoupled_min_lr: only used with training.decoupled_lr"),
+    ({"training": {"decoupled_lr": -1.0}}, "training.decoupled_lr: must be >= 0"),
+    ({"training": {"start_weight_decay": 0.0}}, "training.start_weight_decay: only used with weight_decay_incr_style"),
+    ({"training": {"weight_decay_incr_style": "linear", "end_weight_decay": 0.1}},
+     "training.weight_decay_incr_style: linear needs both"),
+    ({"training": {"weight_decay_incr_style": "cosine", "start_weight_decay": 0.2, "end_weight_decay": 0.1}},
+     "training.start_weight_decay: 0.2 exceeds end_weight_decay"),
+    ({"training": {"exit_duration_in_mins": 0}}, "training.exit_duration_in_mins: must be positive"),
 ])
 def test_each_rule_has_its_message(groups, expected):
     found = messages(pt_config(**groups))

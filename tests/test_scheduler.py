@@ -96,13 +96,17 @@ def test_no_decay_groups_keep_zero_weight_decay_and_state_roundtrip():
 def test_resume_policies_for_a_changed_schedule():
     old = ParamScheduler(_opt(), **scheduler_steps(TrainingArguments(lr=1e-3, max_steps=10), GBS))
     old.step(3 * GBS)
-    longer = scheduler_steps(TrainingArguments(lr=1e-3, max_steps=20), GBS)
+
+    def longer(policy):  # the run resumes with twice the training length, under training.lr_scheduler_on_resume
+        return ParamScheduler(_opt(), **scheduler_steps(
+            TrainingArguments(lr=1e-3, max_steps=20, lr_scheduler_on_resume=policy), GBS))
     with pytest.raises(UsageError, match="lr_decay_steps"):
-        ParamScheduler(_opt(), **longer, on_resume="check").load_state_dict(old.state_dict())
-    kept = ParamScheduler(_opt(), **longer, on_resume="override")
+        longer("check").load_state_dict(old.state_dict())
+    assert TrainingArguments().lr_scheduler_on_resume == "check"  # Megatron's default
+    kept = longer("override")
     kept.load_state_dict(old.state_dict())
     assert kept.lr_decay_steps == 20 * GBS and kept.num_steps == 3 * GBS
-    taken = ParamScheduler(_opt(), **longer, on_resume="checkpoint")
+    taken = longer("checkpoint")
     taken.load_state_dict(old.state_dict())
     assert taken.lr_decay_steps == 10 * GBS and taken.get_lr() == old.get_lr()
 
@@ -115,3 +119,46 @@ def test_bad_schedule_reports_usage_errors():
     assert "min_lr" in text and "warmup" in text and "lr_wsd_decay_iters" in text
     with pytest.raises(UsageError):
         scheduler_steps(TrainingArguments(max_steps=-1), GBS)
+
+
+def _decoupled_opt():
+    """Megatron's groups with --decoupled-lr: default, decoupled with its own min, decoupled with the default min."""
+    p = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    return torch.optim.SGD([{"params": [p[0]], "wd_mult": 1.0},
+                            {"params": [p[1]], "wd_mult": 1.0, "max_lr": 2e-3, "min_lr": 1e-5},
+                            {"params": [p[2]], "wd_mult": 0.0, "max_lr": 5e-4}], lr=0.0)
+
+
+@pytest.mark.parametrize("case", CASES[:4] + CASES[5:6], ids=lambda c: c["lr_scheduler_type"])
+def test_decoupled_lr_groups_match_megatron(case):
+    t = TrainingArguments(lr=3e-4, min_lr=3e-5, max_steps=40, weight_decay=0.1, **case)
+    kw = scheduler_steps(t, GBS)
+    ours = ParamScheduler(_decoupled_opt(), **kw)
+    ref = _reference(kw)
+    ref.optimizer = _decoupled_opt()  # Megatron's scheduler reads each group's max_lr / min_lr
+    ref.step(0)
+    for _ in range(45):
+        got = [(g["lr"], g["weight_decay"]) for g in ours.optimizer.param_groups]
+        want = [(g["lr"], g["weight_decay"]) for g in ref.optimizer.param_groups]
+        assert got == pytest.approx(want, rel=1e-12, abs=0)
+        ours.step(GBS)
+        ref.step(GBS)
+    lrs = [g["lr"] for g in ours.optimizer.param_groups]
+    if case["lr_scheduler_type"] == "cosine":
+        assert lrs == pytest.approx([3e-5, 1e-5, 3e-5])  # each group ends at its own min_lr
+    assert ours.last_lr == lrs[0]
+
+
+def test_weight_decay_schedule_fields_reach_the_scheduler():
+    t = TrainingArguments(lr=1e-3, min_lr=1e-4, max_steps=30, weight_decay=0.5, weight_decay_incr_style="cosine",
+                          start_weight_decay=0.01, end_weight_decay=0.1)
+    kw = scheduler_steps(t, GBS)
+    assert (kw["start_wd"], kw["end_wd"], kw["wd_incr_steps"], kw["wd_incr_style"]) == (0.01, 0.1, 30 * GBS, "cosine")
+    _compare(kw, 30)
+    by_samples = scheduler_steps(TrainingArguments(train_samples=240, weight_decay_incr_style="linear",
+                                                   start_weight_decay=0.0, end_weight_decay=0.2), GBS)
+    assert (by_samples["start_wd"], by_samples["end_wd"], by_samples["wd_incr_steps"]) == (0.0, 0.2, 240)
+    constant = scheduler_steps(TrainingArguments(max_steps=30, weight_decay=0.05), GBS)
+    assert (constant["start_wd"], constant["end_wd"], constant["wd_incr_style"]) == (0.05, 0.05, "constant")
+    with pytest.raises(UsageError, match="start_weight_decay"):
+        scheduler_steps(TrainingArguments(max_steps=30, weight_decay_incr_style="linear"), GBS)

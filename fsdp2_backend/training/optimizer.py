@@ -3,8 +3,14 @@
 Owns `build_optimizer` (the one entry point), `CombinedOptimizer` (steps / zero_grads / state_dicts several
 torch optimizers as one) and `ShardedMuon`.
 
-Weight decay (Megatron's default rule): no decay for 1-D parameters and names ending in `.bias`. Every param
-group carries `wd_mult` (1.0 or 0.0); the scheduler writes `weight_decay = schedule × wd_mult`.
+Weight decay (Megatron's default rule): no decay for 1-D parameters and names ending in `.bias`, except the
+QK-norm weights when `apply_wd_to_qk_layernorm` (Megatron's --apply-wd-to-qk-layernorm). Every param group
+carries `wd_mult` (1.0 or 0.0); the scheduler writes `weight_decay = schedule × wd_mult`.
+
+Decoupled learning rate (Megatron's --decoupled-lr / --decoupled-min-lr): the input embedding and output layer
+weights (Megatron's `is_embedding_or_output_parameter`) go to their own groups carrying `max_lr` (and `min_lr`
+when given); the scheduler reads a group's `max_lr` / `min_lr` before its own, as Megatron's does. Groups on
+the default schedule come first, so `param_groups[0]["lr"]` is the lr Megatron logs.
 
 Muon: `torch.optim.Muon` for the 2-D matrices inside the transformer layers; AdamW for embeddings, lm_head,
 norms, biases and anything not 2-D (3-D grouped expert weights included, for now). What torch.optim.Muon does
@@ -18,7 +24,7 @@ the cost of one all-gather per matrix per step and redundant Newton-Schulz compu
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Container, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -32,18 +38,57 @@ except ImportError:  # pragma: no cover
 from fsdp2_backend.errors import UsageError
 
 
-def no_weight_decay(name: str, param: torch.Tensor) -> bool:
-    """Megatron's default exclusion: biases and every 1-D parameter (norm weights) get no weight decay."""
+# Module names of QK-norm layers: HF (Qwen3, Qwen3-Next, ...) and Megatron spellings.
+QK_NORM_MODULES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+
+
+def is_qk_norm(name: str) -> bool:
+    """Whether `name` is a parameter of a QK-norm layer (e.g. `model.layers.0.self_attn.q_norm.weight`)."""
+    return any(part in QK_NORM_MODULES for part in name.split(".")[:-1])
+
+
+def no_weight_decay(name: str, param: torch.Tensor, apply_wd_to_qk_layernorm: bool = False) -> bool:
+    """Megatron's default exclusion: biases and every 1-D parameter (norm weights) get no weight decay; with
+    `apply_wd_to_qk_layernorm`, QK-norm parameters are decayed all the same (Megatron's Qwen3-Next rule)."""
+    if apply_wd_to_qk_layernorm and is_qk_norm(name):
+        return False
     return name.endswith(".bias") or param.dim() == 1
 
 
-def adamw_param_groups(named_params: Iterable[Tuple[str, nn.Parameter]]) -> List[Dict[str, Any]]:
-    """[decay group, no-decay group] (empty groups dropped), each with `wd_mult` for the scheduler."""
-    decay, no_decay = [], []
+def _embedding_modules(model: nn.Module) -> List[nn.Module]:
+    """The input embedding and output layer (HF's getters), whatever their names; tied heads appear once."""
+    modules: List[nn.Module] = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, getter, lambda: None)()
+        if module is not None and all(module is not m for m in modules):
+            modules.append(module)
+    return modules
+
+
+def embedding_or_output_params(model: nn.Module) -> set:
+    """ids of Megatron's `is_embedding_or_output_parameter`s: the input embedding's and output layer's weights."""
+    return {id(m.weight) for m in _embedding_modules(model) if getattr(m, "weight", None) is not None}
+
+
+def adamw_param_groups(named_params: Iterable[Tuple[str, nn.Parameter]], *, decoupled: Container[int] = (),
+                       decoupled_lr: Optional[float] = None, decoupled_min_lr: Optional[float] = None,
+                       apply_wd_to_qk_layernorm: bool = False) -> List[Dict[str, Any]]:
+    """Megatron's param groups: [decay, no-decay] on the default schedule, then the same two for the params whose
+    id is in `decoupled` carrying `max_lr` = decoupled_lr (and `min_lr` = decoupled_min_lr when given) — only
+    when decoupled_lr is set. Empty groups are dropped; each group has `wd_mult` for the scheduler."""
+    override: Dict[str, float] = {}
+    if decoupled_lr is not None:
+        override["max_lr"] = decoupled_lr
+        if decoupled_min_lr is not None:
+            override["min_lr"] = decoupled_min_lr
+    buckets: Dict[Tuple[bool, float], List[nn.Parameter]] = {
+        (False, 1.0): [], (False, 0.0): [], (True, 1.0): [], (True, 0.0): []}
     for name, p in named_params:
         if p.requires_grad:
-            (no_decay if no_weight_decay(name, p) else decay).append(p)
-    groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}]
+            wd_mult = 0.0 if no_weight_decay(name, p, apply_wd_to_qk_layernorm) else 1.0
+            buckets[(bool(override) and id(p) in decoupled, wd_mult)].append(p)
+    groups = [{"params": params, "wd_mult": wd_mult, **(override if own else {})}
+              for (own, wd_mult), params in buckets.items()]
     return [g for g in groups if g["params"]]
 
 
@@ -55,11 +100,7 @@ def muon_param_names(model: nn.Module) -> List[str]:
     router's gate included) go to Muon; 3-D grouped expert weights stay with AdamW.
     """
     excluded = set()
-    heads = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        module = getattr(model, getter, lambda: None)()
-        if module is not None:
-            heads.append(module)
+    heads = [m for m in model.modules() if isinstance(m, nn.Embedding)] + _embedding_modules(model)
     for module in heads:
         excluded.update(id(p) for p in module.parameters())
     return [n for n, p in model.named_parameters()
@@ -141,17 +182,23 @@ class CombinedOptimizer:
 
 def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, weight_decay: float,
                     betas: Tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, muon_momentum: float = 0.95,
-                    muon_adjust_lr_fn: str = "match_rms_adamw") -> CombinedOptimizer:
+                    muon_adjust_lr_fn: str = "match_rms_adamw", decoupled_lr: Optional[float] = None,
+                    decoupled_min_lr: Optional[float] = None,
+                    apply_wd_to_qk_layernorm: bool = False) -> CombinedOptimizer:
     """AdamW (`name="adamw"`) or Muon + AdamW (`name="muon"`) over `model`'s trainable parameters.
 
     Build it after FSDP sharding (the optimizers hold the DTensor parameters). From TrainingArguments:
     `build_optimizer(model, name=t.optimizer, lr=t.lr, weight_decay=t.weight_decay,
-    betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)`. Muon's default lr adjustment
-    "match_rms_adamw" (Moonshot) scales its update to AdamW's RMS so the same lr and weight decay serve both.
+    betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon, decoupled_lr=t.decoupled_lr,
+    decoupled_min_lr=t.decoupled_min_lr, apply_wd_to_qk_layernorm=t.apply_wd_to_qk_layernorm)`. Muon's default lr
+    adjustment "match_rms_adamw" (Moonshot) scales its update to AdamW's RMS so the same lr and weight decay
+    serve both. The embedding and output layer are never Muon's, so the decoupled lr always lands on AdamW groups.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    group_options = dict(decoupled=embedding_or_output_params(model), decoupled_lr=decoupled_lr,
+                         decoupled_min_lr=decoupled_min_lr, apply_wd_to_qk_layernorm=apply_wd_to_qk_layernorm)
     if name == "adamw":
-        return CombinedOptimizer([_adamw(named, lr, weight_decay, betas, eps)])
+        return CombinedOptimizer([_adamw(named, lr, weight_decay, betas, eps, group_options)])
     if name != "muon":
         raise UsageError(f"optimizer: unknown optimizer {name!r} — use adamw or muon")
     muon_names = set(muon_param_names(model))
@@ -162,9 +209,10 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, weight_
         optimizers.append(ShardedMuon([{"params": matrices, "wd_mult": 1.0}], lr=lr, weight_decay=weight_decay,
                                       momentum=muon_momentum, adjust_lr_fn=muon_adjust_lr_fn))
     if rest:
-        optimizers.append(_adamw(rest, lr, weight_decay, betas, eps))
+        optimizers.append(_adamw(rest, lr, weight_decay, betas, eps, group_options))
     return CombinedOptimizer(optimizers)
 
 
-def _adamw(named, lr, weight_decay, betas, eps) -> torch.optim.AdamW:
-    return torch.optim.AdamW(adamw_param_groups(named), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+def _adamw(named, lr, weight_decay, betas, eps, group_options) -> torch.optim.AdamW:
+    return torch.optim.AdamW(adamw_param_groups(named, **group_options), lr=lr, weight_decay=weight_decay,
+                             betas=betas, eps=eps)

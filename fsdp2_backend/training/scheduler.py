@@ -9,7 +9,9 @@ test-only reference; the test compares the two at sampled steps.
 Use: `sched = ParamScheduler(optimizer, **scheduler_steps(training, global_batch_size))`, then after every
 successful iteration `sched.step(global_batch_size)` (Megatron advances by the global batch in samples; a
 skipped iteration does not advance). Each param group's `lr` is set to the schedule and its `weight_decay` to
-the schedule times the group's `wd_mult` (0.0 for Megatron's no-decay group, see optimizer.py).
+the schedule times the group's `wd_mult` (0.0 for Megatron's no-decay group, see optimizer.py). A group carrying
+`max_lr` / `min_lr` (Megatron's decoupled lr for the embedding and output layer) follows the same schedule
+between its own bounds, as in Megatron's `get_lr(param_group)`.
 """
 from __future__ import annotations
 
@@ -33,16 +35,16 @@ class ParamScheduler:
     """Sets lr and weight decay on every param group of `optimizer` from the number of samples consumed.
 
     Step counts (`lr_warmup_steps`, `lr_decay_steps`, `wsd_decay_steps`, `wd_incr_steps`) are in samples.
-    `optimizer` is anything with a `param_groups` list of dicts (a torch optimizer or `CombinedOptimizer`).
-    `on_resume` (see RESUME_POLICIES) defaults to "checkpoint" until the config carries Megatron's two
-    resume flags; Megatron itself defaults to "check".
+    `optimizer` is anything with a `param_groups` list of dicts (a torch optimizer or `CombinedOptimizer`); a
+    group's own `max_lr` / `min_lr` replace the constructor's for that group. `on_resume` (see RESUME_POLICIES)
+    defaults to Megatron's "check" (training.lr_scheduler_on_resume).
     """
 
     def __init__(self, optimizer: Any, *, max_lr: float, min_lr: float, lr_warmup_steps: float,
                  lr_decay_steps: int, lr_decay_style: str, init_lr: float = 0.0,
                  wsd_decay_steps: Optional[int] = None, lr_wsd_decay_style: str = "exponential",
                  start_wd: float = 0.0, end_wd: Optional[float] = None, wd_incr_steps: int = 1,
-                 wd_incr_style: str = "constant", on_resume: str = "checkpoint"):
+                 wd_incr_style: str = "constant", on_resume: str = "check"):
         end_wd = start_wd if end_wd is None else end_wd
         problems = []
         if lr_decay_style not in LR_STYLES:
@@ -82,17 +84,20 @@ class ParamScheduler:
         self.num_steps = 0
         self.step(0)
 
-    def get_lr(self) -> float:
-        """The learning rate after `num_steps` samples (Megatron's formula, branch for branch)."""
+    def get_lr(self, param_group: Optional[Dict[str, Any]] = None) -> float:
+        """The learning rate after `num_steps` samples (Megatron's formula, branch for branch), between the
+        group's own `max_lr` / `min_lr` when it carries them."""
+        group = param_group or {}
+        max_lr, min_lr = group.get("max_lr", self.max_lr), group.get("min_lr", self.min_lr)
         n, warmup, decay = self.num_steps, self.lr_warmup_steps, self.lr_decay_steps
         if warmup > 0 and n <= warmup:
-            return self.init_lr + (self.max_lr - self.init_lr) * float(n) / float(warmup)
+            return self.init_lr + (max_lr - self.init_lr) * float(n) / float(warmup)
         if self.lr_decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if n > decay:
-            return self.min_lr
+            return min_lr
         if self.lr_decay_style == "inverse-square-root":
-            return max(self.min_lr, self.max_lr * max(warmup, 1) ** 0.5 / max(n, 1) ** 0.5)
+            return max(min_lr, max_lr * max(warmup, 1) ** 0.5 / max(n, 1) ** 0.5)
         ratio = float(n - warmup) / float(decay - warmup)
         if self.lr_decay_style == "linear":
             coeff = 1.0 - ratio
@@ -108,7 +113,7 @@ class ParamScheduler:
                          "cosine": lambda r: 0.5 * (math.cos(math.pi * r) + 1.0),
                          "exponential": lambda r: 2.0 * math.pow(0.5, r) - 1.0,
                          "minus_sqrt": lambda r: 1.0 - math.sqrt(r)}[self.lr_wsd_decay_style](wsd_ratio)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def get_wd(self) -> float:
         """The weight decay after `num_steps` samples (before a group's `wd_mult`)."""
@@ -121,14 +126,14 @@ class ParamScheduler:
     def step(self, increment: int) -> None:
         """Advances by `increment` samples (the global batch size) and writes lr / weight_decay to the groups."""
         self.num_steps += increment
-        lr, wd = self.get_lr(), self.get_wd()
+        wd = self.get_wd()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = self.get_lr(group)
             group["weight_decay"] = wd * group.get("wd_mult", 1.0)
 
     @property
     def last_lr(self) -> float:
-        """The learning rate now on the param groups (what the log line reports)."""
+        """The learning rate of the default schedule (what Megatron's log line reports)."""
         return self.get_lr()
 
     def state_dict(self) -> Dict[str, Any]:
@@ -156,9 +161,10 @@ def scheduler_steps(training: Any, global_batch_size: int, train_iters: Optional
 
     By iterations (`max_steps` > 0): decay = (lr_decay_iters or max_steps) × gbs; warmup = lr_warmup_iters ×
     gbs when set, else warmup_ratio × decay; WSD anneal = lr_wsd_decay_iters × gbs. By samples
-    (`train_samples`): the *_samples fields, same rules. Weight decay stays constant at `weight_decay`
-    (the config has no start/end weight-decay fields yet). `train_iters` stands in for max_steps when the
-    trainer derived the length from num_train_epochs.
+    (`train_samples`): the *_samples fields, same rules. Weight decay: constant `weight_decay`, or from
+    `start_weight_decay` to `end_weight_decay` over the whole run (`weight_decay_incr_style` linear / cosine;
+    Megatron's wd_incr_steps = train_iters × gbs or train_samples). `on_resume` is `lr_scheduler_on_resume`.
+    `train_iters` stands in for max_steps when the trainer derived the length from num_train_epochs.
     Megatron forbids setting both a warmup fraction and warmup iters; the translator should set
     warmup_ratio to 0 when a script gives --lr-warmup-iters/-samples (here the explicit count wins).
     """
@@ -178,7 +184,15 @@ def scheduler_steps(training: Any, global_batch_size: int, train_iters: Optional
         raise UsageError("max_steps: the schedule needs a training length — set max_steps (--train-iters) "
                          "or train_samples (--train-samples), or let the trainer derive max_steps from epochs")
     warmup = explicit_warmup if explicit_warmup else t.warmup_ratio * decay
+    style = t.weight_decay_incr_style
+    if style == "constant":  # Megatron: start and end are both --weight-decay
+        start_wd = end_wd = t.weight_decay
+    else:
+        if t.start_weight_decay is None or t.end_weight_decay is None:
+            raise UsageError(f"training.start_weight_decay / end_weight_decay: weight_decay_incr_style {style} "
+                             "needs both — set them, or use the constant style")
+        start_wd, end_wd = t.start_weight_decay, t.end_weight_decay
     return dict(max_lr=t.lr, min_lr=t.min_lr, init_lr=t.lr_warmup_init, lr_warmup_steps=warmup,
                 lr_decay_steps=decay, lr_decay_style=t.lr_scheduler_type, wsd_decay_steps=wsd,
-                lr_wsd_decay_style=t.lr_wsd_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
-                wd_incr_steps=wd_steps, wd_incr_style="constant")
+                lr_wsd_decay_style=t.lr_wsd_decay_style, start_wd=start_wd, end_wd=end_wd,
+                wd_incr_steps=wd_steps, wd_incr_style=style, on_resume=t.lr_scheduler_on_resume)
