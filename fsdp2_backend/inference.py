@@ -18,6 +18,7 @@ depend on the others):
 Several ranks (torchrun): each loads the whole model on its own device and generates the same completions
 (greedy, or the same seed); no process group is needed. Entry points print on rank 0 only. Weights are
 used in fp32 as loaded (`parallel.param_dtype` is FSDP's training compute dtype, not applied here).
+torch is imported only once the config has been checked, so bad input is reported at once.
 """
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, List, Sequence, Tuple
-
-import torch
+from typing import TYPE_CHECKING, Iterator, List, Sequence, Tuple
 
 from fsdp2_backend.config import Config, InferenceArguments, ModelArguments
 from fsdp2_backend.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def check_inference_config(config: Config, prompts: Sequence[str]) -> None:
@@ -132,16 +134,18 @@ def _generation_settings(base, inference: InferenceArguments, tokenizer):
     return settings
 
 
-@torch.no_grad()
 def complete(model: torch.nn.Module, tokenizer, inference: InferenceArguments, seed: int,
              prompts: Sequence[str]) -> List[str]:
     """The completion (new text only) of each prompt by an already loaded model."""
+    import torch
+
     settings = _generation_settings(model.generation_config, inference, tokenizer)
     device = next(model.parameters()).device
     eos = settings.eos_token_id if isinstance(settings.eos_token_id, list) else [settings.eos_token_id]
     completions = []
     accelerators = [] if device.type == "cpu" else [device.index or 0]
-    with torch.random.fork_rng(devices=accelerators, device_type=device.type if accelerators else "cuda"):
+    with torch.no_grad(), torch.random.fork_rng(devices=accelerators,
+                                                device_type=device.type if accelerators else "cuda"):
         torch.manual_seed(seed)
         for number, prompt in enumerate(prompts, 1):
             ids = _encode(tokenizer, prompt)
