@@ -14,6 +14,8 @@ until the write is committed, and the HF export time. Figures depend on the mach
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -39,6 +41,11 @@ def _dir_bytes(path: Path) -> int:
 
 
 def _worker(rank, world_size, preset, steps, every, repeats, out_json, workdir):
+    with contextlib.redirect_stdout(io.StringIO()):  # the per-save Megatron log lines
+        _measure(rank, world_size, preset, steps, every, repeats, out_json, workdir)
+
+
+def _measure(rank, world_size, preset, steps, every, repeats, out_json, workdir):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
