@@ -142,8 +142,9 @@ def apply_expert_parallel(model: nn.Module, config, ctx) -> Set[nn.Parameter]:
                               mp_policy=mixed_precision_policy(parallel),
                               reshard_after_forward=parallel.reshard_after_forward)
     covered = {p for unit in units for p in unit.parameters()}
+    # With ep 1 uncovered experts are plain parameters and the non-expert FSDP takes them; with ep > 1 not.
     uncovered = [name for name in ep_names if any(p not in covered for p in model.get_submodule(name).parameters())]
-    if uncovered:
+    if uncovered and parallel.ep_size > 1:
         raise UsageError(f"parallel.ep_fsdp_modules: does not cover the expert modules {', '.join(uncovered[:3])} "
                          f"— their gradients would never be reduced; include them (or a module containing them)")
     return covered
