@@ -5,10 +5,10 @@
 Backends, picked by `select_backend`:
 
 - ``"npu"``: `torch_npu.npu_grouped_matmul` on Ascend (guarded import; never loaded elsewhere);
-- ``"grouped_mm"``: `torch.nn.functional.grouped_mm` (torch >= 2.9, runs on CPU in 2.13). Its kernels need
-  every non-unit stride and the base address to be multiples of 16 bytes, and its backward rejects the
-  stride-0 gradients that `.sum()` / `.expand()` produce, so we check the layout first and hand it a
-  contiguous gradient;
+- ``"grouped_mm"``: `torch.nn.functional.grouped_mm` (torch >= 2.9; on CPU in 2.13 for any float dtype, on
+  CUDA for bf16 on SM >= 80). Its kernels need every non-unit stride and the base address to be multiples of
+  16 bytes, and its backward rejects the stride-0 gradients that `.sum()` / `.expand()` produce (and empty
+  operands), so we check the layout first and hand it a contiguous gradient;
 - ``"loop"``: one `x_e @ w_e.T` per expert; the reference and the fallback for layouts grouped_mm refuses.
 """
 from __future__ import annotations
@@ -42,6 +42,8 @@ def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if x.shape[0] == 0:  # an EP rank that receives no tokens: grouped_mm's backward rejects empty operands
         return False
+    if x.device.type == "cuda" and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0)):
+        return False  # CUDA kernels: bf16 on SM >= 80 only (the CPU kernel takes any float dtype)
     return _aligned(x) and _aligned(weight)
 
 
