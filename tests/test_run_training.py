@@ -86,3 +86,25 @@ def test_sft_stage_is_declined():
 
     with pytest.raises(UsageError, match="only pretraining"):
         run_training(Config())
+
+
+def test_checkpoint_hooks_resume_from_the_restored_state(model_dir, tmp_path):
+    """One in-process rank: the resume hook's state decides where training (and the data) continue."""
+    from fsdp2_backend.training.trainer import run_training
+
+    config = _config(model_dir, str(tmp_path / "profile"))
+    config.profiling.profile = False
+    config.training.eval_interval = None
+    config = validate(config, 1)
+    seen, saves = {}, []
+
+    def resume(model, optimizer, scheduler, state, loss_scaler, tokenizer):
+        seen.update(lr=optimizer.param_groups[0]["lr"], scale=loss_scaler.scale, vocab=len(tokenizer))
+        state.iteration, state.consumed_train_samples = 2, 8
+        scheduler.step(8)
+
+    result = run_training(config, save_hook=lambda t, reason: saves.append((t.state.iteration, reason)),
+                          resume_hook=resume)
+    assert seen == {"lr": 0.0, "scale": 1.0, "vocab": 300}  # warmup starts at lr_warmup_init
+    assert len(result.losses) == 2 and result.state.iteration == 4 and result.state.consumed_train_samples == 16
+    assert saves == [(4, "final")]

@@ -96,7 +96,7 @@ class Trainer:
                  valid_batches: Optional[Iterator[Batch]] = None, logger: Optional[TrainLogger] = None,
                  loss_fn: Callable = masked_loss_sum, clip_fn: Callable = clip_grad_norm,
                  profiler: Optional[StepProfiler] = None, save_hook: Optional[Callable] = None,
-                 state: Optional[TrainState] = None):
+                 state: Optional[TrainState] = None, loss_scaler: Optional[LossScaler] = None):
         self.config, self.ctx, self.model = config, ctx, model
         self.optimizer, self.scheduler = optimizer, scheduler
         self.train_batches, self.valid_batches = train_batches, valid_batches
@@ -104,7 +104,7 @@ class Trainer:
         self.loss_fn, self.clip_fn = loss_fn, clip_fn
         self.profiler, self.save_hook = profiler, save_hook
         self.state = state or TrainState()
-        self.loss_scaler = LossScaler.for_dtype(config.parallel.param_dtype)
+        self.loss_scaler = loss_scaler or LossScaler.for_dtype(config.parallel.param_dtype)
         self.global_batch_size = micro_batches * config.training.per_device_train_batch_size * ctx.dp_size
         self.logger = logger or TrainLogger(
             train_iters=train_iters, log_interval=config.training.logging_steps,
@@ -286,8 +286,14 @@ def _train_iters(config: Config, global_batch_size: int, build_data: Callable) -
     return iters
 
 
-def run_training(config: Config, save_hook: Optional[Callable] = None) -> TrainResult:
-    """Trains per `config` (validated) on this process's rank; the entry point of pretrain_fsdp2.py."""
+def run_training(config: Config, save_hook: Optional[Callable] = None,
+                 resume_hook: Optional[Callable] = None) -> TrainResult:
+    """Trains per `config` (validated) on this process's rank; the entry point of pretrain_fsdp2.py.
+
+    Checkpoint call sites: `resume_hook(model=, optimizer=, scheduler=, state=, loss_scaler=, tokenizer=)`
+    runs once everything is built and before the data is (it may restore all of them in place; the loaders
+    then start at `state.consumed_train_samples`); `save_hook(trainer, reason)` as in `Trainer`.
+    """
     from fsdp2_backend.data.pretrain import build_pretrain_data, data_iterator
     from fsdp2_backend.models.setup import setup_model_and_tokenizer
     from fsdp2_backend.training.optimizer import build_optimizer
@@ -313,8 +319,10 @@ def run_training(config: Config, save_hook: Optional[Callable] = None) -> TrainR
                                     weight_decay=training.weight_decay,
                                     betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_epsilon)
         scheduler = ParamScheduler(optimizer, **scheduler_steps(training, gbs, train_iters))
-        # Checkpoint load goes here (issue H): it fills model, optimizer, scheduler and `state` before the data
-        # is built, so the loaders start at state.consumed_train_samples like Megatron's.
+        loss_scaler = LossScaler.for_dtype(config.parallel.param_dtype)
+        if resume_hook is not None:
+            resume_hook(model=bundle.model, optimizer=optimizer, scheduler=scheduler, state=state,
+                        loss_scaler=loss_scaler, tokenizer=bundle.tokenizer)
         data = build_data(train_iters)
         if data.train_loader is None:
             raise UsageError("data.dataset: the training split is empty — check data.split and the data paths")
@@ -324,7 +332,7 @@ def run_training(config: Config, save_hook: Optional[Callable] = None) -> TrainR
                           data_iterator(data.train_loader, config.data.dataloader_type), train_iters,
                           micro_batches=micro_batches,
                           valid_batches=data_iterator(data.valid_loader, config.data.dataloader_type),
-                          profiler=profiler, save_hook=save_hook, state=state)
+                          profiler=profiler, save_hook=save_hook, state=state, loss_scaler=loss_scaler)
         return trainer.train()
     finally:
         ctx.close()
