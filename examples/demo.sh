@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# `make demo`: a user's day on 2 CPU ranks, from files already on this machine (no download).
+#   1. a corpus (Python's stdlib sources), a tokenizer trained on it, a tiny Qwen3 HF directory
+#   2. tools/preprocess_data.py → .bin/.idx (Megatron's format)
+#   3. the MindSpeed-style script's translation (--dry-run)
+#   4. training with that script's Megatron flags, stopped at iteration 30 by --exit-interval
+#   5. the very same command again: it resumes from the newest checkpoint and finishes, then exports to HF
+#   6. plain transformers loads the export and generates
+set -euo pipefail
+cd "$(dirname "$0")/.."
+W=${DEMO_DIR:-demo_work}
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+rm -rf "$W" && mkdir -p "$W"
+
+echo "== 1. corpus, tokenizer and a tiny Qwen3, built from local files"
+python tools/demo_assets.py "$W"
+
+echo "== 2. tools/preprocess_data.py (Megatron's flags)"
+python tools/preprocess_data.py --input "$W/corpus.jsonl" --output-prefix "$W/data/corpus" --json-keys text \
+    --tokenizer-type PretrainedFromHF --tokenizer-name-or-path "$W/model" --append-eod --workers 2 \
+    --log-interval 500
+DATA="$W/data/corpus_text_document"
+
+echo "== 3. what the Megatron flags become (--dry-run, nothing touched)"
+LAUNCHER="env WORLD_SIZE=2 python" bash examples/pretrain_qwen3_tiny.sh "$W/model" "$DATA" "$W/ckpt" --dry-run \
+    | grep -E '^# (accepted|warning|validated)|^  (tp_size|per_device_train_batch_size|gradient_accumulation_steps|max_steps|lr):'
+
+echo "== 4. train on 2 CPU ranks with the script's flags; --exit-interval 30 stops it after saving"
+TRAIN_ITERS=40 bash examples/pretrain_qwen3_tiny.sh "$W/model" "$DATA" "$W/ckpt" --exit-interval 30
+
+echo "== 5. the same command again: resumes from the newest checkpoint, finishes, exports to HF"
+TRAIN_ITERS=40 bash examples/pretrain_qwen3_tiny.sh "$W/model" "$DATA" "$W/ckpt" --exit-interval 30
+ls "$W/ckpt"
+
+echo "== 6. plain transformers loads the export and generates"
+python - "$W/ckpt/hf" <<'PY'
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+path = sys.argv[1]
+tokenizer = AutoTokenizer.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path)
+ids = tokenizer("import os\n\ndef ", return_tensors="pt").input_ids
+with torch.no_grad():
+    out = model.generate(ids, max_new_tokens=24, do_sample=False)
+print(repr(tokenizer.decode(out[0])))
+PY
+echo "== demo done: checkpoints and the HF export are under $W/ckpt"
