@@ -343,7 +343,8 @@ def _decoupled_min_lr(ctx, value):
     if value is None:
         return
     if ctx.get("decoupled_lr") is None:  # Megatron applies it only to the decoupled-lr groups
-        ctx.record("decoupled_min_lr", "no_effect", "Megatron reads it only with --decoupled-lr")
+        ctx.record("decoupled_min_lr", "no_effect", "Megatron reads it only with --decoupled-lr (then it maps "
+                                                    "to training.decoupled_min_lr)")
     else:
         ctx.set("training.decoupled_min_lr", value)
 
@@ -360,10 +361,12 @@ def _wd_incr_style(ctx, value):
     if value == "constant":
         for dest in ("start_weight_decay", "end_weight_decay"):
             if ctx.get(dest) is not None:
-                ctx.decline(dest, "Megatron refuses it with the constant weight-decay style — add "
-                                  "--weight-decay-incr-style linear or cosine, or drop it (constant uses --weight-decay)")
+                ctx.decline(dest, f"maps to training.{dest} only with --weight-decay-incr-style linear or cosine "
+                                  "(Megatron refuses it with the constant style) — add the style, or drop it "
+                                  "(constant uses --weight-decay)")
     elif start is None or end is None:
-        ctx.decline("weight_decay_incr_style", f"'{value}' needs --start-weight-decay and --end-weight-decay — "
+        ctx.decline("weight_decay_incr_style", f"'{value}' maps to training.weight_decay_incr_style with "
+                                               "--start-weight-decay and --end-weight-decay (Megatron needs both) — "
                                                "give both")
     elif not 0.0 <= start <= end:
         ctx.decline("start_weight_decay", f"{start} must lie in [0, --end-weight-decay {end}] — weight decay can "

@@ -134,3 +134,83 @@ def test_sharded_muon_on_two_fsdp2_ranks_equals_torch_muon_on_one():
         got = torch.load(out)
     for ref, p in zip(model.parameters(), got):
         torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
+
+
+def _group_of(model, opt):
+    """name → (wd_mult, max_lr, min_lr) of its param group (None where the group follows the default)."""
+    ids = {id(p): n for n, p in model.named_parameters()}
+    return {ids[id(p)]: (g["wd_mult"], g.get("max_lr"), g.get("min_lr")) for g in opt.param_groups for p in g["params"]}
+
+
+def test_qk_norm_weights_decay_only_when_asked(qwen3):
+    model = qwen3()
+    qk = {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"}
+    plain = _group_of(model, build_optimizer(model, lr=1e-3, weight_decay=0.1))
+    assert all(plain[n][0] == 0.0 for n in qk)
+    for name in ("muon", "adamw"):
+        groups = _group_of(model, build_optimizer(model, name=name, lr=1e-3, weight_decay=0.1,
+                                                  apply_wd_to_qk_layernorm=True))
+        assert all(groups[n][0] == 1.0 for n in qk)
+        # every other parameter keeps Megatron's default rule
+        assert {n: g[0] for n, g in groups.items() if n not in qk} == {n: g[0] for n, g in plain.items() if n not in qk}
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_decoupled_lr_groups_hold_embedding_and_output_layer(qwen3, name):
+    model = qwen3()
+    heads = {"model.embed_tokens.weight", "lm_head.weight"}
+    opt = build_optimizer(model, name=name, lr=1e-3, weight_decay=0.1, decoupled_lr=5e-3, decoupled_min_lr=1e-5)
+    groups = _group_of(model, opt)
+    assert {n for n, g in groups.items() if g[1] is not None} == heads
+    assert all(groups[n] == (1.0, 5e-3, 1e-5) for n in heads)
+    assert opt.param_groups[0].get("max_lr") is None  # the default schedule comes first (the logged lr)
+    without_min = _group_of(model, build_optimizer(model, name=name, lr=1e-3, weight_decay=0.1, decoupled_lr=5e-3))
+    assert all(without_min[n] == (1.0, 5e-3, None) for n in heads)  # min_lr: the scheduler's (training.min_lr)
+    assert all(g[1] is None for g in _group_of(model, build_optimizer(model, name=name, lr=1e-3,
+                                                                      weight_decay=0.1)).values())
+
+
+def _megatron_groups_worker(rank, world, out):
+    """Our groups on an FSDP2-sharded tiny Qwen3 vs megatron-core's _get_param_groups on an unsharded copy."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Qwen3ForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+
+    def make(tie):
+        torch.manual_seed(0)
+        return Qwen3ForCausalLM(tiny_qwen3_config(attention_bias=True, num_hidden_layers=1, tie_word_embeddings=tie))
+
+    results = {}
+    for tie in (False, True):
+        reference = make(tie)
+        # What Megatron's LanguageModule marks: the word embedding, and the output layer unless it is shared.
+        for module in (reference.get_input_embeddings(), reference.get_output_embeddings()):
+            module.weight.is_embedding_or_output_parameter = True
+        config = OptimizerConfig(lr=1e-3, min_lr=1e-4, weight_decay=0.1, decoupled_lr=5e-3, decoupled_min_lr=2e-5)
+        ref_groups = _get_param_groups([reference], config, None)
+        names = {id(p): n for n, p in reference.named_parameters()}
+        want = {names[id(p)]: (g["wd_mult"], g["max_lr"], g["min_lr"]) for g in ref_groups for p in g["params"]}
+
+        model = make(tie)
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(model.model.layers[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = build_optimizer(model, lr=1e-3, weight_decay=0.1, decoupled_lr=5e-3, decoupled_min_lr=2e-5)
+        ours = {n: (wd, max_lr or 1e-3, min_lr or 1e-4) for n, (wd, max_lr, min_lr) in _group_of(model, opt).items()}
+        results[str(tie)] = (ours == want, sorted(set(ours.items()) ^ set(want.items())))
+    if rank == 0:
+        torch.save(results, out)
+
+
+def test_decoupled_groups_match_megatron_core_under_fsdp2():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "groups.pt")
+        run_distributed(_megatron_groups_worker, 1, out)
+        results = torch.load(out)
+    assert results == {"False": (True, []), "True": (True, [])}
