@@ -108,3 +108,27 @@ def test_checkpoint_hooks_resume_from_the_restored_state(model_dir, tmp_path):
     assert seen == {"lr": 0.0, "scale": 1.0, "vocab": 300}  # warmup starts at lr_warmup_init
     assert len(result.losses) == 2 and result.state.iteration == 4 and result.state.consumed_train_samples == 16
     assert saves == [(4, "final")]
+
+
+def test_num_train_epochs_sets_the_length_from_one_epoch_of_the_train_split(model_dir, tmp_path):
+    from fsdp2_backend.data.pretrain import build_pretrain_data
+    from fsdp2_backend.distributed.context import ParallelContext
+    from fsdp2_backend.models.tokenizer import load_tokenizer
+    from fsdp2_backend.training.trainer import _train_iters
+
+    config = _config(model_dir, str(tmp_path))
+    config.training.max_steps = -1
+    config.training.num_train_epochs = 0.5
+    config.training.eval_interval = None
+    ctx = ParallelContext.create(config.parallel)
+    try:
+        tokenizer = load_tokenizer(config.model)
+        build = lambda iters: build_pretrain_data(config, tokenizer, 0, 1, 0, 4, 1, iters)  # noqa: E731
+        epoch = len(build(1).datasets[0])
+        assert epoch > 8
+        assert _train_iters(config, 4, build) == int(0.5 * epoch) // 4
+        config.training.num_train_epochs = 1e-9
+        with pytest.raises(UsageError, match="training.num_train_epochs"):
+            _train_iters(config, 4, build)
+    finally:
+        ctx.close()
