@@ -7,13 +7,17 @@ sums gradients over data-parallel ranks (SUM forced: FSDP2's AVG on gloo can sum
 1/dp is in the loss, so the result equals a 1-rank run's. The reported `lm loss` is token-weighted over the
 global batch.
 
-An iteration whose loss or gradient norm is not finite is skipped (no update, no scheduler advance) and
-counted in "number of skipped iterations" and "number of nan iterations", as Megatron counts them.
+Context parallel: each rank runs its share of the sequence and a micro-batch's mean runs over the whole
+sequence. MoE: the model's weighted aux loss joins the backward loss (not the reported lm loss).
 
-Checkpoint hooks: `Trainer.state` (a `TrainState`) is what a checkpoint stores besides model, optimizer and
-scheduler; `Trainer.save_hook(trainer, reason)` is called at `save_steps` multiples, at `exit_interval` and
-at the end ("interval" / "exit" / "final"); resuming sets `trainer.state` and the data position before
-`train()`.
+An iteration whose loss or gradient norm is not finite is skipped (no update, no scheduler advance) and
+counted in "number of skipped iterations" (and in "number of nan iterations" when the loss is not finite),
+as Megatron counts them. fp16 uses Megatron's dynamic loss scale (`loss_scaler`).
+
+Checkpoint hooks: `Trainer.state` (a `TrainState`) is what a checkpoint stores besides model, optimizer,
+scheduler and loss scaler; `save_hook(trainer, reason)` is called at `save_steps` multiples, at
+`exit_interval` and at the end ("interval" / "exit" / "final"); `run_training`'s `resume_hook` restores
+everything before the data loaders are built at the restored consumed samples.
 """
 from __future__ import annotations
 
@@ -172,7 +176,10 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step(self.global_batch_size)
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, skipped=non_finite, got_nan=non_finite)
+        # Megatron: a skipped iteration is a nan iteration when its loss is not finite (an fp16 overflow in
+        # the gradients alone is skipped but not nan).
+        return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, skipped=non_finite,
+                          got_nan=not math.isfinite(loss))
 
     def _unscale_and_clip(self, params) -> float:
         if self.loss_scaler.scale != 1.0:
