@@ -72,6 +72,15 @@ def test_greedy_equals_transformers_generate(model_dir, max_new_tokens):
     assert generate(_config(model_dir, max_new_tokens=max_new_tokens), PROMPTS) == [t for t, _ in expected]
 
 
+def test_megatron_tokenizer_type(model_dir):
+    """A Megatron tokenizer (`model.tokenizer_type`: tokenize/detokenize/eod) generates what HF's does."""
+    model, tokenizer = _hf(model_dir)
+    expected = [_reference(model, tokenizer, p, max_new_tokens=11, do_sample=False)[0] for p in PROMPTS]
+    config = _config(model_dir, max_new_tokens=11)
+    config.model.tokenizer_type, config.model.tokenizer_model = "HuggingFaceTokenizer", str(model_dir)
+    assert generate(config, PROMPTS) == expected
+
+
 def test_sampling_is_seeded_by_training_seed(model_dir):
     model, tokenizer = _hf(model_dir)
     config = _config(model_dir, max_new_tokens=12, do_sample=True)
@@ -84,6 +93,13 @@ def test_sampling_is_seeded_by_training_seed(model_dir):
     assert sampled != generate(_config(model_dir, max_new_tokens=12), PROMPTS[:1])
     config.training.seed = 8
     assert generate(config, PROMPTS[:1]) != sampled
+
+
+def test_empty_prompt_is_a_usage_error(model_dir):
+    from fsdp2_backend.errors import UsageError
+
+    with pytest.raises(UsageError, match="prompt 2: '' encodes to no tokens"):
+        generate(_config(model_dir, max_new_tokens=2), ["x", ""])
 
 
 def _save_checkpoints(save_dir: Path, models, tokenizer) -> None:
