@@ -24,10 +24,10 @@ def _samples():
             for t, m in zip(text, mask)]
 
 
-def _rank_micro_batches(samples, dp, rank):
-    """Megatron's pretraining sampler: each group of MBS x dp samples, rank r takes its MBS slice."""
-    for start in range(0, len(samples), MBS * dp):
-        chunk = samples[start + rank * MBS:start + (rank + 1) * MBS]
+def _rank_micro_batches(samples, dp, rank, mbs=MBS):
+    """Megatron's pretraining sampler: each group of mbs x dp samples, rank r takes its mbs slice."""
+    for start in range(0, len(samples), mbs * dp):
+        chunk = samples[start + rank * mbs:start + (rank + 1) * mbs]
         yield {k: torch.stack([s[k] for s in chunk]) for k in chunk[0]}
 
 
@@ -36,7 +36,7 @@ class _ConstantLR:
         pass
 
 
-def _train(model_dir, per_token, world_size, tp=1, cp=1):
+def _train(model_dir, per_token, world_size, tp=1, cp=1, fsdp_size=1, mbs=MBS):
     from fsdp2_backend.distributed.context import ParallelContext
     from fsdp2_backend.models.loading import create_model, load_hf_config
     from fsdp2_backend.parallel.apply import apply_parallelism
@@ -45,19 +45,19 @@ def _train(model_dir, per_token, world_size, tp=1, cp=1):
     config = Config()
     config.model.model_name_or_path = model_dir
     config.parallel.param_dtype = "fp32"
-    config.training.per_device_train_batch_size = MBS
+    config.training.per_device_train_batch_size = mbs
     config.training.calculate_per_token_loss = per_token
     config.training.max_grad_norm = 0.5  # small enough to clip: the clipped update must agree too
-    config.parallel.tp_size, config.parallel.cp_size = tp, cp
+    config.parallel.tp_size, config.parallel.cp_size, config.parallel.fsdp_size = tp, cp, fsdp_size
     ctx = ParallelContext.create(config.parallel)
     dp = ctx.dp_size
     assert dp * tp * cp == world_size
     model = create_model(config.model, load_hf_config(config.model), seed=0, device=ctx.device.torch_device,
                          parallelize=lambda m: apply_parallelism(m, config, ctx))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    batches = _rank_micro_batches(_samples(), dp, ctx.dp_rank)
+    batches = _rank_micro_batches(_samples(), dp, ctx.dp_rank, mbs)
     trainer = Trainer(config, ctx, model, optimizer, _ConstantLR(), batches,
-                      STEPS, micro_batches=GBS // (MBS * dp))
+                      STEPS, micro_batches=GBS // (mbs * dp))
     result = trainer.train()
     ctx.close()
     return {"losses": result.losses, "grad_norms": result.grad_norms}
