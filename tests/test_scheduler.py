@@ -162,3 +162,27 @@ def test_weight_decay_schedule_fields_reach_the_scheduler():
     assert (constant["start_wd"], constant["end_wd"], constant["wd_incr_style"]) == (0.05, 0.05, "constant")
     with pytest.raises(UsageError, match="start_weight_decay"):
         scheduler_steps(TrainingArguments(max_steps=30, weight_decay_incr_style="linear"), GBS)
+
+
+def test_resume_with_a_changed_decoupled_lr_follows_the_policy():
+    t = TrainingArguments(lr=3e-4, min_lr=3e-5, max_steps=40, warmup_ratio=0.1)
+    old = ParamScheduler(_decoupled_opt(), **scheduler_steps(t, GBS))
+    old.step(10 * GBS)
+
+    def resumed(policy):  # this run asks for decoupled max_lr 1e-3 instead of 2e-3
+        t_new = TrainingArguments(lr=3e-4, min_lr=3e-5, max_steps=40, warmup_ratio=0.1,
+                                  lr_scheduler_on_resume=policy)
+        opt = _decoupled_opt()
+        opt.param_groups[1]["max_lr"] = 1e-3
+        sched = ParamScheduler(opt, **scheduler_steps(t_new, GBS))
+        opt.load_state_dict(old.optimizer.state_dict())  # a resumed optimizer brings the checkpoint's group dicts
+        sched.load_state_dict(old.state_dict())
+        return sched
+    with pytest.raises(UsageError, match="group_lr_bounds"):
+        resumed("check")
+    override, checkpoint = resumed("override"), resumed("checkpoint")
+    assert override.optimizer.param_groups[0]["lr"] == old.optimizer.param_groups[0]["lr"]
+    assert checkpoint.optimizer.param_groups[1]["lr"] == old.optimizer.param_groups[1]["lr"]
+    # same point of the same schedule shape, between this run's bounds [1e-5, 1e-3] instead of [1e-5, 2e-3]
+    assert override.optimizer.param_groups[1]["lr"] == pytest.approx(
+        1e-5 + (old.optimizer.param_groups[1]["lr"] - 1e-5) * (1e-3 - 1e-5) / (2e-3 - 1e-5), rel=1e-12)

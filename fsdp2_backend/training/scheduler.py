@@ -11,7 +11,10 @@ successful iteration `sched.step(global_batch_size)` (Megatron advances by the g
 skipped iteration does not advance). Each param group's `lr` is set to the schedule and its `weight_decay` to
 the schedule times the group's `wd_mult` (0.0 for Megatron's no-decay group, see optimizer.py). A group carrying
 `max_lr` / `min_lr` (Megatron's decoupled lr for the embedding and output layer) follows the same schedule
-between its own bounds, as in Megatron's `get_lr(param_group)`.
+between its own bounds, as in Megatron's `get_lr(param_group)`. The bounds are read once, at construction, and
+kept in the scheduler's state (`group_lr_bounds`): a resumed optimizer brings back its checkpoint's group dicts,
+so reading them again would silently take the checkpoint's decoupled lr; here `on_resume` decides, as for the
+other schedule values.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ WD_STYLES = ("constant", "linear", "cosine")
 # (--use-checkpoint-opt-param-scheduler), "override" keeps the constructor's (--override-opt-param-scheduler).
 RESUME_POLICIES = ("check", "checkpoint", "override")
 _SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_style", "lr_decay_steps", "start_wd", "end_wd",
-                  "wd_incr_style", "wd_incr_steps")
+                  "wd_incr_style", "wd_incr_steps", "group_lr_bounds")
 
 
 class ParamScheduler:
@@ -36,7 +39,7 @@ class ParamScheduler:
 
     Step counts (`lr_warmup_steps`, `lr_decay_steps`, `wsd_decay_steps`, `wd_incr_steps`) are in samples.
     `optimizer` is anything with a `param_groups` list of dicts (a torch optimizer or `CombinedOptimizer`); a
-    group's own `max_lr` / `min_lr` replace the constructor's for that group. `on_resume` (see RESUME_POLICIES)
+    group's own `max_lr` / `min_lr` (read here, once) replace the constructor's for that group. `on_resume` (see RESUME_POLICIES)
     defaults to Megatron's "check" (training.lr_scheduler_on_resume).
     """
 
@@ -81,14 +84,19 @@ class ParamScheduler:
         self.wsd_decay_steps, self.lr_wsd_decay_style = wsd_decay_steps, lr_wsd_decay_style
         self.start_wd, self.end_wd = float(start_wd), float(end_wd)
         self.wd_incr_steps, self.wd_incr_style = max(int(wd_incr_steps), 1), wd_incr_style
+        # [max_lr, min_lr] per param group (None: the constructor's value); None when no group has its own.
+        bounds = [[g.get("max_lr"), g.get("min_lr")] for g in optimizer.param_groups]
+        self.group_lr_bounds = bounds if any(v is not None for pair in bounds for v in pair) else None
         self.num_steps = 0
         self.step(0)
 
-    def get_lr(self, param_group: Optional[Dict[str, Any]] = None) -> float:
-        """The learning rate after `num_steps` samples (Megatron's formula, branch for branch), between the
-        group's own `max_lr` / `min_lr` when it carries them."""
-        group = param_group or {}
-        max_lr, min_lr = group.get("max_lr", self.max_lr), group.get("min_lr", self.min_lr)
+    def get_lr(self, group: Optional[int] = None) -> float:
+        """The learning rate after `num_steps` samples (Megatron's formula, branch for branch): the default
+        schedule, or param group `group`'s, between its own `max_lr` / `min_lr` when it has them."""
+        bounds = self.group_lr_bounds
+        own_max, own_min = bounds[group] if bounds and group is not None and group < len(bounds) else (None, None)
+        max_lr = self.max_lr if own_max is None else own_max
+        min_lr = self.min_lr if own_min is None else own_min
         n, warmup, decay = self.num_steps, self.lr_warmup_steps, self.lr_decay_steps
         if warmup > 0 and n <= warmup:
             return self.init_lr + (max_lr - self.init_lr) * float(n) / float(warmup)
@@ -127,8 +135,8 @@ class ParamScheduler:
         """Advances by `increment` samples (the global batch size) and writes lr / weight_decay to the groups."""
         self.num_steps += increment
         wd = self.get_wd()
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.get_lr(group)
+        for index, group in enumerate(self.optimizer.param_groups):
+            group["lr"] = self.get_lr(index)
             group["weight_decay"] = wd * group.get("wd_mult", 1.0)
 
     @property
@@ -146,8 +154,9 @@ class ParamScheduler:
                       for k in _SCHEDULE_KEYS if k in state and state[k] != getattr(self, k)]
         if mismatched and self.on_resume == "check":
             raise UsageError([f"learning-rate schedule differs from the checkpoint's ({m}) — resume with the "
-                              "same schedule, or choose which one wins (Megatron's --override-opt-param-scheduler"
-                              " / --use-checkpoint-opt-param-scheduler)" for m in mismatched])
+                              "same schedule, or choose which one wins with training.lr_scheduler_on_resume (Megatron's "
+                              "--override-opt-param-scheduler / --use-checkpoint-opt-param-scheduler)"
+                              for m in mismatched])
         if self.on_resume == "checkpoint":
             for key in _SCHEDULE_KEYS:
                 if key in state:
