@@ -72,6 +72,26 @@ def test_greedy_equals_transformers_generate(model_dir, max_new_tokens):
     assert generate(_config(model_dir, max_new_tokens=max_new_tokens), PROMPTS) == [t for t, _ in expected]
 
 
+def test_model_generation_defaults_do_not_override_the_inference_group(model_dir, tmp_path):
+    """A model directory asking for sampling with beams (as released chat models do): do_sample false is
+    still greedy with one beam; do_sample true samples with the directory's temperature and top_k."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, tmp_path / "chat")
+    settings = json.loads((tmp_path / "chat" / "generation_config.json").read_text())
+    settings.update(do_sample=True, num_beams=2, temperature=0.3, top_k=5)
+    (tmp_path / "chat" / "generation_config.json").write_text(json.dumps(settings))
+    model, tokenizer = _hf(model_dir)
+    greedy = [_reference(model, tokenizer, p, max_new_tokens=8, do_sample=False, num_beams=1)[0] for p in PROMPTS]
+    assert generate(_config(tmp_path / "chat", max_new_tokens=8), PROMPTS) == greedy
+    config = _config(tmp_path / "chat", max_new_tokens=8, do_sample=True)
+    torch.manual_seed(config.training.seed)
+    expected = _reference(model, tokenizer, PROMPTS[0], max_new_tokens=8, do_sample=True, num_beams=1,
+                          temperature=0.3, top_k=5)[0]
+    assert generate(config, PROMPTS[:1]) == [expected]
+
+
 def test_megatron_tokenizer_type(model_dir):
     """A Megatron tokenizer (`model.tokenizer_type`: tokenize/detokenize/eod) generates what HF's does."""
     model, tokenizer = _hf(model_dir)
