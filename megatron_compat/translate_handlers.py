@@ -52,6 +52,9 @@ for _dest, _target in {
     "no_save_rng": "training.no_save_rng", "finetune": "training.finetune", "async_save": "training.save_async",
     "tensorboard_dir": "training.tensorboard_dir", "calculate_per_token_loss": "training.calculate_per_token_loss",
     "global_batch_size": "training.global_batch_size", "no_shuffle": "training.disable_shuffling",
+    "decoupled_lr": "training.decoupled_lr", "apply_wd_to_qk_layernorm": "training.apply_wd_to_qk_layernorm",
+    "exit_duration_in_mins": "training.exit_duration_in_mins", "start_weight_decay": "training.start_weight_decay",
+    "end_weight_decay": "training.end_weight_decay",
     "use_flash_attn": "optimization.use_flash_attn", "use_fused_rmsnorm": "optimization.use_fused_rmsnorm",
     "use_fused_rotary_pos_emb": "optimization.use_fused_rotary_pos_emb",
     "moe_grouped_gemm": "optimization.moe_grouped_gemm", "use_triton_gdn": "optimization.use_triton_gdn",
@@ -333,11 +336,6 @@ def _optimizer(ctx, value):
         ctx.decline("optimizer", f"'{value}' is not available — use adam (AdamW) or muon")
 
 
-_direct("decoupled_lr", "training.decoupled_lr")
-_direct("apply_wd_to_qk_layernorm", "training.apply_wd_to_qk_layernorm")
-_direct("exit_duration_in_mins", "training.exit_duration_in_mins")
-
-
 @handles("decoupled_min_lr", "training.decoupled_min_lr")
 def _decoupled_min_lr(ctx, value):
     if value is None:
@@ -347,10 +345,6 @@ def _decoupled_min_lr(ctx, value):
                                                     "to training.decoupled_min_lr)")
     else:
         ctx.set("training.decoupled_min_lr", value)
-
-
-for _dest in ("start_weight_decay", "end_weight_decay"):
-    _direct(_dest, f"training.{_dest}")
 
 
 @handles("weight_decay_incr_style", "training.weight_decay_incr_style")
