@@ -157,25 +157,35 @@ def _check_not_yet(config: Config, errors: List[str]) -> None:
         errors.append("parallel.ep_dispatcher: mc2 needs Ascend NPUs (torch_npu MC2 kernels) — use eager or fused")
 
 
+def _hf_config_json(path: str | None, errors: List[str]) -> dict | None:
+    """The config.json of an HF model directory, or None when `path` holds none."""
+    config_file = os.path.join(path, "config.json") if path else None
+    if not config_file or not os.path.isfile(config_file):
+        return None
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        errors.append(f"{config_file}: cannot read the model config ({exc}) — check the model directory")
+        return None
+
+
 def _check_architecture(config: Config, errors: List[str]) -> None:
     """Architecture flags given together with an HF directory must agree with its config.json."""
     arch, path = config.model.architecture, config.model.model_name_or_path
-    if not arch or not path:
-        return
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        return
-    try:
-        with open(config_file, encoding="utf-8") as f:
-            hf = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        errors.append(f"{config_file}: cannot read the model config ({exc}) — check the model directory")
+    hf = _hf_config_json(path, errors) if arch else None
+    if not hf:
         return
     for key, value in arch.items():
         if key in hf and hf[key] != value and not (key == "vocab_size" and isinstance(value, int)
                                                    and hf[key] <= value):
-            errors.append(f"model.architecture.{key}: the flags say {value!r} but {config_file} says {hf[key]!r} — "
-                          f"fix the flag or the model directory")
+            errors.append(f"model.architecture.{key}: the flags say {value!r} but {path}/config.json says "
+                          f"{hf[key]!r} — fix the flag or the model directory")
+
+
+def _model_type(config: Config) -> str | None:
+    arch = config.model.architecture or {}
+    return arch.get("model_type") or (_hf_config_json(config.model.model_name_or_path, []) or {}).get("model_type")
 
 
 def validate(config: Config, world_size: int = 1) -> Config:
@@ -192,12 +202,17 @@ def validate(config: Config, world_size: int = 1) -> Config:
 
 
 def normalise(config: Config, world_size: int) -> Config:
-    """Fills derived values: packing implied by neat_packing, gradient accumulation from the global batch."""
-    data, training = config.data, config.training
+    """Fills derived values: packing implied by neat_packing, gradient accumulation from the global batch, and
+    the stacked-expert Qwen3-MoE (model_id qwen3_moe) when expert parallel or MoE kernels ask for it."""
+    data, training, model = config.data, config.training, config.model
+    wants_moe_model = (config.parallel.ep_size > 1 or config.optimization.moe_grouped_gemm
+                       or config.optimization.fix_router)
+    if model.model_id is None and wants_moe_model and _model_type(config) == "qwen3_moe":
+        model = replace(model, model_id="qwen3_moe")
     if data.neat_packing and not data.packing:
         data = replace(data, packing=True)
     if training.global_batch_size is not None:
         dp = parallel_layout(config.parallel, world_size).dp
         training = replace(training, gradient_accumulation_steps=training.global_batch_size
                            // (training.per_device_train_batch_size * dp))
-    return replace(config, data=data, training=training)
+    return replace(config, model=model, data=data, training=training)

@@ -239,3 +239,11 @@ def test_native_override_beats_megatron_default_and_dry_run_sizes_world():
     assert result.returncode == 0, result.stderr
     assert "  seed: 7\n" in result.stdout
     assert "# validated for world size 4 " in result.stdout
+
+
+def test_expert_parallel_selects_the_stacked_expert_model():
+    arch = {"model_type": "qwen3_moe", "num_experts": 4}
+    config = validate(pt_config(model={"model_name_or_path": None, "architecture": arch},
+                                parallel={"ep_size": 2}), 2)
+    assert config.model.model_id == "qwen3_moe"
+    assert validate(pt_config(model={"model_name_or_path": None, "architecture": arch})).model.model_id is None
