@@ -114,8 +114,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     for line in report:
         print(line, file=sys.stderr)
+    from fsdp2_backend.training.checkpoint_hooks import training_hooks
     from fsdp2_backend.training.trainer import run_training
 
+    resume_hook, save_hook = training_hooks(config)
     with exit_on_usage_error():
-        run_training(config)
+        run_training(config, save_hook=save_hook, resume_hook=resume_hook)
     return 0

@@ -9,7 +9,8 @@
     Trainer(..., save_hook=trainer_save_hook(manager, config, tokenizer, hf_config))
 
 The hook saves at every call ("interval", "exit", "final"), waits for an async save and releases the
-manager at "exit" and "final", and writes the HF export (`save_hf_weights`) to OUTPUT_DIR/hf at "final".
+manager at "exit" and "final", and writes the HF export (`save_hf_weights`) to OUTPUT_DIR/hf when training
+has finished ("final", or an exit at the last iteration).
 """
 from __future__ import annotations
 
@@ -62,7 +63,40 @@ def trainer_save_hook(manager: Optional[CheckpointManager], config, tokenizer: A
                      extra_states={"loss_scaler": trainer.loss_scaler})
         if reason in ("exit", "final"):
             manager.finalize()
-        if reason == "final" and config.training.save_hf_weights:
+        finished = reason == "final" or trainer.state.iteration >= trainer.train_iters
+        if finished and config.training.save_hf_weights:
             export_hf(trainer.model, Path(config.training.output_dir) / HF_EXPORT_SUBDIR, tokenizer)
 
     return hook
+
+
+def training_hooks(config) -> tuple[Callable, Optional[Callable]]:
+    """(resume_hook, save_hook) for `run_training`: resume from the newest complete checkpoint (or the one the
+    config names), save at every save point, finalize async saves and export to HF at the end.
+
+    The manager is created lazily at the first save point, which every rank reaches together (its creation
+    is collective).
+    """
+    captured: dict = {}
+
+    def resume_hook(*, model, optimizer, scheduler, state, loss_scaler, tokenizer) -> None:
+        captured["tokenizer"] = tokenizer
+        checkpoint, finetune = resume_plan(config)
+        resume(config, checkpoint, finetune, model, optimizer, scheduler, state, {"loss_scaler": loss_scaler})
+
+    if not config.training.save_checkpoints:
+        return resume_hook, None
+
+    def save_hook(trainer, reason: str) -> None:
+        if "hook" not in captured:
+            captured["hook"] = trainer_save_hook(checkpoint_manager(config), config,
+                                                 _hf_tokenizer(captured.get("tokenizer")),
+                                                 getattr(trainer.model, "config", None))
+        captured["hook"](trainer, reason)
+
+    return resume_hook, save_hook
+
+
+def _hf_tokenizer(tokenizer: Any) -> Any:
+    """The HF tokenizer inside a Megatron tokenizer wrapper (what a checkpoint and an export can save)."""
+    return getattr(tokenizer, "hf", tokenizer)
