@@ -41,16 +41,6 @@ class DeviceInfo:
         elif self.type == "npu":
             torch.npu.set_device(self.local_rank)  # registered by torch_npu
 
-    def peak_memory_bytes(self) -> int:
-        """Peak allocated memory on the device since start (CPU: the process's peak RSS)."""
-        if self.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.local_rank)
-        if self.type == "npu":
-            return torch.npu.max_memory_allocated(self.local_rank)
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
 
 def _npu_available() -> bool:
     # torch_npu is only trusted when it imports and sees a device: an install without the Ascend toolkit
