@@ -1,0 +1,62 @@
+"""Resume through the real entry point: a run stopped by --exit-interval and restarted with the very same
+command prints the same losses as a straight run, and a 2-rank checkpoint resumes on 1 rank."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*? lm loss: ([0-9.E+-]+) \|")
+FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
+         "--num-query-groups 2 --seq-length 32 --max-position-embeddings 64 --micro-batch-size 2 "
+         "--global-batch-size 4 --train-iters 12 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
+         "--lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 --swiglu "
+         "--normalization RMSNorm --disable-bias-linear --position-embedding-type rope "
+         "--untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0 --log-interval 1 "
+         "--save-interval 3 --eval-iters 0").split()
+
+
+def train(save_dir, *extra, ranks=1):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    entry = [str(REPO / "pretrain_fsdp2.py"), *FLAGS, "--save", str(save_dir), *extra]
+    if ranks == 1:
+        env.pop("WORLD_SIZE", None)
+        command = [sys.executable, *entry]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                   "--master_port", str(_port()), *entry]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {int(it): (int(consumed), loss) for it, consumed, loss in LINE.findall(result.stdout + result.stderr)}, \
+        result.stdout + result.stderr
+
+
+def _port():
+    from tests.helpers import free_port
+
+    return free_port()
+
+
+def test_exit_and_restart_prints_the_straight_runs_losses(tmp_path):
+    straight, _ = train(tmp_path / "straight")
+    assert sorted(straight) == list(range(1, 13))
+    first, _ = train(tmp_path / "stopped", "--exit-interval", "6")
+    assert sorted(first) == list(range(1, 7))
+    assert (tmp_path / "stopped" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    second, log = train(tmp_path / "stopped", "--exit-interval", "6")
+    assert "resuming from the newest complete checkpoint" in log
+    assert sorted(second) == list(range(7, 13))
+    for it in range(1, 13):
+        assert (first if it <= 6 else second)[it] == straight[it], it   # same consumed samples and printed loss
+
+
+def test_two_ranks_save_one_rank_resumes(tmp_path):
+    straight, _ = train(tmp_path / "straight")
+    first, _ = train(tmp_path / "run", "--exit-interval", "6", ranks=2)
+    second, _ = train(tmp_path / "run", "--exit-interval", "6", ranks=1)
+    assert sorted(second) == list(range(7, 13))
+    for it in range(1, 13):
+        consumed, loss = (first if it <= 6 else second)[it]
+        assert consumed == straight[it][0]
+        assert abs(float(loss) - float(straight[it][1])) <= 1e-5 * abs(float(straight[it][1])), it
