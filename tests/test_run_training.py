@@ -72,8 +72,9 @@ def test_two_rank_run_logs_like_megatron_and_profiles_the_chosen_window(model_di
     assert all(p["global_batch_size"] == 4 and p["train_iters"] == 4 for p in lines)
     assert [p["losses"]["lm loss"] for p in lines] == pytest.approx(result["losses"], rel=1e-6)
     assert lines[0]["learning_rate"] == pytest.approx(1e-3)  # warmup: 1 of 4 iterations, then decay
-    assert [i for i, _ in result["valid"]] == [2, 4]
-    assert out.count("validation loss at iteration") == 2
+    assert [i for i, _ in result["valid"]] == [2, 4, 4]  # every eval_interval, then Megatron's final one
+    assert out.count("validation loss at iteration") - out.count("on test set") == 3
+    assert out.count(" validation loss at iteration 4 on validation set | lm loss value: ") == 1
     profiles = sorted(os.listdir(tmp_path / "profile"))
     assert profiles == ["rank1_steps1-2.pt.trace.json", "rank1_steps1-2.table.txt"]  # steps 1..2 inclusive
     trace = json.loads((tmp_path / "profile" / profiles[0]).read_text())

@@ -159,3 +159,31 @@ def test_fp16_loss_scale_follows_megatron_rules():
     assert scaler.scale == 2.0 ** 31  # a clean window grows it and restores the hysteresis
     scaler.update(True)
     assert scaler.scale == 2.0 ** 31
+
+
+def test_exit_duration_stops_after_saving(parts):
+    config, ctx, model, optimizer, scheduler = parts
+    config.training.exit_duration_in_mins = 1e-9  # already over after the first iteration
+    saves = []
+    trainer = _trainer(config, ctx, model, optimizer, scheduler,
+                       save_hook=lambda t, reason: saves.append((t.state.iteration, reason)))
+    result = trainer.train()
+    assert result.state.iteration == 1 and saves == [(1, "exit")]
+
+
+def test_end_of_training_evaluates_validation_and_test_sets(parts):
+    config, ctx, model, optimizer, scheduler = parts
+    config.training.eval_interval = 100
+    config.training.eval_iters = 1
+    lines = []
+    from fsdp2_backend.training.logging import TrainLogger
+
+    logger = TrainLogger(train_iters=6, log_interval=100, global_batch_size=MBS, world_size=1,
+                         device=torch.device("cpu"), is_logging_rank=True, tokens_per_iteration=MBS * SEQ,
+                         print_fn=lines.append)
+    trainer = _trainer(config, ctx, model, optimizer, scheduler, valid_batches=_batches(2),
+                       test_batches=_batches(3), logger=logger)
+    trainer.train()
+    ends = [line for line in lines if "validation loss at" in line]
+    assert [line.split("|")[0].strip() for line in ends] == ["validation loss at iteration 6 on validation set",
+                                                              "validation loss at iteration 6 on test set"]

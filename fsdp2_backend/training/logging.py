@@ -93,10 +93,11 @@ def parse_train_line(line: str) -> Optional[Dict[str, object]]:
     return out
 
 
-def format_validation_lines(iteration: int, losses: Dict[str, float]) -> List[str]:
+def format_validation_lines(iteration: int, losses: Dict[str, float], split: str = "") -> List[str]:
     """Megatron's validation block: a dash rule, the line (value and PPL per key, PPL capped at exp(20)),
-    the rule again."""
-    s = f" validation loss at iteration {iteration} | "
+    the rule again. `split` names the data set at the end of training ("validation set" / "test set")."""
+    where = f"iteration {iteration}" + (f" on {split}" if split else "")
+    s = f" validation loss at {where} | "
     for key, value in losses.items():
         s += "{} value: {:.6E} | ".format(key, value)
         s += "{} PPL: {:.6E} | ".format(key, math.exp(min(20.0, value)))
@@ -193,9 +194,10 @@ class TrainLogger:
         self._interval_start = now
         return line
 
-    def validation(self, iteration: int, losses: Dict[str, float], consumed_samples: int) -> List[str]:
+    def validation(self, iteration: int, losses: Dict[str, float], consumed_samples: int,
+                   split: str = "") -> List[str]:
         """Prints Megatron's validation block (logging rank) and writes its TensorBoard scalars."""
-        lines = format_validation_lines(iteration, losses)
+        lines = format_validation_lines(iteration, losses, split)
         if self.is_logging_rank:
             for line in lines:
                 self.print_fn(line)

@@ -22,6 +22,7 @@ everything before the data loaders are built at the restored consumed samples.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -33,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp2_backend.config import Config
 from fsdp2_backend.distributed.context import ParallelContext
 from fsdp2_backend.errors import UsageError
+from fsdp2_backend.training.exit_conditions import ExitTimer
 from fsdp2_backend.training.grad_clip import clip_grad_norm
 from fsdp2_backend.training.loss import GlobalBatchLoss, masked_loss_sum
 from fsdp2_backend.training.logging import TrainLogger
@@ -100,10 +102,11 @@ class Trainer:
                  valid_batches: Optional[Iterator[Batch]] = None, logger: Optional[TrainLogger] = None,
                  loss_fn: Callable = masked_loss_sum, clip_fn: Callable = clip_grad_norm,
                  profiler: Optional[StepProfiler] = None, save_hook: Optional[Callable] = None,
-                 state: Optional[TrainState] = None, loss_scaler: Optional[LossScaler] = None):
+                 state: Optional[TrainState] = None, loss_scaler: Optional[LossScaler] = None,
+                 test_batches: Optional[Iterator[Batch]] = None, start_time: Optional[float] = None):
         self.config, self.ctx, self.model = config, ctx, model
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.train_batches, self.valid_batches = train_batches, valid_batches
+        self.train_batches, self.valid_batches, self.test_batches = train_batches, valid_batches, test_batches
         self.train_iters, self.micro_batches = train_iters, micro_batches
         self.loss_fn, self.clip_fn = loss_fn, clip_fn
         self.profiler, self.save_hook = profiler, save_hook
@@ -116,6 +119,7 @@ class Trainer:
             is_logging_rank=ctx.is_last_rank, tokens_per_iteration=self.global_batch_size * config.data.cutoff_len,
             tensorboard_dir=config.training.tensorboard_dir)
         self.device = ctx.device.torch_device
+        self.exit_timer = ExitTimer(config.training.exit_duration_in_mins, start=start_time, device=self.device)
         self.loss_group = ctx.loss_mesh.get_group()
         self.cp_size = ctx.cp_mesh.size()
         enable_sum_gradient_reduction(model)
@@ -189,13 +193,14 @@ class Trainer:
 
     # -- validation ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Token-weighted loss over `eval_iters` global batches of the validation split."""
+    def evaluate(self, batches: Optional[Iterator[Batch]] = None) -> float:
+        """Token-weighted loss over `eval_iters` global batches of the validation split (or `batches`)."""
         self.model.eval()
+        batches = self.valid_batches if batches is None else batches
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for _ in range(self.config.training.eval_iters):
             for _ in range(self.micro_batches):
-                loss_sum, count, _ = self._forward_loss(next(self.valid_batches))
+                loss_sum, count, _ = self._forward_loss(next(batches))
                 totals += torch.stack([loss_sum.double(), count.double()])
             self.state.consumed_valid_samples += self.global_batch_size
         self._all_reduce(totals)
@@ -228,23 +233,28 @@ class Trainer:
                 result.valid_losses.append((iteration, self._validate(iteration)))
             if self.save_hook is not None and training.save_steps and iteration % training.save_steps == 0:
                 self._save("interval")
-            if training.exit_interval and iteration % training.exit_interval == 0:
+            if self.exit_timer.should_exit() or (training.exit_interval and iteration % training.exit_interval == 0):
                 self._save("exit")
                 exited = True
                 break
         if not exited:
-            if training.eval_interval and self.valid_batches and self.state.iteration % training.eval_interval:
-                result.valid_losses.append((self.state.iteration, self._validate(self.state.iteration)))
             self._save("final")
+            # Megatron's end of training: one more evaluation on the validation set, then on the test set.
+            if training.eval_interval and training.eval_iters > 0:
+                if self.valid_batches:
+                    result.valid_losses.append((self.state.iteration,
+                                                self._validate(self.state.iteration, split="validation set")))
+                if self.test_batches:
+                    self._validate(self.state.iteration, split="test set")
         if self.profiler is not None:
             self.profiler.close()
         self.logger.close()
         return result
 
-    def _validate(self, iteration: int) -> float:
+    def _validate(self, iteration: int, split: str = "") -> float:
         with self.logger.paused():
-            loss = self.evaluate()
-            self.logger.validation(iteration, {"lm loss": loss}, self.state.consumed_valid_samples)
+            loss = self.evaluate(self.test_batches if split == "test set" else self.valid_batches)
+            self.logger.validation(iteration, {"lm loss": loss}, self.state.consumed_valid_samples, split)
         return loss
 
     def _save(self, reason: str) -> None:
@@ -306,6 +316,7 @@ def run_training(config: Config, save_hook: Optional[Callable] = None,
     from fsdp2_backend.training.optimizer import build_optimizer
     from fsdp2_backend.training.scheduler import ParamScheduler, scheduler_steps
 
+    start_time = time.time()  # Megatron's --exit-duration-in-mins counts from the start of the run
     _decline_unsupported(config)
     ctx = ParallelContext.create(config.parallel)
     try:
@@ -324,7 +335,9 @@ def run_training(config: Config, save_hook: Optional[Callable] = None,
         train_iters = _train_iters(config, gbs, build_data)
         optimizer = build_optimizer(bundle.model, name=training.optimizer, lr=training.lr,
                                     weight_decay=training.weight_decay,
-                                    betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_epsilon)
+                                    betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_epsilon,
+                                    decoupled_lr=training.decoupled_lr, decoupled_min_lr=training.decoupled_min_lr,
+                                    apply_wd_to_qk_layernorm=training.apply_wd_to_qk_layernorm)
         scheduler = ParamScheduler(optimizer, **scheduler_steps(training, gbs, train_iters))
         loss_scaler = LossScaler.for_dtype(config.parallel.param_dtype)
         if resume_hook is not None:
@@ -339,7 +352,9 @@ def run_training(config: Config, save_hook: Optional[Callable] = None,
                           data_iterator(data.train_loader, config.data.dataloader_type), train_iters,
                           micro_batches=micro_batches,
                           valid_batches=data_iterator(data.valid_loader, config.data.dataloader_type),
-                          profiler=profiler, save_hook=save_hook, state=state, loss_scaler=loss_scaler)
+                          test_batches=data_iterator(data.test_loader, config.data.dataloader_type),
+                          profiler=profiler, save_hook=save_hook, state=state, loss_scaler=loss_scaler,
+                          start_time=start_time)
         return trainer.train()
     finally:
         ctx.close()
