@@ -1,0 +1,119 @@
+"""Parallel layouts through the real entry point and Megatron flags: `torchrun --nproc_per_node 2
+pretrain_fsdp2.py ... --tensor-model-parallel-size 2` (and context parallel Ulysses / ring, expert parallel on a
+qwen3_moe built from flags) print the same lm loss per step as one rank, and their checkpoints resume on one
+rank where the one-rank run is.
+
+Each layout trains 8 steps and saves at 4 and 8; its iteration-4 checkpoint, copied alone into a fresh --save
+directory, is where the same flags on one process resume (the newest checkpoint there), and they must print the
+one-rank reference's losses for steps 5..8 — a stopped run restarted without the parallel flags, one run cheaper.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*? lm loss: ([0-9.E+-]+) \|")
+ITERS, SAVED_AT, RTOL = 8, 4, 1e-4
+DENSE = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
+         "--num-query-groups 2 --seq-length 32 --max-position-embeddings 64 --micro-batch-size 2 "
+         f"--global-batch-size 4 --train-iters {ITERS} --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
+         "--lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 --swiglu "
+         "--normalization RMSNorm --disable-bias-linear --position-embedding-type rope "
+         "--untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0 --log-interval 1 "
+         f"--save-interval {SAVED_AT} --eval-iters 0").split()
+# --qk-layernorm makes the flags describe a Qwen3-MoE (without it: Mixtral).
+MOE = DENSE + "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --qk-layernorm".split()
+
+
+def train(flags, save_dir, *extra, ranks=1):
+    """Runs pretrain_fsdp2.py (under torchrun when ranks > 1); {iteration: lm loss} and the whole log."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    entry = [str(REPO / "pretrain_fsdp2.py"), *flags, "--save", str(save_dir), *extra]
+    if ranks == 1:
+        env.pop("WORLD_SIZE", None)
+        command = [sys.executable, *entry]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                   "--master_port", str(free_port()), *entry]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-3000:]
+    return {int(it): float(loss) for it, _, loss in LINE.findall(log)}, log
+
+
+def resume_on_one_rank(flags, run_dir, tmp_path):
+    """The same flags on one process, restarted from the layout's iteration-4 checkpoint."""
+    checkpoint = run_dir / f"iter_{SAVED_AT:07d}"
+    assert checkpoint.is_dir(), sorted(p.name for p in run_dir.iterdir())
+    shutil.copytree(checkpoint, tmp_path / "resumed" / checkpoint.name)
+    losses, log = train(flags, tmp_path / "resumed")
+    assert f"resuming from the newest complete checkpoint {tmp_path / 'resumed' / checkpoint.name}" in log
+    return losses
+
+
+def assert_close(losses, reference, steps):
+    assert sorted(losses) == list(steps), sorted(losses)
+    for it in steps:
+        assert abs(losses[it] - reference[it]) <= RTOL * abs(reference[it]), (it, losses[it], reference[it])
+
+
+@pytest.fixture(scope="module")
+def dense_reference(tmp_path_factory):
+    losses, _ = train(DENSE, tmp_path_factory.mktemp("dense_reference"))
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    assert losses[ITERS] < losses[1]  # it trains
+    return losses
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    # --moe-grouped-gemm selects the stacked-expert qwen3_moe model (what EP runs), so its checkpoints match
+    losses, _ = train(MOE + ["--moe-grouped-gemm"], tmp_path_factory.mktemp("moe_reference"))
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    return losses
+
+
+def test_tensor_parallel_2_equals_one_rank_and_resumes_on_one_rank(dense_reference, tmp_path):
+    losses, _ = train(DENSE, tmp_path / "tp2", "--tensor-model-parallel-size", "2", ranks=2)
+    assert_close(losses, dense_reference, range(1, ITERS + 1))
+    resumed = resume_on_one_rank(DENSE, tmp_path / "tp2", tmp_path)
+    assert_close(resumed, dense_reference, range(SAVED_AT + 1, ITERS + 1))
+
+
+@pytest.mark.parametrize("algo, resume", [("ulysses_cp_algo", False), ("megatron_cp_algo", True)])
+def test_context_parallel_2_equals_one_rank(dense_reference, tmp_path, algo, resume):
+    losses, log = train(DENSE, tmp_path / "cp2", "--context-parallel-size", "2", "--context-parallel-algo", algo,
+                        ranks=2)
+    assert_close(losses, dense_reference, range(1, ITERS + 1))
+    if resume:  # cp 2 -> 1 (ring's load-balanced head-tail split is the layout furthest from one rank)
+        resumed = resume_on_one_rank(DENSE, tmp_path / "cp2", tmp_path)
+        assert_close(resumed, dense_reference, range(SAVED_AT + 1, ITERS + 1))
+
+
+def test_hybrid_cp_algo_runs_as_ring_attention():
+    """MindSpeed's hybrid (Ulysses x ring) computes the same exact attention: it is translated to ring, with a
+    warning, and --ulysses-degree-in-cp is reported as without effect."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WORLD_SIZE": "2"}
+    result = subprocess.run([sys.executable, str(REPO / "pretrain_fsdp2.py"), *DENSE, "--context-parallel-size",
+                             "2", "--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2",
+                             "--dry-run"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^\s+cp_size: 2$", result.stdout, re.M) and re.search(r"^\s+cp_type: ring$", result.stdout,
+                                                                              re.M)
+    assert "--context-parallel-algo hybrid_cp_algo: computed as ring attention" in result.stdout
+    assert re.search(r"without effect.*--ulysses-degree-in-cp", result.stdout)
+
+
+def test_expert_parallel_2_equals_one_rank_and_resumes_at_ep_1(moe_reference, tmp_path):
+    losses, log = train(MOE, tmp_path / "ep2", "--expert-model-parallel-size", "2", ranks=2)
+    assert_close(losses, moe_reference, range(1, ITERS + 1))
+    resumed = resume_on_one_rank(MOE + ["--moe-grouped-gemm"], tmp_path / "ep2", tmp_path)
+    assert_close(resumed, moe_reference, range(SAVED_AT + 1, ITERS + 1))
+    assert_close(resumed, losses, range(SAVED_AT + 1, ITERS + 1))
