@@ -381,12 +381,13 @@ def test_trainer_hooks_save_resume_finetune_and_export(tmp_path):
     config.model.model_name_or_path = str(tmp_path / "hf_weights")  # HF weights: nothing to resume there
     assert resume_plan(config) == (None, False)
     model, optimizer, scheduler = build()
-    trainer = SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler,
+    trainer = SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler, train_iters=4,
                               state=TrainState(iteration=3, consumed_train_samples=24),
                               loss_scaler=LossScaler.for_dtype("fp16"))
     trainer.loss_scaler.scale = 1024.0
     hook = trainer_save_hook(checkpoint_manager(config), config, model_config=model.config)
     hook(trainer, "interval")
+    assert not (tmp_path / "out" / "hf").exists()  # exported only once training has finished
     with torch.no_grad():
         model.lm_head.weight.add_(1.0)
     trainer.state.iteration, trainer.state.consumed_train_samples = 4, 32
