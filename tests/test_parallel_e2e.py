@@ -74,8 +74,8 @@ def dense_reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory):
-    # --moe-grouped-gemm selects the stacked-expert qwen3_moe model (what EP runs), so its checkpoints match
-    losses, _ = train(MOE + ["--moe-grouped-gemm"], tmp_path_factory.mktemp("moe_reference"))
+    # transformers' own Qwen3-MoE (model_id unset on one rank): independent of the stacked-expert model EP runs
+    losses, _ = train(MOE, tmp_path_factory.mktemp("moe_reference"))
     assert sorted(losses) == list(range(1, ITERS + 1))
     return losses
 
@@ -97,23 +97,38 @@ def test_context_parallel_2_equals_one_rank(dense_reference, tmp_path, algo, res
         assert_close(resumed, dense_reference, range(SAVED_AT + 1, ITERS + 1))
 
 
-def test_hybrid_cp_algo_runs_as_ring_attention():
-    """MindSpeed's hybrid (Ulysses x ring) computes the same exact attention: it is translated to ring, with a
-    warning, and --ulysses-degree-in-cp is reported as without effect."""
+def dry_run(flags):
+    """`pretrain_fsdp2.py FLAGS --dry-run` validated for 2 ranks: the printed config (YAML + report comments)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WORLD_SIZE": "2"}
-    result = subprocess.run([sys.executable, str(REPO / "pretrain_fsdp2.py"), *DENSE, "--context-parallel-size",
-                             "2", "--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2",
-                             "--dry-run"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    result = subprocess.run([sys.executable, str(REPO / "pretrain_fsdp2.py"), *flags, "--dry-run"],
+                            capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"^\s+cp_size: 2$", result.stdout, re.M) and re.search(r"^\s+cp_type: ring$", result.stdout,
-                                                                              re.M)
-    assert "--context-parallel-algo hybrid_cp_algo: computed as ring attention" in result.stdout
-    assert re.search(r"without effect.*--ulysses-degree-in-cp", result.stdout)
+    return result.stdout
+
+
+def test_hybrid_cp_algo_runs_as_ring_attention():
+    """MindSpeed's hybrid (Ulysses x ring) computes the same exact attention: it is translated to ring (tested
+    above through megatron_cp_algo), with a warning, and --ulysses-degree-in-cp is reported as without effect."""
+    out = dry_run(DENSE + "--context-parallel-size 2 --context-parallel-algo hybrid_cp_algo "
+                          "--ulysses-degree-in-cp 2".split())
+    assert re.search(r"^\s+cp_size: 2$", out, re.M) and re.search(r"^\s+cp_type: ring$", out, re.M)
+    assert "--context-parallel-algo hybrid_cp_algo: computed as ring attention" in out
+    assert re.search(r"without effect.*--ulysses-degree-in-cp", out)
+
+
+@pytest.mark.parametrize("extra, model_id", [([], "null"), (["--expert-model-parallel-size", "2"], "qwen3_moe"),
+                                             (["--moe-grouped-gemm"], "qwen3_moe")])
+def test_moe_flags_build_a_qwen3_moe(extra, model_id):
+    """The MoE flags describe a Qwen3-MoE; expert parallel or grouped GEMM select the stacked-expert model."""
+    out = dry_run(MOE + extra)
+    assert re.search(r"^\s+model_type: qwen3_moe$", out, re.M)
+    assert re.search(r"^\s+num_experts: 4$", out, re.M) and re.search(r"^\s+num_experts_per_tok: 2$", out, re.M)
+    assert re.search(rf"^\s+model_id: {model_id}$", out, re.M), re.findall(r".*model_id.*", out)
 
 
 def test_expert_parallel_2_equals_one_rank_and_resumes_at_ep_1(moe_reference, tmp_path):
     losses, log = train(MOE, tmp_path / "ep2", "--expert-model-parallel-size", "2", ranks=2)
     assert_close(losses, moe_reference, range(1, ITERS + 1))
-    resumed = resume_on_one_rank(MOE + ["--moe-grouped-gemm"], tmp_path / "ep2", tmp_path)
+    resumed = resume_on_one_rank(MOE, tmp_path / "ep2", tmp_path)  # stacked experts -> transformers' model
     assert_close(resumed, moe_reference, range(SAVED_AT + 1, ITERS + 1))
     assert_close(resumed, losses, range(SAVED_AT + 1, ITERS + 1))
