@@ -7,6 +7,7 @@ from torch import nn
 
 from fsdp2_backend.config import Config
 from fsdp2_backend.distributed.context import ParallelContext
+from fsdp2_backend.models.fused_ops import apply_fused_ops
 from fsdp2_backend.models.loading import create_model, load_hf_config, weights_available
 from fsdp2_backend.models.registry import model_spec
 from fsdp2_backend.models.tokenizer import load_tokenizer, model_vocab_size, noise_init_rows
@@ -32,6 +33,8 @@ def setup_model_and_tokenizer(config: Config, ctx: ParallelContext) -> ModelBund
     spec = model_spec(config.model.model_id) if config.model.model_id else None
 
     def parallelize(model: nn.Module) -> nn.Module:
+        # Kernel choices first: context parallel, applied below, wraps the attention chosen here.
+        apply_fused_ops(model, config.optimization, ctx.device.type)
         if spec is not None and spec.configure is not None:
             spec.configure(model, config)  # the run's switches, before any stage wraps modules
         return apply_parallelism(model, config, ctx)
