@@ -3,7 +3,7 @@
 #   1. a corpus (Python's stdlib sources), a tokenizer trained on it, a tiny Qwen3 HF directory
 #   2. tools/preprocess_data.py → .bin/.idx (Megatron's format)
 #   3. the MindSpeed-style script's translation (--dry-run)
-#   4. training with that script's Megatron flags, stopped at iteration 30 by --exit-interval
+#   4. training with that script's Megatron flags, stopped at iteration 50 by --exit-interval
 #   5. the very same command again: it resumes from the newest checkpoint and finishes, then exports to HF
 #   6. plain transformers loads the export and generates
 set -euo pipefail
@@ -25,11 +25,11 @@ echo "== 3. what the Megatron flags become (--dry-run, nothing touched)"
 LAUNCHER="env WORLD_SIZE=2 python" bash examples/pretrain_qwen3_tiny.sh "$W/model" "$DATA" "$W/ckpt" --dry-run \
     | grep -E '^# (accepted|warning|validated)|^  (tp_size|per_device_train_batch_size|gradient_accumulation_steps|max_steps|lr):'
 
-echo "== 4. train on 2 CPU ranks with the script's flags; --exit-interval 30 stops it after saving"
-TRAIN_ITERS=40 bash examples/pretrain_qwen3_tiny.sh "$W/model" "$DATA" "$W/ckpt" --exit-interval 30
+echo "== 4. train on 2 CPU ranks with the script's flags; --exit-interval 50 stops it after saving"
+TRAIN_ITERS=80 bash examples/pretrain_qwen3_tiny.sh "$W/model" "$DATA" "$W/ckpt" --exit-interval 50
 
 echo "== 5. the same command again: resumes from the newest checkpoint, finishes, exports to HF"
-TRAIN_ITERS=40 bash examples/pretrain_qwen3_tiny.sh "$W/model" "$DATA" "$W/ckpt" --exit-interval 30
+TRAIN_ITERS=80 bash examples/pretrain_qwen3_tiny.sh "$W/model" "$DATA" "$W/ckpt" --exit-interval 50
 ls "$W/ckpt"
 
 echo "== 6. plain transformers loads the export and generates"

@@ -112,8 +112,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         for line in report:
             sys.stdout.write(f"# {line}\n")
         return 0
-    for line in report:
-        print(line, file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":  # one report per job, not one per rank
+        for line in report:
+            print(line, file=sys.stderr)
     from fsdp2_backend.training.checkpoint_hooks import training_hooks
     from fsdp2_backend.training.trainer import run_training
 
