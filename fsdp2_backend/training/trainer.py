@@ -9,6 +9,8 @@ global batch.
 
 Context parallel: each rank runs its share of the sequence and a micro-batch's mean runs over the whole
 sequence. MoE: the model's weighted aux loss joins the backward loss (not the reported lm loss).
+`optimization.chunk_loss_size`: training and validation compute the loss from the final hidden states in chunks
+inside the model's forward (`chunked_forward`), with the same sums and counts as the full-logits loss.
 
 An iteration whose loss or gradient norm is not finite is skipped (no update, no scheduler advance) and
 counted in "number of skipped iterations" (and in "number of nan iterations" when the loss is not finite),
@@ -34,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp2_backend.config import Config
 from fsdp2_backend.distributed.context import ParallelContext
 from fsdp2_backend.errors import UsageError
+from fsdp2_backend.training.chunked_forward import check_chunked_loss_model, chunked_loss_forward
 from fsdp2_backend.training.exit_conditions import ExitTimer
 from fsdp2_backend.training.grad_clip import clip_grad_norm
 from fsdp2_backend.training.loss import GlobalBatchLoss, masked_loss_sum
@@ -122,6 +125,9 @@ class Trainer:
         self.exit_timer = ExitTimer(config.training.exit_duration_in_mins, start=start_time, device=self.device)
         self.loss_group = ctx.loss_mesh.get_group()
         self.cp_size = ctx.cp_mesh.size()
+        self.chunk_loss_size = config.optimization.chunk_loss_size  # when set, `loss_fn` is not used
+        if self.chunk_loss_size:
+            check_chunked_loss_model(model)
         enable_sum_gradient_reduction(model)
 
     # -- one iteration -------------------------------------------------------------------------------------
@@ -135,9 +141,13 @@ class Trainer:
 
             batch = shard_batch_for_cp(batch, self.ctx.cp_mesh.get_local_rank(), self.cp_size,
                                        self.config.parallel.cp_type)
-        out = self.model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False)
-        loss_sum, count = self.loss_fn(out.logits, batch["labels"], batch["loss_mask"])
-        aux = getattr(out, "aux_loss", None)  # MoE load balancing (HF: with config.output_router_logits)
+        if self.chunk_loss_size:  # the loss from the hidden states, chunk by chunk, inside the root's forward
+            loss_sum, count, aux = chunked_loss_forward(self.model, batch["input_ids"], batch.get("position_ids"),
+                                                        batch["labels"], batch["loss_mask"], self.chunk_loss_size)
+        else:
+            out = self.model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False)
+            loss_sum, count = self.loss_fn(out.logits, batch["labels"], batch["loss_mask"])
+            aux = getattr(out, "aux_loss", None)  # MoE load balancing (HF: with config.output_router_logits)
         if aux is not None:
             aux = aux * getattr(self.model, "router_aux_loss_coef", self.model.config.router_aux_loss_coef)
         return loss_sum, count, aux
@@ -270,8 +280,13 @@ def _decline_unsupported(config: Config) -> None:
         problems.append(f"training.stage / data.data_manager_type: '{config.training.stage}' / "
                         f"'{config.data.data_manager_type}' — only pretraining (stage pt, data_manager_type mg) is "
                         f"available in this version; SFT comes later")
-    if config.optimization.chunk_loss_size:
-        problems.append("optimization.chunk_loss_size: chunked loss is not wired into the trainer yet — unset it")
+    chunk = config.optimization.chunk_loss_size
+    if chunk is not None and chunk <= 0:
+        problems.append(f"optimization.chunk_loss_size: {chunk} is not a positive number of tokens — give a "
+                        f"positive chunk size or leave it unset")
+    if chunk and config.parallel.tp_size > 1:
+        problems.append("optimization.chunk_loss_size: not available with tensor parallel (parallel.tp_size "
+                        f"{config.parallel.tp_size}) yet — unset chunk_loss_size or use tp_size 1")
     if problems:
         raise UsageError(problems)
 
