@@ -1,6 +1,6 @@
 """`optimization.chunk_loss_size` through the real trainer: per-step losses, grad norms and validation losses equal
 the full-logits run's (fp32, 1e-6 relative) on 1 rank (own-unit lm head, tied embeddings, MoE with aux loss) and
-on 2 FSDP ranks; bad settings are declined."""
+on 2 FSDP ranks (dp 2, and cp 2 where batches are sequence-sharded first); bad settings are declined."""
 import json
 
 import pytest
@@ -29,8 +29,8 @@ class _ConstantLR:
         pass
 
 
-def _train(model_dir, chunk):
-    """Losses, grad norms and one validation loss of a short run on this process's ranks."""
+def _train(model_dir, chunk, cp=1):
+    """Losses, grad norms and one validation loss of a short run on this process's ranks (dp x cp)."""
     from fsdp2_backend.distributed.context import ParallelContext
     from fsdp2_backend.models.loading import create_model, load_hf_config
     from fsdp2_backend.parallel.apply import apply_parallelism
@@ -42,6 +42,7 @@ def _train(model_dir, chunk):
     config.training.per_device_train_batch_size = MBS
     config.training.eval_iters = 2
     config.optimization.chunk_loss_size = chunk
+    config.parallel.cp_size = cp
     ctx = ParallelContext.create(config.parallel)
     try:
         model = create_model(config.model, load_hf_config(config.model), seed=0, device=ctx.device.torch_device,
@@ -102,7 +103,8 @@ def test_chunked_loss_keeps_moe_aux_loss(tmp_path):
 
 
 def _worker(rank, world_size, model_dir, out_path):
-    results = {"full": _train(model_dir, None), "chunked": _train(model_dir, CHUNK)}
+    results = {"full": _train(model_dir, None), "chunked": _train(model_dir, CHUNK),
+               "cp_full": _train(model_dir, None, cp=2), "cp_chunked": _train(model_dir, CHUNK, cp=2)}
     if rank == 0:
         with open(out_path, "w") as handle:
             json.dump(results, handle)
@@ -116,7 +118,8 @@ def test_chunked_loss_equals_full_loss_two_fsdp_ranks(tmp_path):
     out = tmp_path / "two.json"
     run_distributed(_worker, 2, model_dir, str(out))
     results = json.loads(out.read_text())
-    _assert_same(results["full"], results["chunked"])
+    _assert_same(results["full"], results["chunked"])  # dp 2
+    _assert_same(results["cp_full"], results["cp_chunked"])  # cp 2: each rank's loss from its sequence share
 
 
 @pytest.mark.parametrize("chunk, tp, message", [
