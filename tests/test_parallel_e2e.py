@@ -7,6 +7,7 @@ Each layout trains 8 steps and saves at 4 and 8; its iteration-4 checkpoint, cop
 directory, is where the same flags on one process resume (the newest checkpoint there), and they must print the
 one-rank reference's losses for steps 5..8 — a stopped run restarted without the parallel flags, one run cheaper.
 """
+import json
 import os
 import re
 import shutil
@@ -58,6 +59,19 @@ def resume_on_one_rank(flags, run_dir, tmp_path):
     return losses
 
 
+def saved_run_config(run_dir):
+    """The config the run trained with, as its iteration-4 checkpoint records it: the flags reached the run."""
+    return json.loads((run_dir / f"iter_{SAVED_AT:07d}" / "run_config.json").read_text())
+
+
+def weight_chunks(run_dir, name):
+    """(offsets, sizes) of each rank's piece of parameter `name` in the iteration-4 DCP checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(run_dir / f"iter_{SAVED_AT:07d}")).read_metadata()
+    return sorted((tuple(c.offsets), tuple(c.sizes)) for c in metadata.state_dict_metadata[name].chunks)
+
+
 def assert_close(losses, reference, steps):
     assert sorted(losses) == list(steps), sorted(losses)
     for it in steps:
@@ -83,15 +97,20 @@ def moe_reference(tmp_path_factory):
 def test_tensor_parallel_2_equals_one_rank_and_resumes_on_one_rank(dense_reference, tmp_path):
     losses, _ = train(DENSE, tmp_path / "tp2", "--tensor-model-parallel-size", "2", ranks=2)
     assert_close(losses, dense_reference, range(1, ITERS + 1))
+    # row-parallel o_proj is split along its input dim (FSDP alone would split dim 0): TP really ran
+    assert weight_chunks(tmp_path / "tp2", "model.model.layers.0.self_attn.o_proj.weight") == \
+        [((0, 0), (64, 32)), ((0, 32), (64, 32))]
     resumed = resume_on_one_rank(DENSE, tmp_path / "tp2", tmp_path)
     assert_close(resumed, dense_reference, range(SAVED_AT + 1, ITERS + 1))
 
 
 @pytest.mark.parametrize("algo, resume", [("ulysses_cp_algo", False), ("megatron_cp_algo", True)])
 def test_context_parallel_2_equals_one_rank(dense_reference, tmp_path, algo, resume):
-    losses, log = train(DENSE, tmp_path / "cp2", "--context-parallel-size", "2", "--context-parallel-algo", algo,
+    losses, _ = train(DENSE, tmp_path / "cp2", "--context-parallel-size", "2", "--context-parallel-algo", algo,
                         ranks=2)
     assert_close(losses, dense_reference, range(1, ITERS + 1))
+    parallel = saved_run_config(tmp_path / "cp2")["parallel"]
+    assert (parallel["cp_size"], parallel["cp_type"]) == (2, {"ulysses_cp_algo": "ulysses"}.get(algo, "ring"))
     if resume:  # cp 2 -> 1 (ring's load-balanced head-tail split is the layout furthest from one rank)
         resumed = resume_on_one_rank(DENSE, tmp_path / "cp2", tmp_path)
         assert_close(resumed, dense_reference, range(SAVED_AT + 1, ITERS + 1))
@@ -127,8 +146,10 @@ def test_moe_flags_build_a_qwen3_moe(extra, model_id):
 
 
 def test_expert_parallel_2_equals_one_rank_and_resumes_at_ep_1(moe_reference, tmp_path):
-    losses, log = train(MOE, tmp_path / "ep2", "--expert-model-parallel-size", "2", ranks=2)
+    losses, _ = train(MOE, tmp_path / "ep2", "--expert-model-parallel-size", "2", ranks=2)
     assert_close(losses, moe_reference, range(1, ITERS + 1))
+    config = saved_run_config(tmp_path / "ep2")
+    assert (config["parallel"]["ep_size"], config["model"]["model_id"]) == (2, "qwen3_moe")
     resumed = resume_on_one_rank(MOE, tmp_path / "ep2", tmp_path)  # stacked experts -> transformers' model
     assert_close(resumed, moe_reference, range(SAVED_AT + 1, ITERS + 1))
     assert_close(resumed, losses, range(SAVED_AT + 1, ITERS + 1))
