@@ -212,3 +212,54 @@ def test_engine_setup_applies_the_flags_once_on_a_meta_device_build(hf_dir, caps
         ctx.close()
     for prefix in FLAG_PREFIXES:
         assert sum(line.startswith(prefix) for line in out.splitlines()) == 1, (prefix, out)
+
+
+def _ulysses_worker(rank, world_size, out_path):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Qwen3ForCausalLM
+
+    from fsdp2_backend.parallel.context_parallel.attention import (ATTENTION_NAME, SPEC_ATTRIBUTE,
+                                                                  enable_context_parallel)
+    from fsdp2_backend.parallel.context_parallel.batch import cp_token_mean, shard_batch_for_cp, shift_labels
+
+    def loss_sum(model, batch):
+        logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="sum")
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    reference = Qwen3ForCausalLM(tiny_qwen3_config())
+    model = Qwen3ForCausalLM(tiny_qwen3_config())
+    model.load_state_dict(reference.state_dict())
+    apply_fused_ops(model, OptimizationArguments(**ALL_ON), "cpu", log=lambda line: None)
+    enable_context_parallel(model, mesh, "ulysses")  # after the kernel choices, as setup does
+    attention = next(m for m in model.modules() if hasattr(m, SPEC_ATTRIBUTE))
+    assert model.config._attn_implementation == ATTENTION_NAME  # context parallel's attention wins
+    assert getattr(attention, SPEC_ATTRIBUTE).inner_attention == "sdpa"
+
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    full = {"input_ids": ids, "labels": shift_labels(ids)}
+    ref_loss = loss_sum(reference, full) / (full["labels"] != -100).sum()
+    ref_loss.backward()
+    local = shard_batch_for_cp(full, rank, world_size, "ulysses")
+    loss = cp_token_mean(loss_sum(model, local), (local["labels"] != -100).sum(), mesh.get_group())
+    loss.backward()
+    reported = loss.detach().clone()
+    dist.all_reduce(reported)
+    assert abs(reported.item() - ref_loss.item()) < 1e-5, (reported.item(), ref_loss.item())
+    for (name, ref_p), p in zip(reference.named_parameters(), model.parameters()):
+        dist.all_reduce(p.grad)
+        torch.testing.assert_close(p.grad, ref_p.grad, atol=1e-5, rtol=0, msg=name)
+    if rank == 0:
+        Path(out_path).write_text("ok")
+
+
+def test_flags_compose_with_ulysses_context_parallel(tmp_path):
+    """2 gloo ranks: every flag on, then Ulysses CP — loss and gradients equal one rank's plain model."""
+    from tests.helpers import run_distributed
+
+    out = tmp_path / "ok"
+    run_distributed(_ulysses_worker, 2, str(out))
+    assert out.read_text() == "ok"
