@@ -5,7 +5,8 @@ rank where the one-rank run is.
 
 Each layout trains 8 steps and saves at 4 and 8; its iteration-4 checkpoint, copied alone into a fresh --save
 directory, is where the same flags on one process resume (the newest checkpoint there), and they must print the
-one-rank reference's losses for steps 5..8 — a stopped run restarted without the parallel flags, one run cheaper.
+one-rank reference's losses for steps 5..8: like a run stopped at 4 and restarted without the parallel
+flags, while the parallel run still covers all 8 steps.
 """
 import json
 import os
@@ -107,11 +108,11 @@ def test_tensor_parallel_2_equals_one_rank_and_resumes_on_one_rank(dense_referen
 @pytest.mark.parametrize("algo, resume", [("ulysses_cp_algo", False), ("megatron_cp_algo", True)])
 def test_context_parallel_2_equals_one_rank(dense_reference, tmp_path, algo, resume):
     losses, _ = train(DENSE, tmp_path / "cp2", "--context-parallel-size", "2", "--context-parallel-algo", algo,
-                        ranks=2)
+                      ranks=2)
     assert_close(losses, dense_reference, range(1, ITERS + 1))
     parallel = saved_run_config(tmp_path / "cp2")["parallel"]
     assert (parallel["cp_size"], parallel["cp_type"]) == (2, {"ulysses_cp_algo": "ulysses"}.get(algo, "ring"))
-    if resume:  # cp 2 -> 1 (ring's load-balanced head-tail split is the layout furthest from one rank)
+    if resume:  # cp 2 -> 1 once: what is saved does not depend on the cp algorithm
         resumed = resume_on_one_rank(DENSE, tmp_path / "cp2", tmp_path)
         assert_close(resumed, dense_reference, range(SAVED_AT + 1, ITERS + 1))
 
