@@ -1,7 +1,7 @@
 """Every real launch line of the corpus translates, or is declined with `--flag: why — what to do` lines.
 
-The corpus (60 Megatron-LM and MindSpeed-LLM launch lines read off their scripts) lives in the shared folder
-beside the repository; the test is skipped where that folder is absent.
+The corpus (60 Megatron-LM and MindSpeed-LLM launch lines read off their scripts) is a copy of the shared
+folder's launch_corpus.json in tests/data.
 """
 import json
 import math
@@ -14,9 +14,9 @@ from fsdp2_backend.config import GROUPS, Config
 from fsdp2_backend.errors import UsageError
 from megatron_compat.translate import translate_megatron
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "megatron" / "launch_corpus.json"
-LINES = json.loads(CORPUS.read_text()) if CORPUS.exists() else {}
-pytestmark = pytest.mark.skipif(not LINES, reason=f"{CORPUS} not present")
+# A copy of shared/megatron/launch_corpus.json: 60 real launch lines, kept with the tests.
+CORPUS = Path(__file__).resolve().parent / "data" / "launch_corpus.json"
+LINES = json.loads(CORPUS.read_text())
 
 # Lines whose declines are expected, with the flag that must be named (one per line, the decisive one).
 EXPECTED_DECLINES = {
