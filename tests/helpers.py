@@ -6,7 +6,10 @@ tokenizers are real byte-level BPE tokenizers trained on local text (tools/demo_
 from __future__ import annotations
 
 import os
+import re
 import socket
+import subprocess
+import sys
 
 from tools.demo_assets import stdlib_texts, tiny_qwen3_config, train_bytelevel_tokenizer  # noqa: F401
 
@@ -37,3 +40,25 @@ def run_distributed(fn, world_size: int, *args) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(_spawn_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Megatron's training log line: iteration, consumed samples and the printed lm loss.
+MEGATRON_LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*? lm loss: ([0-9.E+-]+) \|")
+
+
+def run_pretrain(flags, save_dir, *extra, ranks: int = 1):
+    """Runs pretrain_fsdp2.py with `flags --save save_dir *extra` (under torchrun when ranks > 1); asserts it
+    succeeds and returns ({iteration: (consumed samples, printed lm loss text)}, the whole log)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    entry = [os.path.join(REPO, "pretrain_fsdp2.py"), *flags, "--save", str(save_dir), *extra]
+    if ranks == 1:
+        env.pop("WORLD_SIZE", None)
+        command = [sys.executable, *entry]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                   "--master_port", str(free_port()), *entry]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-3000:]
+    return {int(it): (int(consumed), loss) for it, consumed, loss in MEGATRON_LINE.findall(log)}, log

@@ -14,14 +14,11 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import REPO, run_pretrain
 
-REPO = Path(__file__).resolve().parents[1]
-LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*? lm loss: ([0-9.E+-]+) \|")
 ITERS, SAVED_AT, RTOL = 8, 4, 1e-4
 DENSE = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
          "--num-query-groups 2 --seq-length 32 --max-position-embeddings 64 --micro-batch-size 2 "
@@ -35,19 +32,9 @@ MOE = DENSE + "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --qk
 
 
 def train(flags, save_dir, *extra, ranks=1):
-    """Runs pretrain_fsdp2.py (under torchrun when ranks > 1); {iteration: lm loss} and the whole log."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    entry = [str(REPO / "pretrain_fsdp2.py"), *flags, "--save", str(save_dir), *extra]
-    if ranks == 1:
-        env.pop("WORLD_SIZE", None)
-        command = [sys.executable, *entry]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                   "--master_port", str(free_port()), *entry]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
-    log = result.stdout + result.stderr
-    assert result.returncode == 0, log[-3000:]
-    return {int(it): float(loss) for it, _, loss in LINE.findall(log)}, log
+    """{iteration: lm loss} and the whole log of one run of the entry point."""
+    lines, log = run_pretrain(flags, save_dir, *extra, ranks=ranks)
+    return {it: float(loss) for it, (_, loss) in lines.items()}, log
 
 
 def resume_on_one_rank(flags, run_dir, tmp_path):
@@ -120,7 +107,7 @@ def test_context_parallel_2_equals_one_rank(dense_reference, tmp_path, algo, res
 def dry_run(flags):
     """`pretrain_fsdp2.py FLAGS --dry-run` validated for 2 ranks: the printed config (YAML + report comments)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WORLD_SIZE": "2"}
-    result = subprocess.run([sys.executable, str(REPO / "pretrain_fsdp2.py"), *flags, "--dry-run"],
+    result = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_fsdp2.py"), *flags, "--dry-run"],
                             capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

@@ -1,13 +1,7 @@
 """Resume through the real entry point: a run stopped by --exit-interval and restarted with the very same
 command prints the same losses as a straight run, and a 2-rank checkpoint resumes on 1 rank."""
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
+from tests.helpers import run_pretrain
 
-REPO = Path(__file__).resolve().parents[1]
-LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*? lm loss: ([0-9.E+-]+) \|")
 FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
          "--num-query-groups 2 --seq-length 32 --max-position-embeddings 64 --micro-batch-size 2 "
          "--global-batch-size 4 --train-iters 12 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
@@ -18,24 +12,7 @@ FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-
 
 
 def train(save_dir, *extra, ranks=1):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    entry = [str(REPO / "pretrain_fsdp2.py"), *FLAGS, "--save", str(save_dir), *extra]
-    if ranks == 1:
-        env.pop("WORLD_SIZE", None)
-        command = [sys.executable, *entry]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                   "--master_port", str(_port()), *entry]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return {int(it): (int(consumed), loss) for it, consumed, loss in LINE.findall(result.stdout + result.stderr)}, \
-        result.stdout + result.stderr
-
-
-def _port():
-    from tests.helpers import free_port
-
-    return free_port()
+    return run_pretrain(FLAGS, save_dir, *extra, ranks=ranks)
 
 
 def test_exit_and_restart_prints_the_straight_runs_losses(tmp_path):
