@@ -391,7 +391,7 @@ def test_trainer_hooks_save_resume_finetune_and_export(tmp_path):
     with torch.no_grad():
         model.lm_head.weight.add_(1.0)
     trainer.state.iteration, trainer.state.consumed_train_samples = 4, 32
-    hook(trainer, "final")
+    hook(trainer, "exit")  # an exit at the last iteration has finished training: it exports too
 
     out = tmp_path / "out"
     assert [i for i, _ in io.complete_checkpoints(out)] == [4]

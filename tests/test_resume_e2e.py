@@ -18,12 +18,15 @@ def train(save_dir, *extra, ranks=1):
 def test_exit_and_restart_prints_the_straight_runs_losses(tmp_path):
     straight, _ = train(tmp_path / "straight")
     assert sorted(straight) == list(range(1, 13))
+    assert (tmp_path / "straight" / "hf" / "config.json").is_file()  # HF export once training has finished
     first, _ = train(tmp_path / "stopped", "--exit-interval", "6")
     assert sorted(first) == list(range(1, 7))
+    assert not (tmp_path / "stopped" / "hf").exists()  # stopped early: no export yet
     assert (tmp_path / "stopped" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     second, log = train(tmp_path / "stopped", "--exit-interval", "6")
     assert "resuming from the newest complete checkpoint" in log
     assert sorted(second) == list(range(7, 13))
+    assert (tmp_path / "stopped" / "hf" / "config.json").is_file()
     for it in range(1, 13):
         assert (first if it <= 6 else second)[it] == straight[it], it   # same consumed samples and printed loss
 
