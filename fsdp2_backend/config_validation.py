@@ -18,12 +18,21 @@ from fsdp2_backend.errors import UsageError
 # Data fields that only the SFT data path (data_manager_type lf) reads; with pretraining they would be ignored.
 SFT_ONLY_DATA_FIELDS = ("template", "eval_dataset", "train_on_prompt", "mask_history", "streaming", "mix_strategy",
                         "interleave_probs", "eval_num_beams", "val_size", "eval_on_each_dataset", "packing",
-                        "neat_packing", "tool_format", "default_system", "enable_thinking")
+                        "neat_packing", "tool_format", "default_system", "enable_thinking", "dataset_dir",
+                        "buffer_size", "ignore_pad_token_for_loss")
+
+# Model fields that only a quantisation recipe reads.
+QUANT_ONLY_MODEL_FIELDS = ("quant_apply_modules", "quant_ignored_modules", "quant_converters",
+                           "enable_fsdp_low_precision_all_gather", "fsdp_low_precision_all_gather_mode")
 
 # Fields whose features are not built yet: (group, field, why).
 NOT_YET = (
     ("model", "quant_recipe_name", "quantised training (mxfp8) is not implemented yet"),
     ("model", "new_special_tokens_config", "semantic initialisation of special tokens comes with the SFT work"),
+    ("model", "ms_hub_token", "downloads from ModelScope are not supported; download the model and pass its "
+                              "local directory"),
+    ("model", "om_hub_token", "downloads from Modelers are not supported; download the model and pass its "
+                              "local directory"),
 )
 
 
@@ -150,6 +159,9 @@ def _check_not_yet(config: Config, errors: List[str]) -> None:
     if config.data.data_manager_type == "lf":
         errors.append("data.data_manager_type: 'lf' (the fine-tuning data path) is not supported yet — set "
                       "data.data_manager_type: mg (Megatron pretraining data)")
+    for name in QUANT_ONLY_MODEL_FIELDS:
+        if getattr(config.model, name) != getattr(defaults.model, name) and config.model.quant_recipe_name is None:
+            errors.append(f"model.{name}: only used with model.quant_recipe_name — unset it")
     for name in SFT_ONLY_DATA_FIELDS:
         if getattr(config.data, name) != getattr(defaults.data, name):
             errors.append(f"data.{name}: only used by the SFT data path, which is not supported yet — unset it")

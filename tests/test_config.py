@@ -247,3 +247,13 @@ def test_expert_parallel_selects_the_stacked_expert_model():
                                 parallel={"ep_size": 2}), 2)
     assert config.model.model_id == "qwen3_moe"
     assert validate(pt_config(model={"model_name_or_path": None, "architecture": arch})).model.model_id is None
+
+
+@pytest.mark.parametrize("group, name, value, expected", [
+    ("model", "ms_hub_token", "x", "model.ms_hub_token: downloads from ModelScope are not supported"),
+    ("model", "quant_converters", ["a"], "model.quant_converters: only used with model.quant_recipe_name"),
+    ("data", "buffer_size", 8, "data.buffer_size: only used by the SFT data path"),
+])
+def test_fields_without_an_effect_here_are_declined(group, name, value, expected):
+    found = messages(pt_config(**{group: {name: value}}))
+    assert any(m.startswith(expected) for m in found), found

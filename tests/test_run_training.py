@@ -115,7 +115,7 @@ def test_num_train_epochs_sets_the_length_from_one_epoch_of_the_train_split(mode
     from fsdp2_backend.data.pretrain import build_pretrain_data
     from fsdp2_backend.distributed.context import ParallelContext
     from fsdp2_backend.models.tokenizer import load_tokenizer
-    from fsdp2_backend.training.trainer import _train_iters
+    from fsdp2_backend.training.trainer import _train_length
 
     config = _config(model_dir, str(tmp_path))
     config.training.max_steps = -1
@@ -127,9 +127,9 @@ def test_num_train_epochs_sets_the_length_from_one_epoch_of_the_train_split(mode
         build = lambda iters: build_pretrain_data(config, tokenizer, 0, 1, 0, 4, 1, iters)  # noqa: E731
         epoch = len(build(1).datasets[0])
         assert epoch > 8
-        assert _train_iters(config, 4, build) == int(0.5 * epoch) // 4
+        assert _train_length(config, 4, build) == (int(0.5 * epoch) // 4, epoch // 4)
         config.training.num_train_epochs = 1e-9
         with pytest.raises(UsageError, match="training.num_train_epochs"):
-            _train_iters(config, 4, build)
+            _train_length(config, 4, build)
     finally:
         ctx.close()

@@ -187,3 +187,13 @@ def test_end_of_training_evaluates_validation_and_test_sets(parts):
     ends = [line for line in lines if "validation loss at" in line]
     assert [line.split("|")[0].strip() for line in ends] == ["validation loss at iteration 6 on validation set",
                                                               "validation loss at iteration 6 on test set"]
+
+
+def test_save_epochs_saves_at_epoch_boundaries(parts):
+    config, ctx, model, optimizer, scheduler = parts
+    config.training.save_steps = 1000
+    saves = []
+    trainer = _trainer(config, ctx, model, optimizer, scheduler, epoch_save_interval=2,
+                       save_hook=lambda t, reason: saves.append((t.state.iteration, reason)))
+    trainer.train()
+    assert saves == [(2, "interval"), (4, "interval"), (6, "interval"), (6, "final")]

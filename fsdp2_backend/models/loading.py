@@ -43,7 +43,8 @@ def load_hf_config(model_args: ModelArguments):
                              f"Hugging Face model directory, or give the architecture flags to train from scratch")
         try:
             hf_config = AutoConfig.from_pretrained(path, trust_remote_code=model_args.trust_remote_code,
-                                                   cache_dir=model_args.cache_dir, revision=model_args.model_revision)
+                                                   cache_dir=model_args.cache_dir, revision=model_args.model_revision,
+                                                   token=model_args.hf_hub_token)
         except (OSError, ValueError) as exc:
             raise UsageError(f"model.model_name_or_path (--load): cannot read an HF config from {path} "
                              f"({str(exc).splitlines()[0]}) — point it at a local Hugging Face model directory")
@@ -242,7 +243,8 @@ def create_model(model_args: ModelArguments, hf_config, *, seed: int, device: to
         model = AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path, config=hf_config, dtype=torch.float32,
             trust_remote_code=model_args.trust_remote_code, cache_dir=model_args.cache_dir,
-            revision=model_args.model_revision)
+            revision=model_args.model_revision,
+            token=model_args.hf_hub_token)
     else:
         model = build_model(model_args, hf_config, on_meta=False)
         if load:
@@ -256,4 +258,5 @@ def _checkpoint_vocab(model_args: ModelArguments) -> Optional[int]:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code,
-                                      cache_dir=model_args.cache_dir, revision=model_args.model_revision).vocab_size
+                                      cache_dir=model_args.cache_dir, revision=model_args.model_revision,
+                                      token=model_args.hf_hub_token).vocab_size

@@ -64,7 +64,8 @@ def _load_hf_tokenizer(model_args: ModelArguments):
         return AutoTokenizer.from_pretrained(path, use_fast=model_args.use_fast_tokenizer,
                                              split_special_tokens=model_args.split_special_tokens,
                                              trust_remote_code=model_args.trust_remote_code,
-                                             cache_dir=model_args.cache_dir, revision=model_args.model_revision)
+                                             cache_dir=model_args.cache_dir, revision=model_args.model_revision,
+                                             token=model_args.hf_hub_token)
     except (OSError, ValueError) as exc:
         raise UsageError(f"model.tokenizer_name_or_path: cannot load a tokenizer from {path} "
                          f"({str(exc).splitlines()[0]}) — give a local HF tokenizer directory")

@@ -106,13 +106,15 @@ class Trainer:
                  loss_fn: Callable = masked_loss_sum, clip_fn: Callable = clip_grad_norm,
                  profiler: Optional[StepProfiler] = None, save_hook: Optional[Callable] = None,
                  state: Optional[TrainState] = None, loss_scaler: Optional[LossScaler] = None,
-                 test_batches: Optional[Iterator[Batch]] = None, start_time: Optional[float] = None):
+                 test_batches: Optional[Iterator[Batch]] = None, start_time: Optional[float] = None,
+                 epoch_save_interval: Optional[int] = None):
         self.config, self.ctx, self.model = config, ctx, model
         self.optimizer, self.scheduler = optimizer, scheduler
         self.train_batches, self.valid_batches, self.test_batches = train_batches, valid_batches, test_batches
         self.train_iters, self.micro_batches = train_iters, micro_batches
         self.loss_fn, self.clip_fn = loss_fn, clip_fn
         self.profiler, self.save_hook = profiler, save_hook
+        self.epoch_save_interval = epoch_save_interval  # save_epochs, in iterations, when training by epochs
         self.state = state or TrainState()
         self.loss_scaler = loss_scaler or LossScaler.for_dtype(config.parallel.param_dtype)
         self.global_batch_size = micro_batches * config.training.per_device_train_batch_size * ctx.dp_size
@@ -241,7 +243,7 @@ class Trainer:
                 self.profiler.step(iteration)
             if training.eval_interval and iteration % training.eval_interval == 0 and self.valid_batches:
                 result.valid_losses.append((iteration, self._validate(iteration)))
-            if self.save_hook is not None and training.save_steps and iteration % training.save_steps == 0:
+            if self.save_hook is not None and self._save_due(iteration):
                 self._save("interval")
             if self.exit_timer.should_exit() or (training.exit_interval and iteration % training.exit_interval == 0):
                 self._save("exit")
@@ -260,6 +262,11 @@ class Trainer:
             self.profiler.close()
         self.logger.close()
         return result
+
+    def _save_due(self, iteration: int) -> bool:
+        """Every save_steps iterations, and every save_epochs epochs when training by epochs."""
+        steps, epochs = self.config.training.save_steps, self.epoch_save_interval
+        return bool((steps and iteration % steps == 0) or (epochs and iteration % epochs == 0))
 
     def _validate(self, iteration: int, split: str = "") -> float:
         with self.logger.paused():
@@ -302,20 +309,21 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _train_iters(config: Config, global_batch_size: int, build_data: Callable) -> int:
-    """Megatron's length: max_steps (--train-iters), train_samples // gbs, or num_train_epochs of the train
-    split (its one-epoch sample count read from a one-iteration build)."""
+def _train_length(config: Config, global_batch_size: int, build_data: Callable) -> Tuple[int, Optional[int]]:
+    """(train_iters, iterations per epoch or None). Megatron's length: max_steps (--train-iters),
+    train_samples // gbs, or num_train_epochs of the train split (its one-epoch sample count read from a
+    one-iteration build); only that last way knows an epoch's length."""
     training = config.training
     if training.max_steps and training.max_steps > 0:
-        return training.max_steps
+        return training.max_steps, None
     if training.train_samples:
-        return training.train_samples // global_batch_size
+        return training.train_samples // global_batch_size, None
     epoch_samples = len(build_data(1).datasets[0] or ())
     iters = int(training.num_train_epochs * epoch_samples) // global_batch_size
     if iters < 1:
         raise UsageError(f"training.num_train_epochs: {training.num_train_epochs} epochs of {epoch_samples} samples "
                          f"make no global batch of {global_batch_size} — train longer or set max_steps")
-    return iters
+    return iters, max(epoch_samples // global_batch_size, 1)
 
 
 def run_training(config: Config, save_hook: Optional[Callable] = None,
@@ -347,7 +355,7 @@ def run_training(config: Config, save_hook: Optional[Callable] = None,
                                        state.consumed_train_samples, gbs, mbs, iters,
                                        consumed_valid_samples=state.consumed_valid_samples)
 
-        train_iters = _train_iters(config, gbs, build_data)
+        train_iters, epoch_iters = _train_length(config, gbs, build_data)
         optimizer = build_optimizer(bundle.model, name=training.optimizer, lr=training.lr,
                                     weight_decay=training.weight_decay,
                                     betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_epsilon,
@@ -369,7 +377,8 @@ def run_training(config: Config, save_hook: Optional[Callable] = None,
                           valid_batches=data_iterator(data.valid_loader, config.data.dataloader_type),
                           test_batches=data_iterator(data.test_loader, config.data.dataloader_type),
                           profiler=profiler, save_hook=save_hook, state=state, loss_scaler=loss_scaler,
-                          start_time=start_time)
+                          start_time=start_time,
+                          epoch_save_interval=epoch_iters * training.save_epochs if epoch_iters else None)
         return trainer.train()
     finally:
         ctx.close()
