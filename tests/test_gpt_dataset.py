@@ -175,3 +175,38 @@ def test_blending_indices_match_cpp_helper(monkeypatch):
         helpers.build_exhaustive_blending_indices(*expected, sizes, num)
         got = index_building.build_exhaustive_blending_indices(list(sizes))
         assert all(numpy.array_equal(e, g) for e, g in zip(expected, got))
+
+
+def test_unshuffled_samples_read_the_documents_in_order(corpus, tmp_path, monkeypatch):
+    """shuffle=False (ours): sample i is tokens [i*S, i*S + S + 1) of the split's documents concatenated in
+    order, epoch after epoch (checked against megatron-core's reader), with no random draws at all; its
+    cache never collides with the shuffled one."""
+    docs = numpy.arange(10, 100, dtype=numpy.int32)
+    seq = 16
+    reader = MIndexedDataset(corpus)
+    one_epoch = numpy.concatenate([reader[int(d)] for d in docs]).astype(numpy.int64)
+    num_samples = 3 * len(one_epoch) // seq  # about three epochs, with a short final one
+    common = dict(random_seed=1234, sequence_length=seq, blend=([corpus], None), split="100,0,0",
+                  tokenizer=IdsTokenizer(), reset_position_ids=False, reset_attention_mask=False,
+                  eod_mask_loss=False, path_to_cache=str(tmp_path))
+    config = GPTDatasetConfig(shuffle=False, **common)
+
+    def no_draws(*args, **kwargs):
+        raise AssertionError("an unshuffled dataset must not create a RandomState")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(numpy.random, "RandomState", no_draws)
+        ours = GPTDataset(IndexedDataset(corpus), corpus, docs, num_samples, Split.train, config)
+    assert len(ours) >= num_samples
+    assert numpy.array_equal(numpy.asarray(ours.shuffle_index), numpy.arange(len(ours)))
+    assert numpy.array_equal(numpy.asarray(ours.document_index), numpy.tile(docs, 3))
+    stream = numpy.tile(one_epoch, 3)
+    for i in list(range(0, len(ours), 11)) + [len(ours) - 1]:
+        text = stream[i * seq:i * seq + seq + 1]
+        sample = ours[i]
+        assert numpy.array_equal(sample["tokens"].numpy(), text[:-1]), i
+        assert numpy.array_equal(sample["labels"].numpy(), text[1:]), i
+    shuffled = GPTDataset(IndexedDataset(corpus), corpus, docs, num_samples, Split.train, GPTDatasetConfig(**common))
+    assert shuffled.unique_description_hash != ours.unique_description_hash
+    assert len(list(tmp_path.glob("*.npy"))) == 6  # two separate caches of three arrays
+    assert not numpy.array_equal(numpy.asarray(shuffled.shuffle_index), numpy.arange(len(shuffled)))

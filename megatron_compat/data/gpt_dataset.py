@@ -7,8 +7,11 @@ supplies fewer than 80% of an epoch's samples; each split owns one `RandomState(
 document index then the shuffle index; a sample is `seq_length + 1` tokens read across documents, padded with
 the pad id; tokens/labels are the sample shifted by one; loss_mask zeroes EOD (eod_mask_loss) and padding;
 position_ids restart after each EOD (reset_position_ids); pad ids become token 0.
-Ours on purpose: `create_attention_mask` defaults to False (no S x S mask per sample unless asked), and a split
-with no tokens raises a UsageError (megatron-core loops forever there).
+Ours on purpose: `create_attention_mask` defaults to False (no S x S mask per sample unless asked), a split
+with no tokens raises a UsageError (megatron-core loops forever there), and the extension field `shuffle`
+(megatron-core has none; training.disable_shuffling / MindSpeed's --no-shuffle set it False): without shuffling
+the document index is the split's documents in order, epoch after epoch, and the shuffle index is the identity,
+so the samples read the documents sequentially. The default (True) is megatron-core's behaviour exactly.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
 @dataclass
 class GPTDatasetConfig(BlendedMegatronDatasetConfig):
-    """megatron-core's GPT dataset fields; see the module docstring for the one changed default."""
+    """megatron-core's GPT dataset fields plus our `shuffle`; see the module docstring for what differs."""
 
     reset_position_ids: Optional[bool] = None
     reset_attention_mask: Optional[bool] = None
@@ -48,6 +51,7 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
     sequences_per_dataset: Optional[Dict[str, int]] = None
     token_dtype_code: Optional[int] = field(init=False, default=None)
     context_parallel_size: Optional[int] = None
+    shuffle: bool = True  # ours (not in megatron-core): False keeps documents and samples in order
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -83,9 +87,10 @@ class GPTDataset(MegatronDataset):
 
     @staticmethod
     def _key_config_attributes() -> list:
-        # Ours adds the two fields that change the indices but that megatron-core leaves out of the cache key.
+        # Ours adds the fields that change the indices but that megatron-core leaves out of (or lacks for) the
+        # cache key, so that, e.g., shuffled and unshuffled caches never collide.
         return MegatronDataset._key_config_attributes() + ["add_extra_token_to_sequence",
-                                                            "drop_last_partial_validation_sequence"]
+                                                            "drop_last_partial_validation_sequence", "shuffle"]
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
@@ -174,7 +179,8 @@ class GPTDataset(MegatronDataset):
             per_epoch = (tokens_per_epoch - extra) // seq_length
             assert 0 <= from_final <= per_epoch + 1
             separate_final_epoch = from_final < int(_SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch)
-        random_state = numpy.random.RandomState(self.config.random_seed)
+        # No RandomState at all without shuffling: the indices are then the documents and samples in order.
+        random_state = numpy.random.RandomState(self.config.random_seed) if self.config.shuffle else None
         document_index = index_building.build_document_index(self.indices, num_epochs, random_state,
                                                              separate_final_epoch)
         drop_last = True

@@ -17,27 +17,33 @@ Facts reproduced (megatron-core 0.16.1, gpt_dataset.py / helpers.cpp / blended_d
   (last position, length of the last document - extra). int32 unless an id or length needs int64.
 - shuffle index: arange(num_samples) (uint32, int64 when huge) shuffled, then, when the final epoch is
   separate, arange(num_samples, total) shuffled on its own, from the same RandomState after the documents.
-- blending: at each step pick the first dataset with the largest `weight * max(step, 1) - taken`.
+- blending: at each step pick the first dataset with the largest `weight * max(step, 1) - taken` (a
+  deterministic choice: blending never shuffles).
+Ours: `random_state=None` builds the unshuffled indices (training.disable_shuffling / --no-shuffle): the
+documents in order, epoch after epoch, and the identity shuffle index, with no random draws.
 """
 from __future__ import annotations
 
 import math
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy
 
 
-def build_document_index(documents: numpy.ndarray, num_epochs: int, random_state: numpy.random.RandomState,
-                         separate_final_epoch: bool) -> numpy.ndarray:
-    """The shuffled int32 document ids, `num_epochs` times over (see the module docstring for the order)."""
-    if separate_final_epoch and num_epochs > 1:
+def build_document_index(documents: numpy.ndarray, num_epochs: int,
+                         random_state: Optional[numpy.random.RandomState], separate_final_epoch: bool
+                         ) -> numpy.ndarray:
+    """The shuffled int32 document ids, `num_epochs` times over (see the module docstring for the order);
+    in their given order when `random_state` is None."""
+    if separate_final_epoch and num_epochs > 1 and random_state is not None:
         first = build_document_index(documents, num_epochs - 1, random_state, False)
         last = build_document_index(documents, 1, random_state, False)
         return numpy.concatenate((first, last))
     # The shuffle's random draws depend only on the length, so shuffling int32 ids equals megatron's
     # shuffle of its int32 copy of an int64 grid.
     document_index = numpy.tile(numpy.asarray(documents).astype(numpy.int32, copy=False), num_epochs)
-    random_state.shuffle(document_index)
+    if random_state is not None:
+        random_state.shuffle(document_index)
     return document_index
 
 
@@ -83,10 +89,13 @@ def build_sample_index(sizes: numpy.ndarray, document_index: numpy.ndarray, seq_
     return sample_index
 
 
-def build_shuffle_index(num_samples: int, total_size: int, random_state: numpy.random.RandomState
+def build_shuffle_index(num_samples: int, total_size: int, random_state: Optional[numpy.random.RandomState]
                         ) -> numpy.ndarray:
-    """arange(total_size) with [0, num_samples) and [num_samples, total_size) shuffled separately."""
+    """arange(total_size) with [0, num_samples) and [num_samples, total_size) shuffled separately; the
+    identity when `random_state` is None."""
     dtype = numpy.uint32 if total_size < numpy.iinfo(numpy.uint32).max - 1 else numpy.int64
+    if random_state is None:
+        return numpy.arange(total_size, dtype=dtype)
     first = numpy.arange(num_samples, dtype=dtype)
     random_state.shuffle(first)
     if num_samples == total_size:
