@@ -74,3 +74,19 @@ def test_cyclic_with_sharding_epochs_and_resume():
     assert all(s.epoch == 1 and s.consumed_samples == 2 * total for s in samplers)
     resumed = MegatronPretrainingRandomSampler(None, total, total + 8, mbs, 0, dp)
     assert [i for b in resumed for i in b] == epoch1[0][4:]
+
+
+@pytest.mark.parametrize("data_sharding", [True, False])
+def test_cyclic_without_shuffle_walks_indices_in_order(data_sharding):
+    total, mbs, dp = 23, 2, 2  # 20 usable samples per epoch
+    samplers = [MegatronPretrainingRandomSampler(None, total, 0, mbs, r, dp, data_sharding=data_sharding,
+                                                 shuffle=False) for r in range(dp)]
+    for _ in range(2):  # every epoch the same order
+        got = [[i for b in s for i in b] for s in samplers]
+        if data_sharding:  # per-rank buckets [0, 10) and [10, 20), each in order
+            assert got == [list(range(10)), list(range(10, 20))]
+        else:  # 0, 1, ..., 21 dealt round-robin
+            assert got == [list(range(0, 20, 2)), list(range(1, 20, 2))]
+    resumed = MegatronPretrainingRandomSampler(None, total, 20 + 8, mbs, 0, dp, data_sharding=data_sharding,
+                                               shuffle=False)
+    assert [i for b in resumed for i in b] == got[0][4:]

@@ -8,6 +8,8 @@ semantics (megatron/training/datasets/data_samplers.py) so that a migrated run s
 - `MegatronPretrainingRandomSampler` (cyclic): one epoch per iteration over the sampler; the epoch is
   consumed_samples // (total - total % (mbs x dp)); indices come from `torch.randperm` seeded with the epoch,
   either per-rank buckets (data_sharding, Megatron's default) or one permutation dealt round-robin to ranks.
+  Ours: `shuffle=False` (training.disable_shuffling) uses the identity instead of each permutation, so every
+  epoch walks the same indices in order (per-rank buckets or round-robin alike).
 """
 from __future__ import annotations
 
@@ -62,7 +64,8 @@ class MegatronPretrainingRandomSampler:
     """Cyclic batch sampler: a fresh epoch-seeded permutation each time it is iterated."""
 
     def __init__(self, dataset, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, data_sharding: bool = True) -> None:
+                 data_parallel_rank: int, data_parallel_size: int, data_sharding: bool = True,
+                 shuffle: bool = True) -> None:
         _check(total_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
         self.dataset = dataset
         self.total_samples = total_samples
@@ -71,6 +74,7 @@ class MegatronPretrainingRandomSampler:
         self.data_parallel_rank = data_parallel_rank
         self.data_parallel_size = data_parallel_size
         self.data_sharding = data_sharding
+        self.shuffle = shuffle
         self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
         self.last_batch_size = total_samples % self.micro_batch_times_data_parallel_size
 
@@ -85,16 +89,14 @@ class MegatronPretrainingRandomSampler:
         self.epoch = self.consumed_samples // active_total
         epoch_consumed = self.consumed_samples % active_total
         assert epoch_consumed % self.micro_batch_times_data_parallel_size == 0
-        generator = torch.Generator()
-        generator.manual_seed(self.epoch)
         if self.data_sharding:
             bucket_size = (self.total_samples // self.micro_batch_times_data_parallel_size) * self.micro_batch_size
             bucket_offset = epoch_consumed // self.data_parallel_size
             start = self.data_parallel_rank * bucket_size
-            order = [start + x for x in torch.randperm(bucket_size, generator=generator).tolist()[bucket_offset:]]
+            order = [start + x for x in self._permutation(bucket_size)[bucket_offset:]]
         else:
             full_bucket_size = (self.total_samples // self.micro_batch_size) * self.micro_batch_size
-            active = torch.randperm(full_bucket_size, generator=generator).tolist()[epoch_consumed:]
+            active = self._permutation(full_bucket_size)[epoch_consumed:]
             order = active[self.data_parallel_rank::self.data_parallel_size]
         batch: List[int] = []
         for idx in order:
@@ -103,3 +105,9 @@ class MegatronPretrainingRandomSampler:
                 self.consumed_samples += self.micro_batch_times_data_parallel_size
                 yield batch
                 batch = []
+
+    def _permutation(self, size: int) -> List[int]:
+        """This epoch's order of range(size): torch.randperm seeded with the epoch, or in order without shuffle."""
+        if not self.shuffle:
+            return list(range(size))
+        return torch.randperm(size, generator=torch.Generator().manual_seed(self.epoch)).tolist()
