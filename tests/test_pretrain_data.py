@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy
 import pytest
 import torch
 
@@ -147,3 +148,30 @@ def test_two_ranks_preprocess_once_and_share_the_global_batch(tmp_path):
     assert torch.equal(two_rows, torch.cat(one))
     assert len(list((tmp_path / "tok").glob("*.bin"))) == 1
     assert all(len(list((tmp_path / f"node{r}").glob("*.npy"))) == 9 for r in range(2))  # 3 arrays x 3 splits
+
+
+@pytest.mark.parametrize("dataloader_type", ["single", "cyclic"])
+def test_disable_shuffling_reads_the_documents_in_order(tmp_path, dataloader_type):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as MIndexedDataset
+
+    prefix = write_corpus(str(tmp_path / "c" / "text_document"), 200, seed=5)
+    config = _config(tmp_path, dataset=prefix, split="100,0,0", dataloader_type=dataloader_type)
+    config.training.eval_interval = None
+    config.training.disable_shuffling = True
+    data = build_pretrain_data(config, IdsTokenizer(), 0, 1, 0, 4, 2, 10)
+    reader = MIndexedDataset(prefix)  # independent reader: the documents concatenated in file order
+    stream = torch.from_numpy(numpy.concatenate([reader[d] for d in range(200)]).astype(numpy.int64))
+    rows = torch.cat([b["tokens"] for _, b in zip(range(3), data.train_loader)])
+    assert torch.equal(rows, torch.stack([stream[i * SEQ:(i + 1) * SEQ] for i in range(6)]))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_dataloader_drop_last_applies_to_validation_not_training(tmp_path, drop_last):
+    config = _config(tmp_path, mock_data=True, max_samples=13)  # 13 samples: not a multiple of mbs x dp = 4
+    config.training.dataloader_drop_last = drop_last
+    data = build_pretrain_data(config, IdsTokenizer(vocab_size=300), 0, 2, 0, 4, 2, 10)  # rank 0 of dp 2
+    valid = list(data.valid_loader)
+    assert [len(b["tokens"]) for b in valid] == [2, 2, 2] + ([] if drop_last else [1])
+    if not drop_last:  # the last partial group [12] goes to rank 0
+        assert torch.equal(valid[-1]["tokens"][0], data.datasets[1][12]["tokens"])
+    assert [len(b["tokens"]) for b in data.train_loader] == [2, 2, 2]  # training always drops it

@@ -12,6 +12,8 @@ GPT datasets and their data loaders, sample for sample what Megatron-LM's pretra
 - Index caches go to `data_cache_path`; `no_shared_storage` makes each node's local rank 0 build them.
 - Loaders: Megatron's batch samplers (sampler.py) started at consumed_samples; `max_samples` truncates each
   dataset; `create_attention_mask_in_dataloader` adds the (1, S, S) mask; the seed's dataloader options apply.
+- `disable_shuffling` (--no-shuffle): the datasets and the cyclic sampler keep their order (documents read in
+  sequence); `dataloader_drop_last` decides whether validation/test keep their last incomplete group.
 """
 from __future__ import annotations
 
@@ -67,15 +69,18 @@ def build_pretrain_data(config, tokenizer, dp_rank: int, dp_size: int, consumed_
         mmap_bin_files=data.mmap_bin_files, tokenizer=dataset_tokenizer(tokenizer),
         reset_position_ids=data.reset_position_ids, reset_attention_mask=bool(data.reset_attention_mask),
         eod_mask_loss=data.eod_mask_loss, create_attention_mask=bool(data.create_attention_mask_in_dataloader),
-        shared_storage=not data.no_shared_storage)
+        shared_storage=not data.no_shared_storage, shuffle=not training.disable_shuffling)
     cls = MockGPTDataset if dataset_config.mock else GPTDataset
     datasets = BlendedMegatronDatasetBuilder(cls, list(counts), lambda: True, dataset_config).build()
     if data.max_samples:
         datasets = [None if d is None else Subset(d, range(min(len(d), data.max_samples))) for d in datasets]
     consumed = (consumed_samples, consumed_valid_samples, 0)
-    loaders = [_loader(d, c, micro_batch_size, dp_rank, dp_size, data.dataloader_type, training)
+    # Megatron's training sampler always drops the last incomplete group (a partial global batch would break
+    # the fixed gbs per iteration); dataloader_drop_last applies to the validation and test loaders.
+    drop_last = (True, training.dataloader_drop_last, training.dataloader_drop_last)
+    loaders = [_loader(d, c, micro_batch_size, dp_rank, dp_size, data.dataloader_type, training, drop)
                if d is not None and n > 0 and len(d) > 0 else None
-               for d, c, n in zip(datasets, consumed, counts)]
+               for d, c, n, drop in zip(datasets, consumed, counts, drop_last)]
     return PretrainData(*loaders, datasets=tuple(datasets), sample_counts=counts)
 
 
@@ -93,15 +98,17 @@ def data_iterator(loader: Optional[DataLoader], dataloader_type: str) -> Optiona
 
 
 def _loader(dataset, consumed: int, micro_batch_size: int, dp_rank: int, dp_size: int, dataloader_type: str,
-            training) -> DataLoader:
-    if dataloader_type == "cyclic":
+            training, drop_last: bool) -> DataLoader:
+    if dataloader_type == "cyclic":  # Megatron's cyclic sampler has no partial batches to keep
         sampler = MegatronPretrainingRandomSampler(dataset, len(dataset), consumed, micro_batch_size, dp_rank,
-                                                   dp_size, data_sharding=True)
+                                                   dp_size, data_sharding=True,
+                                                   shuffle=not training.disable_shuffling)
     else:
         if consumed >= len(dataset):
             raise UsageError(f"consumed samples: {consumed} already reach the dataset's {len(dataset)} samples — "
                              "train for fewer iterations or use dataloader_type cyclic")
-        sampler = MegatronPretrainingSampler(len(dataset), consumed, micro_batch_size, dp_rank, dp_size)
+        sampler = MegatronPretrainingSampler(len(dataset), consumed, micro_batch_size, dp_rank, dp_size,
+                                             drop_last=drop_last)
     workers = training.dataloader_num_workers
     extra = {}
     if workers > 0:
