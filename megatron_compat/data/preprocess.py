@@ -8,7 +8,8 @@
 How it is fast and lean: the main process streams records in batches of about 1 MiB to worker processes
 (a bounded number in flight, so memory stays flat whatever the input size) and appends their packed tokens
 to the builders in input order; workers tokenize whole batches in one library call, through tiktoken when
-`fast_bpe.select_fast_path` finds it reproduces the HF byte-level BPE tokenizer on the input's first batch.
+`fast_bpe.select_fast_path` (HF byte-level BPE) or `fast_spm.select_fast_path` (SentencePiece BPE) finds it
+reproduces the tokenizer on the input's first batch.
 A worker that dies ends the run (`BrokenProcessPool`), never a hang. Outputs are written under `.partial`
 names and renamed only when every key is complete.
 """
@@ -27,9 +28,10 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, TextIO, Union
 
 from fsdp2_backend.errors import UsageError
-from megatron_compat.data.fast_bpe import select_fast_path
+from megatron_compat.data import fast_bpe, fast_spm
 from megatron_compat.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 from megatron_compat.data.preprocess_worker import EncodeSettings, Encoder, parse_line
+from megatron_compat.data.tokenizer import SENTENCEPIECE_TYPES
 
 _JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 _SAMPLE_TEXTS = 64  # texts of the first batch the fast path is checked on,
@@ -186,7 +188,7 @@ def preprocess_files(inputs: Union[str, Sequence[str]], output_prefix: str, json
     """Tokenizes `inputs` into one indexed dataset per JSON key; returns {key: dataset prefix}.
 
     `tokenizer` comes from `megatron_compat.data.tokenizer.build_tokenizer`. `fast=False` disables the
-    tiktoken fast path. `skip_empty` applies MindSpeed-LLM's rules (empty sentences not tokenized, documents
+    tiktoken fast paths. `skip_empty` applies MindSpeed-LLM's rules (empty sentences not tokenized, documents
     without ids left out); by default it follows the tokenizer type (PretrainedFromHF is MindSpeed's).
     Messages (tokenizer choice, progress) go to `log` (stderr by default).
     """
@@ -217,7 +219,9 @@ def preprocess_files(inputs: Union[str, Sequence[str]], output_prefix: str, json
     first = next(batches, None)
     fast_path = None
     if fast and first is not None:
-        fast_path, why = select_fast_path(tokenizer, _sample_texts(first, json_keys[0]))
+        select = (fast_spm if getattr(tokenizer, "tokenizer_type", None) in SENTENCEPIECE_TYPES
+                  else fast_bpe).select_fast_path
+        fast_path, why = select(tokenizer, _sample_texts(first, json_keys[0]))
         print(f"Tokenizer: {why}" if fast_path else f"Tokenizer: {tokenizer.tokenizer_type} ({why})", file=log)
     encoder = Encoder(settings, tokenizer, fast_path)
 

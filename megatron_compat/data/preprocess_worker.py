@@ -83,7 +83,7 @@ class Encoder:
 
     settings: EncodeSettings
     tokenizer: object  # megatron_compat.data.tokenizer tokenizer
-    fast: Optional[object] = None  # fast_bpe.TiktokenBPE when selected
+    fast: Optional[object] = None  # fast_bpe.TiktokenBPE or fast_spm.TiktokenSentencePiece when selected
     splitter: Optional[object] = field(default=None)
 
     def __post_init__(self) -> None:
