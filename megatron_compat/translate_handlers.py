@@ -397,6 +397,7 @@ def _pretraining(ctx):
     ctx.set("training.stage", "pt")
     ctx.set("data.data_manager_type", "mg")
     ctx.set("training.num_train_epochs", 0.0)  # Megatron trains by --train-iters or --train-samples, never epochs
+    ctx.set("training.dataloader_drop_last", True)  # Megatron's samplers drop an incomplete last group
 
 
 # Steps that derive fields from several flags, run after every handler.

@@ -373,3 +373,9 @@ def test_zero_sizes_are_usage_errors(flag):
     with pytest.raises(UsageError) as err:
         translate_megatron(BASE + [flag, "0"], world_size=2)
     assert err.value.messages == [f"{flag}: must be at least 1, got 0 — give a positive number"]
+
+
+def test_megatron_samplers_drop_the_last_incomplete_group():
+    translation = translate_megatron(BASE, world_size=1)
+    assert translation.fields["training"]["dataloader_drop_last"] is True
+    assert translation.sources["training.dataloader_drop_last"] == "(Megatron default)"
