@@ -89,6 +89,8 @@ class TiktokenSentencePiece:
         """Builds it from a loaded `SentencePieceProcessor`; NotRepresentable when it cannot."""
         import tiktoken
 
+        if not hasattr(processor, "normalize"):  # sentencepiece < 0.1.99 does not expose its normalizer
+            raise NotRepresentable("this sentencepiece version has no normalize()")
         model_type, types = _model_facts(processor.serialized_model_proto())
         if model_type != _BPE:
             raise NotRepresentable(f"SentencePiece model type {model_type} (only BPE, type 2)")
