@@ -5,7 +5,8 @@ trains a byte-level BPE tokenizer (--vocab, 32k by default), then times
   - Megatron's algorithm: `multiprocessing.Pool(workers).imap(encode, lines, 32)` tokenizing one document
     per call and megatron-core's IndexedDatasetBuilder (what Megatron-LM's tools/preprocess_data.py does;
     megatron-core is the reference, used here only);
-  - ours: `preprocess_files(..., workers)` (tiktoken fast path), and with --hf-too the HF-tokenizer path;
+  - ours: `preprocess_files(..., workers)` (a tiktoken fast path: byte-level BPE, or SentencePiece BPE via
+    fast_spm), and with --hf-too the HF-tokenizer path;
 checks that the outputs are byte-identical and prints the throughput ratios.
 
     python benchmarks/bench_preprocess.py --mb 100 --workers 2

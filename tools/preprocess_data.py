@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="HuggingFaceTokenizer: add the tokenizer's special tokens (e.g. BOS) to each text")
     group.add_argument("--tokenizer-not-use-fast", action="store_true", help="(MindSpeed) load the slow HF tokenizer")
     group.add_argument("--no-fast-path", action="store_true",
-                       help="never use the tiktoken fast path for byte-level BPE tokenizers")
+                       help="never use the tiktoken fast paths (byte-level BPE, SentencePiece BPE); "
+                            "tokenize with the reference tokenizer")
     group = parser.add_argument_group("input data")
     group.add_argument("--input", required=True, help="input .jsonl/.jsonl.gz/.parquet file or glob")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each record")
