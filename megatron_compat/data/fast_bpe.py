@@ -204,6 +204,15 @@ def _probes(added_tokens: Sequence[str]) -> List[str]:
     return probes
 
 
+def first_disagreement(fast, tokenizer, texts: Sequence[str]) -> Optional[int]:
+    """The index of the first text a fast path tokenizes differently from the reference tokenizer, or None."""
+    expected = tokenizer.tokenize_batch(texts)
+    for n, (text, ids) in enumerate(zip(texts, expected)):
+        if fast.tokenize(text) != ids:
+            return n
+    return None
+
+
 def select_fast_path(tokenizer, sample: Sequence[str]) -> Tuple[Optional[TiktokenBPE], str]:
     """(fast tokenizer or None, what was decided and why), checked against `tokenizer` on `sample`."""
     backend = getattr(tokenizer, "backend", None)
@@ -214,9 +223,8 @@ def select_fast_path(tokenizer, sample: Sequence[str]) -> Tuple[Optional[Tiktoke
     except NotRepresentable as exc:
         return None, f"the tiktoken fast path cannot represent this tokenizer ({exc})"
     texts = list(sample) + _probes(fast.added_tokens)
-    expected = tokenizer.tokenize_batch(texts)
-    for n, (text, ids) in enumerate(zip(texts, expected)):
-        if fast.tokenize(text) != ids:
-            return None, (f"the tiktoken fast path disagrees with the HF tokenizer on sample text {n} "
-                          f"({text[:40]!r})")
+    mismatch = first_disagreement(fast, tokenizer, texts)
+    if mismatch is not None:
+        return None, (f"the tiktoken fast path disagrees with the HF tokenizer on sample text {mismatch} "
+                      f"({texts[mismatch][:40]!r})")
     return fast, f"tiktoken fast path, identical to the HF tokenizer on {len(texts)} sample texts"

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_compat.data.fast_bpe import NotRepresentable
+from megatron_compat.data.fast_bpe import NotRepresentable, first_disagreement
 
 _NORMAL, _USER_DEFINED, _UNUSED = 1, 4, 5  # SentencePiece's piece types (sentencepiece_model.proto)
 _BPE = 2  # TrainerSpec.model_type
@@ -172,9 +172,8 @@ def select_fast_path(tokenizer, sample: Sequence[str]) -> Tuple[Optional[Tiktoke
     except NotRepresentable as exc:
         return None, f"the SentencePiece fast path cannot represent this model ({exc})"
     texts = list(sample) + _PROBES
-    expected = tokenizer.tokenize_batch(texts)
-    for n, (text, ids) in enumerate(zip(texts, expected)):
-        if fast.tokenize(text) != ids:
-            return None, (f"the SentencePiece fast path disagrees with SentencePiece on sample text {n} "
-                          f"({text[:40]!r})")
+    mismatch = first_disagreement(fast, tokenizer, texts)
+    if mismatch is not None:
+        return None, (f"the SentencePiece fast path disagrees with SentencePiece on sample text {mismatch} "
+                      f"({texts[mismatch][:40]!r})")
     return fast, f"SentencePiece fast path (tiktoken BPE), identical to SentencePiece on {len(texts)} sample texts"
