@@ -28,8 +28,16 @@ def _spawn_entry(rank, world_size, port, fn, args):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        # Every rank finishes its work before any tears the group down: a rank that destroyed its group (and
+        # exited, taking rank 0's store with it) while another still used it made the other abort.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    # The work succeeded: leave without the interpreter's teardown, where a gloo background thread still being
+    # destroyed now and then aborted a finished rank ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn, world_size: int, *args) -> None:
