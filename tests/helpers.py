@@ -11,7 +11,15 @@ import socket
 import subprocess
 import sys
 
-from tools.demo_assets import stdlib_texts, tiny_qwen3_config, train_bytelevel_tokenizer  # noqa: F401
+from tools.demo_assets import (build_tiny_model_dir, stdlib_texts, tiny_qwen3_config,  # noqa: F401
+                               train_bytelevel_tokenizer)
+
+
+def tiny_model_dir(path, seed: int, vocab_size: int = 300, **overrides) -> str:
+    """An HF directory holding a locally trained tokenizer and a seeded tiny Qwen3 sized to its vocabulary."""
+    tokenizer = train_bytelevel_tokenizer(path, vocab_size=vocab_size)
+    build_tiny_model_dir(path, vocab_size=len(tokenizer), seed=seed, **overrides)
+    return str(path)
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ from fsdp2_backend.config import Config, OptimizationArguments
 from fsdp2_backend.models.fused_ops import ROTARY_GLOBAL, apply_fused_ops
 from kernels import rotary
 from kernels.rmsnorm import rms_norm, rms_norm_implementation, rms_norm_reference
-from tests.helpers import tiny_qwen3_config, train_bytelevel_tokenizer
+from tests.helpers import tiny_model_dir, tiny_qwen3_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
@@ -174,13 +174,7 @@ def test_rmsnorm_with_other_math_keeps_its_forward():
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from transformers import Qwen3ForCausalLM
-
-    path = tmp_path_factory.mktemp("qwen3_fused")
-    tokenizer = train_bytelevel_tokenizer(path, vocab_size=300)
-    torch.manual_seed(3)
-    Qwen3ForCausalLM(tiny_qwen3_config(vocab_size=len(tokenizer))).save_pretrained(path)
-    return str(path)
+    return tiny_model_dir(tmp_path_factory.mktemp("qwen3_fused"), seed=3)
 
 
 def test_engine_setup_applies_the_flags_once_on_a_meta_device_build(hf_dir, capsys):

@@ -7,19 +7,13 @@ import torch
 
 from fsdp2_backend.config import Config
 from fsdp2_backend.errors import UsageError
-from tests.helpers import tiny_qwen3_config, train_bytelevel_tokenizer
+from tests.helpers import tiny_model_dir, tiny_qwen3_config
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A tiny Qwen3 checkpoint whose vocabulary equals its locally trained tokenizer's."""
-    from transformers import Qwen3ForCausalLM
-
-    path = tmp_path_factory.mktemp("qwen3_dir")
-    tokenizer = train_bytelevel_tokenizer(path, vocab_size=300)
-    torch.manual_seed(3)
-    Qwen3ForCausalLM(tiny_qwen3_config(vocab_size=len(tokenizer))).save_pretrained(path)
-    return str(path)
+    return tiny_model_dir(tmp_path_factory.mktemp("qwen3_dir"), seed=3)
 
 
 @pytest.fixture(scope="module")

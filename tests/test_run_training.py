@@ -4,23 +4,16 @@ import json
 import os
 
 import pytest
-import torch
 
 from fsdp2_backend.config import Config
 from fsdp2_backend.config_validation import validate
 from fsdp2_backend.errors import UsageError
-from tests.helpers import run_distributed, tiny_qwen3_config, train_bytelevel_tokenizer
+from tests.helpers import run_distributed, tiny_model_dir
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from transformers import Qwen3ForCausalLM
-
-    path = tmp_path_factory.mktemp("run_model")
-    tokenizer = train_bytelevel_tokenizer(path, vocab_size=300)
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(tiny_qwen3_config(vocab_size=len(tokenizer), num_hidden_layers=1)).save_pretrained(path)
-    return str(path)
+    return tiny_model_dir(tmp_path_factory.mktemp("run_model"), seed=0, num_hidden_layers=1)
 
 
 def _config(model_dir, profile_dir):
