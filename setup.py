@@ -1,6 +1,6 @@
 """Installs the Megatron-compatible FSDP2 training backend.
 
-torch is pinned to the CPU wheel CI can install; install it first (the Makefile does).
+torch: any version >= 2.9 (NPU and CUDA users keep their own build); the Makefile pins the CPU wheel CI installs.
 """
 from setuptools import find_packages, setup
 
@@ -9,11 +9,11 @@ setup(
     version="0.1.0",
     description="A Megatron-LM compatible drop-in FSDP2 training backend over Hugging Face models",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_compat", "megatron_compat.*", "fsdp2_backend",
+    packages=find_packages(include=["usage_errors", "megatron_compat", "megatron_compat.*", "fsdp2_backend",
                                     "fsdp2_backend.*", "kernels", "kernels.*"]),
     package_data={"megatron_compat": ["*.json", "*.txt"]},
     install_requires=[
-        "torch==2.13.0",
+        "torch>=2.9",  # the exact CPU wheel CI uses is pinned in the Makefile
         "numpy",
         "PyYAML",
         "transformers>=5.0",

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, List, Sequence, Tuple
 
 from fsdp2_backend.config import Config, InferenceArguments, ModelArguments
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 
 if TYPE_CHECKING:
     import torch

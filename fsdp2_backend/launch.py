@@ -17,9 +17,9 @@ import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 from fsdp2_backend.config import Config
-from fsdp2_backend.config_loading import build_config, load_yaml, split_native_overrides, to_yaml
-from fsdp2_backend.config_validation import validate
-from fsdp2_backend.errors import UsageError, exit_on_usage_error
+from fsdp2_backend.config.loading import build_config, load_yaml, split_native_overrides, to_yaml
+from fsdp2_backend.config.validation import validate
+from usage_errors import UsageError, exit_on_usage_error
 
 DRY_RUN_FLAG = "--dry-run"
 

@@ -5,7 +5,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2_backend.config import Config
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 from tests.helpers import tiny_qwen3_config
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdp2_backend import config_validation
+from fsdp2_backend.config import validation as config_validation
 from fsdp2_backend.config import GROUPS, Config
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 from megatron_compat.translate import translate_megatron
 
 # A copy of shared/megatron/launch_corpus.json: 60 real launch lines, kept with the tests.

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fsdp2_backend.config import Config
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 from tests.helpers import tiny_model_dir, tiny_qwen3_config
 
 

@@ -15,7 +15,7 @@ import numpy
 import pytest
 import torch
 
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 from megatron_compat.data.preprocess import output_prefix_for, preprocess_files
 from megatron_compat.data.tokenizer import build_tokenizer
 from tests.helpers import stdlib_texts, train_bytelevel_tokenizer

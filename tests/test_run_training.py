@@ -6,8 +6,8 @@ import os
 import pytest
 
 from fsdp2_backend.config import Config
-from fsdp2_backend.config_validation import validate
-from fsdp2_backend.errors import UsageError
+from fsdp2_backend.config.validation import validate
+from usage_errors import UsageError
 from tests.helpers import run_distributed, tiny_model_dir
 
 

@@ -4,7 +4,7 @@ import argparse
 import pytest
 
 from fsdp2_backend.config import GROUPS, Config
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 from megatron_compat.arguments import build_parser, defaults, option_strings
 from megatron_compat.translate import report_lines, translate_megatron, translate_report
 
@@ -202,7 +202,7 @@ def test_hf_directory_checks_pass_for_a_matching_config(tmp_path):
     """The keys built from a MindSpeed-style qwen3 line agree with a matching config.json (no false mismatch)."""
     import json
 
-    from fsdp2_backend import config_validation
+    from fsdp2_backend.config import validation as config_validation
     hf = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
           "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "max_position_embeddings": 40960,
           "rope_theta": 1000000, "rms_norm_eps": 1e-6, "vocab_size": 128, "tie_word_embeddings": False,

@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fsdp2_backend.errors import exit_on_usage_error  # noqa: E402
+from usage_errors import exit_on_usage_error  # noqa: E402
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 

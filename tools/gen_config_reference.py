@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from fsdp2_backend.config_loading import field_help
+from fsdp2_backend.config.loading import field_help
 
 
 def config_reference_markdown() -> str:

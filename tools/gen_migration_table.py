@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import List, Optional, Sequence
 
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 from megatron_compat.arguments import build_parser, flag_sources
 from megatron_compat.translate import translate_report
 

@@ -15,12 +15,12 @@ import os
 import sys
 from typing import List, Optional, Tuple
 
-from fsdp2_backend.errors import UsageError, exit_on_usage_error
+from usage_errors import UsageError, exit_on_usage_error
 
 
 def parse_command_line(argv: List[str]) -> Tuple[object, List[str]]:
     """(Config from the YAML file and the `--group.field` overrides, prompts)."""
-    from fsdp2_backend.config_loading import build_config, load_yaml, split_native_overrides
+    from fsdp2_backend.config.loading import build_config, load_yaml, split_native_overrides
 
     overrides, rest = split_native_overrides(argv)
     prompts, config_files, errors = [], [], []

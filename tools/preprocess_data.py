@@ -16,7 +16,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from fsdp2_backend.errors import UsageError, exit_on_usage_error  # noqa: E402
+from usage_errors import UsageError, exit_on_usage_error  # noqa: E402
 from megatron_compat.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
 
 PRETRAIN_HANDLERS = ("GeneralPretrainHandler",)

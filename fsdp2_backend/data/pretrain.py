@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from fsdp2_backend.data.sampler import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 from megatron_compat.data.builder import BlendedMegatronDatasetBuilder
 from megatron_compat.data.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron_compat.data.utils import barrier, builds_caches_first, get_blend_from_list

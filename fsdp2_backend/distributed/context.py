@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp2_backend.config import ParallelArguments, ParallelLayout, parallel_layout
 from fsdp2_backend.distributed.device import DeviceInfo, resolve_device
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 
 
 def _free_local_port() -> int:

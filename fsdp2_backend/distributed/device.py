@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 
 DEFAULT_BACKEND = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 # Backends each device type can run; gloo works for tensors on any host-visible device too, but FSDP2's

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fsdp2_backend.config import ModelArguments
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 from fsdp2_backend.models.registry import ModelSpec, model_spec
 
 Parallelize = Callable[[nn.Module], nn.Module]

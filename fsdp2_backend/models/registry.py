@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable, List, Mapping, Optional
 
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 
 if TYPE_CHECKING:  # torch stays out of this module's imports: config validation reads the model ids
     import torch

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from fsdp2_backend.config import ModelArguments
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 
 
 def _split(tokens: Optional[str]) -> list:

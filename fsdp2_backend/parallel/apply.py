@@ -14,7 +14,7 @@ from torch import nn
 
 from fsdp2_backend.config import Config
 from fsdp2_backend.distributed.context import ParallelContext
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 from fsdp2_backend.parallel.fsdp import apply_fsdp
 from fsdp2_backend.parallel.recompute import apply_recompute
 

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from fsdp2_backend.config import ParallelArguments
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 from fsdp2_backend.parallel.plans import require_matches
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -13,7 +13,7 @@ from typing import Iterable, List, Sequence, Tuple
 
 from torch import nn
 
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 
 
 @lru_cache(maxsize=None)

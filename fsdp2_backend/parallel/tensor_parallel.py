@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 from fsdp2_backend.parallel.tp_cp_checks import tensor_parallel_problems
 
 DEFAULT_COLWISE = ("*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj")

@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 from fsdp2_backend.training import checkpoint_io as io
 from fsdp2_backend.training.hf_export import save_tokenizer
 

@@ -37,7 +37,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 from fsdp2_backend.training import checkpoint_io as io
 
 logger = logging.getLogger(__name__)

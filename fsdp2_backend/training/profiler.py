@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 
 _TORCH_LEVEL_OPTIONS = {"level_none": {}, "level0": {}, "level1": {"with_modules": True},
                         "level2": {"with_modules": True, "with_flops": True}}

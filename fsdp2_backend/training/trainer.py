@@ -35,7 +35,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp2_backend.config import Config
 from fsdp2_backend.distributed.context import ParallelContext
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 from fsdp2_backend.training.chunked_forward import check_chunked_loss_model, chunked_loss_forward
 from fsdp2_backend.training.exit_conditions import ExitTimer
 from fsdp2_backend.training.grad_clip import clip_grad_norm

@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy
 import torch
 
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 from megatron_compat.data import index_building
 from megatron_compat.data.dataset_config import BlendedMegatronDatasetConfig
 from megatron_compat.data.megatron_dataset import MegatronDataset, cached_arrays

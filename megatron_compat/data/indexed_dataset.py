@@ -27,7 +27,7 @@ from typing import Optional, Sequence, Tuple, Type, Union
 
 import numpy
 
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 
 _INDEX_MAGIC = b"MMIDIDX\x00\x00"
 _INDEX_VERSION = 1

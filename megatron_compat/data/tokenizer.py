@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from typing import List, Optional, Sequence
 
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 
 HF_TYPES = ("HuggingFaceTokenizer", "PretrainedFromHF")
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")

@@ -91,7 +91,7 @@ def barrier(error: Optional[BaseException] = None) -> None:
         failed = torch.tensor([int(error is not None)], device=device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if error is None and failed.item():
-            from fsdp2_backend.errors import UsageError
+            from usage_errors import UsageError
 
             raise UsageError(f"data: preparing the datasets failed on another rank (rank {dist.get_rank()} "
                              "stops too) — see that rank's error")

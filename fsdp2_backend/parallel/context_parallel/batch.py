@@ -17,7 +17,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from fsdp2_backend.errors import UsageError
+from usage_errors import UsageError
 from fsdp2_backend.parallel.tp_cp_checks import normalize_cp_type, sequence_length_problems
 
 Tensor = torch.Tensor

@@ -15,8 +15,8 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import yaml
 
-from fsdp2_backend.config import GROUPS, Config
-from fsdp2_backend.errors import UsageError
+from fsdp2_backend.config.schema import GROUPS, Config
+from usage_errors import UsageError
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}

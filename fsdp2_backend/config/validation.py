@@ -12,8 +12,8 @@ import os
 from dataclasses import replace
 from typing import List
 
-from fsdp2_backend.config import Config, parallel_layout
-from fsdp2_backend.errors import UsageError
+from fsdp2_backend.config.schema import Config, parallel_layout
+from usage_errors import UsageError
 
 # Data fields that only the SFT data path (data_manager_type lf) reads; with pretraining they would be ignored.
 SFT_ONLY_DATA_FIELDS = ("template", "eval_dataset", "train_on_prompt", "mask_history", "streaming", "mix_strategy",

@@ -1,0 +1,11 @@
+"""The native configuration: schema (the seed's seven groups), loading (YAML, `--group.field`), validation.
+
+Torch-free, so `--dry-run` stays fast. `from fsdp2_backend.config import Config` is the public name.
+"""
+from fsdp2_backend.config.schema import (DTYPES, GROUPS, MODEL_IDS, Config, DataArguments, InferenceArguments,
+                                         ModelArguments, OptimizationArguments, ParallelArguments, ParallelLayout,
+                                         ProfilingArguments, TrainingArguments, parallel_layout)
+
+__all__ = ["DTYPES", "GROUPS", "MODEL_IDS", "Config", "DataArguments", "InferenceArguments", "ModelArguments",
+           "OptimizationArguments", "ParallelArguments", "ParallelLayout", "ProfilingArguments", "TrainingArguments",
+           "parallel_layout"]
