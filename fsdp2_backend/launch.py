@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from fsdp2_backend.config import Config
 from fsdp2_backend.config.loading import build_config, load_yaml, split_native_overrides, to_yaml
-from fsdp2_backend.config.validation import validate
+from fsdp2_backend.config.validation import validate_with_notices
 from usage_errors import UsageError, exit_on_usage_error
 
 DRY_RUN_FLAG = "--dry-run"
@@ -56,7 +56,7 @@ def _split_by_source(translation) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, 
 def minimal_world_size(config: Config) -> int:
     """The smallest world the config's parallel sizes fit: used by --dry-run when WORLD_SIZE is not set."""
     p = config.parallel
-    sizes = [p.tp_size * p.cp_size * max(p.fsdp_size, 1), p.ep_size * p.ep_fsdp_size]
+    sizes = [p.tp_size * p.cp_size, max(p.fsdp_size, 1), p.ep_size * p.ep_fsdp_size]
     return functools.reduce(math.lcm, [max(s, 1) for s in sizes])
 
 
@@ -78,7 +78,9 @@ def parse_command_line(argv: List[str], world_size: Optional[int]) -> Tuple[Conf
     if rest:
         from megatron_compat.translate import report_lines, translate_megatron
 
-        translation = translate_megatron(rest, world_size=world_size or 1)
+        model_given = any(groups.get("model", {}).get(name) for _, groups in native
+                          for name in ("model_name_or_path", "architecture"))
+        translation = translate_megatron(rest, world_size=world_size or 1, model_given=bool(model_given))
         report = report_lines(translation.report)
         defaults, explicit = _split_by_source(translation)
         errors = _conflicts(explicit, native, translation.sources)
@@ -90,7 +92,8 @@ def parse_command_line(argv: List[str], world_size: Optional[int]) -> Tuple[Conf
         world_size = minimal_world_size(config)
         report.append(f"validated for world size {world_size} (the smallest this layout fits; set WORLD_SIZE "
                       f"to check another)")
-    return validate(config, world_size), report
+    config, notices = validate_with_notices(config, world_size)
+    return config, report + [f"notice: {line}" for line in notices]
 
 
 def world_size_from_env(default: Optional[int] = 1) -> Optional[int]:
@@ -115,10 +118,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if os.environ.get("RANK", "0") == "0":  # one report per job, not one per rank
         for line in report:
             print(line, file=sys.stderr)
-    from fsdp2_backend.training.checkpoint_hooks import training_hooks
-    from fsdp2_backend.training.trainer import run_training
+    from fsdp2_backend.build import run_training
 
-    resume_hook, save_hook = training_hooks(config)
     with exit_on_usage_error():
-        run_training(config, save_hook=save_hook, resume_hook=resume_hook)
+        run_training(config)
     return 0

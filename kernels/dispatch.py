@@ -2,27 +2,19 @@
 
 Each op module (`rmsnorm`, `rotary`, ...) says which fast kernels it has; `pick_implementation` chooses by the
 device type and what is importable here, and `describe_choice` words the one log line a run prints per flag.
-Imports of the optional backends are guarded: torch_npu is imported only when asked about an NPU device
-(importing it on a machine without the Ascend toolkit breaks torch), triton only when asked about CUDA.
+Imports of the optional backends are guarded: torch_npu is probed only when asked about an NPU device, through
+the project's one NPU probe (`fsdp2_backend.distributed.device.torch_npu_module`; importing torch_npu on a
+machine without the Ascend toolkit breaks torch), triton only when asked about CUDA.
 """
 from __future__ import annotations
 
 import importlib.util
-from types import ModuleType
-from typing import Optional
+
+from fsdp2_backend.distributed.device import npu_available
 
 NPU = "npu"
 TRITON = "triton"
 TORCH = "torch"
-
-
-def load_torch_npu() -> Optional[ModuleType]:
-    """torch_npu when this process runs on Ascend, else None."""
-    try:
-        import torch_npu  # noqa: F401  (NPU-only dependency)
-    except ImportError:
-        return None
-    return torch_npu
 
 
 def triton_importable() -> bool:
@@ -37,8 +29,8 @@ def triton_importable() -> bool:
 
 
 def pick_implementation(device_type: str, *, has_npu_kernel: bool, has_triton_kernel: bool) -> str:
-    """NPU kernel on npu (torch_npu importable), triton kernel on cuda (triton importable), else the torch reference."""
-    if device_type == "npu" and has_npu_kernel and load_torch_npu() is not None:
+    """NPU kernel on npu (torch_npu sees an NPU), triton kernel on cuda (triton importable), else the torch reference."""
+    if device_type == "npu" and has_npu_kernel and npu_available():
         return NPU
     if device_type == "cuda" and has_triton_kernel and triton_importable():
         return TRITON

@@ -4,7 +4,8 @@
 `x` (T, K) laid out group after group (`counts[e]` rows each) and `weight` (E, N, K) stacked per expert.
 Backends, picked by `select_backend`:
 
-- ``"npu"``: `torch_npu.npu_grouped_matmul` on Ascend (guarded import; never loaded elsewhere);
+- ``"npu"``: `torch_npu.npu_grouped_matmul` on Ascend (probed by `fsdp2_backend.distributed.device`; never
+  loaded elsewhere);
 - ``"grouped_mm"``: `torch.nn.functional.grouped_mm` (torch >= 2.9; on CPU in 2.13 for any float dtype, on
   CUDA for bf16 on SM >= 80). Its kernels need every non-unit stride and the base address to be multiples of
   16 bytes, and its backward rejects the stride-0 gradients that `.sum()` / `.expand()` produce (and empty
@@ -18,16 +19,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from fsdp2_backend.distributed.device import torch_npu_module
+
 _ALIGN_BYTES = 16
-
-
-def _torch_npu():
-    """torch_npu when this process runs on Ascend, else None (importing it elsewhere breaks torch)."""
-    try:
-        import torch_npu  # noqa: F401  (NPU-only dependency)
-    except ImportError:
-        return None
-    return torch_npu
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -51,7 +45,7 @@ def select_backend(x: torch.Tensor, weight: torch.Tensor, use_grouped_gemm: bool
     """The backend `grouped_linear` uses: npu on Ascend, grouped_mm when asked and the layout allows, else loop."""
     if not use_grouped_gemm:
         return "loop"
-    if x.device.type == "npu" and _torch_npu() is not None:
+    if x.device.type == "npu" and torch_npu_module() is not None:
         return "npu"
     return "grouped_mm" if grouped_mm_supported(x, weight) else "loop"
 
@@ -84,7 +78,7 @@ class _NpuGroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, counts):
-        npu = _torch_npu()
+        npu = torch_npu_module()
         group_list = counts.to(device=x.device, dtype=torch.int64)
         ctx.save_for_backward(x, weight, group_list)
         return npu.npu_grouped_matmul([x], [weight.transpose(-2, -1)], group_list=group_list, split_item=3,
@@ -92,7 +86,7 @@ class _NpuGroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        npu = _torch_npu()
+        npu = torch_npu_module()
         x, weight, group_list = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = npu.npu_grouped_matmul([grad], [weight], group_list=group_list, split_item=3, group_type=0,

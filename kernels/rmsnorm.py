@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from kernels.dispatch import NPU, TRITON, load_torch_npu, pick_implementation
+from fsdp2_backend.distributed.device import torch_npu_module
+from kernels.dispatch import NPU, TRITON, pick_implementation
 
 # One triton program normalises a whole row; beyond this width a row no longer fits one block.
 MAX_TRITON_HIDDEN = 65536
@@ -36,7 +37,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_reference(x, weight, eps)
     impl = rms_norm_implementation(x.device.type)
     if impl == NPU:
-        return load_torch_npu().npu_rms_norm(x, weight, epsilon=eps)[0]
+        return torch_npu_module().npu_rms_norm(x, weight, epsilon=eps)[0]
     if impl == TRITON and x.shape[-1] <= MAX_TRITON_HIDDEN:
         from kernels.rmsnorm_triton import triton_rms_norm
 

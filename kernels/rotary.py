@@ -11,7 +11,8 @@ from typing import Tuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from kernels.dispatch import NPU, load_torch_npu, pick_implementation
+from fsdp2_backend.distributed.device import torch_npu_module
+from kernels.dispatch import NPU, pick_implementation
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -39,7 +40,7 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     """HF's `apply_rotary_pos_emb` signature, with the fused kernel where the device has one."""
     plain = not any(isinstance(t, DTensor) for t in (q, k, cos, sin))
     if plain and q.dim() == 4 and rotary_implementation(q.device.type) == NPU:
-        npu = load_torch_npu()
+        npu = torch_npu_module()
         cos = cos.unsqueeze(unsqueeze_dim)
         sin = sin.unsqueeze(unsqueeze_dim)
         return npu.npu_rotary_mul(q, cos, sin), npu.npu_rotary_mul(k, cos, sin)

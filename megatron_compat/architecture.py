@@ -126,14 +126,8 @@ def _ffn(a: Arch) -> Optional[int]:
 
 
 def _vocab(a: Arch) -> Optional[int]:
-    """Megatron pads the vocabulary to a multiple of make-vocab-size-divisible-by × tensor-parallel size."""
-    g = a.get
-    if g("padded_vocab_size"):
-        return g("padded_vocab_size")
-    if g("vocab_size") is None:
-        return None
-    multiple = g("make_vocab_size_divisible_by") * g("tensor_model_parallel_size")
-    return -(-g("vocab_size") // multiple) * multiple
+    """The vocabulary the flags give; the engine pads it (make-vocab-size-divisible-by × tp) in one place."""
+    return a.get("padded_vocab_size") or a.get("vocab_size")
 
 
 def _act(a: Arch) -> str:

@@ -139,14 +139,14 @@ _NO_EFFECT: Dict[str, str] = {
         dist_ckpt_save_pre_mcore_014 dist_ckpt_optim_fully_reshardable
         distrib_optim_fully_reshardable_mem_efficient use_dist_ckpt dist_ckpt_format dist_ckpt_workers
         ckpt_drop_redundant_extra_state async_strategy use_persistent_ckpt_worker async_ckpt_cpu_priority
-        async_ckpt_io_priority async_ckpt_use_cpu_shm no_save_tokenizer_assets use_checkpoint_args
+        async_ckpt_io_priority async_ckpt_use_cpu_shm no_save_tokenizer_assets
         use_mp_args_from_checkpoint_args no_use_tokenizer_model_from_checkpoint_args
         load_main_params_from_ckpt exit_on_missing_checkpoint save_retain_interval
         enable_hf2mg_convert
         enable_mg2hf_convert model_type_hf hf_cfg_dir load_checkpoint_loosely verify_integrity
         no_ckpt_fully_parallel_save replication replication_jump replication_factor""",
     "a logging or monitoring extra without a counterpart here (the Megatron log line is printed as usual)":
-        """log_params_norm log_throughput log_progress timing_log_level timing_log_option tensorboard_log_interval
+        """log_params_norm log_progress timing_log_level timing_log_option tensorboard_log_interval
         tensorboard_queue_size log_timers_to_tensorboard no_log_loss_scale_to_tensorboard
         log_validation_ppl_to_tensorboard log_memory_to_tensorboard log_memory_interval
         log_device_memory_used log_num_zeros_in_grad log_max_attention_logit no_barrier_with_level_1_timing

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 from usage_errors import UsageError
 from megatron_compat import architecture, flag_rules, shell_words
 from megatron_compat.arguments import defaults, megatron_groups, option_strings, parse_megatron, takes_value
-from megatron_compat.translate_handlers import DERIVED_STEPS, HANDLERS
+from megatron_compat.translate_handlers import DERIVED_STEPS, HANDLERS, loads_checkpoint
 
 GROUP_NAMES = ("model", "data", "parallel", "training", "profiling", "inference", "optimization")
 _PRECEDENCE = {"no_effect": 1, "mapped": 2, "declined": 3}
@@ -133,8 +133,26 @@ def _check_positive(ns) -> None:
         raise UsageError(bad)
 
 
-def translate_report(argv: Sequence[str], world_size: int = 1) -> Translation:
-    """Translates and reports every flag, declined ones included; raises UsageError only for a bad command line."""
+def _flags_define_model(ctx: Context, model_given: bool) -> bool:
+    """Whether the architecture flags are the whole model (Megatron's defaults fill the rest, and the required
+    ones must be given): not when an HF directory (--load, or the native config) defines it; with --load naming
+    a checkpoint directory only when the script gives architecture flags — the model to build while that
+    directory holds no checkpoint, checked against the checkpoint's own config once it does. Without them (or
+    with --use-checkpoint-args) the checkpoint defines the model."""
+    if model_given or "model.model_name_or_path" in _flat(ctx):
+        return False
+    if loads_checkpoint(ctx):
+        if ctx.get("use_checkpoint_args"):
+            return False
+        return any(dest in architecture.ARCHITECTURE_DESTS for dest in ctx.active)
+    return True
+
+
+def translate_report(argv: Sequence[str], world_size: int = 1, model_given: bool = False) -> Translation:
+    """Translates and reports every flag, declined ones included; raises UsageError only for a bad command line.
+
+    `model_given`: the native config (YAML, --model.*) already names the model (model_name_or_path or
+    architecture), so the architecture flags only refine it and none is required."""
     argv, warnings = shell_words.clean(argv, takes_value)
     parsed = parse_megatron(argv)
     _check_positive(parsed.namespace)
@@ -149,7 +167,7 @@ def translate_report(argv: Sequence[str], world_size: int = 1) -> Translation:
     ctx.current = ""
     for step in DERIVED_STEPS:
         step(ctx)
-    from_scratch = "model.model_name_or_path" not in _flat(ctx)
+    from_scratch = _flags_define_model(ctx, model_given)
     arch = architecture.apply(ctx.ns, active, from_scratch, ctx.record)
     if arch:
         ctx.set("model.architecture", arch)
@@ -158,14 +176,15 @@ def translate_report(argv: Sequence[str], world_size: int = 1) -> Translation:
         ctx.sources["model.architecture"] = ", ".join(given) or "(Megatron default)"
     _static(ctx, megatron_groups())
     report = _report(ctx)
-    report.declined += [(flag, "required to build the model (no --load with an HF directory) — give it")
+    report.declined += [(flag, "required to build the model (no --load with an HF directory or a checkpoint, "
+                               "no model in the YAML) — give it")
                         for flag in architecture.missing_flags(ctx.ns, from_scratch)]
     return Translation({g: v for g, v in ctx.fields.items() if v}, report, ctx.sources)
 
 
-def translate_megatron(argv: Sequence[str], world_size: int = 1) -> Translation:
+def translate_megatron(argv: Sequence[str], world_size: int = 1, model_given: bool = False) -> Translation:
     """Translates a Megatron/MindSpeed launch line; raises UsageError on bad input or any declined flag."""
-    translation = translate_report(argv, world_size)
+    translation = translate_report(argv, world_size, model_given)
     if translation.report.declined:
         raise UsageError([f"{flag}: {why}" for flag, why in translation.report.declined])
     return translation

@@ -8,6 +8,7 @@ fields that several flags determine together (gradient accumulation, the pretrai
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Dict, List, Tuple
 
 HANDLERS: Dict[str, Tuple[str, Callable]] = {}
@@ -64,7 +65,7 @@ for _dest, _target in {
     "profile_data_simplification": "profiling.profile_data_simplification",
     "profile_with_cpu": "profiling.profile_with_cpu", "profile_with_memory": "profiling.profile_with_memory",
     "profile_with_stack": "profiling.profile_with_stack", "profile_record_shapes": "profiling.profile_record_shapes",
-    "profile_save_path": "profiling.profile_save_path",
+    "profile_save_path": "profiling.profile_save_path", "log_throughput": "training.log_throughput",
     "pytorch_profiler_collect_shapes": "profiling.profile_record_shapes",
     "record_shapes": "profiling.profile_record_shapes",
     "pytorch_profiler_collect_callstack": "profiling.profile_with_stack",
@@ -225,21 +226,32 @@ for _dest in ("recompute_method", "recompute_num_layers", "recompute_modules", "
 
 # --- model loading, saving, tokenizer ---------------------------------------------------------------------------
 
-def resume_in_place(ctx) -> bool:
-    """Megatron's `--load X --save X`: resume from X if it holds a checkpoint, else start from scratch."""
+def is_hf_model_dir(path) -> bool:
+    """A Hugging Face model directory (config.json inside) rather than a checkpoint (save) directory."""
+    return bool(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def loads_checkpoint(ctx) -> bool:
+    """`--load X` with X not an HF directory: a save directory to resume or fine-tune from (possibly empty yet)."""
     load = ctx.get("load")
-    return load is not None and load == ctx.get("save")
+    return load not in (None, "None") and not is_hf_model_dir(load)
 
 
-@handles("load", "model.model_name_or_path (an HF directory); with --save equal: training.resume_from_checkpoint")
+@handles("load", "model.model_name_or_path (an HF directory) or training.resume_from_checkpoint (a checkpoint "
+                 "directory: resumed, or the run starts from scratch while it holds none)")
 def _load(ctx, value):
     if value is None or value == "None":  # MindSpeed scripts write `--load None` for "no checkpoint"
         ctx.set("model.train_from_scratch", True)
-    elif resume_in_place(ctx):
-        ctx.set("training.resume_from_checkpoint", value)
-        ctx.set("model.train_from_scratch", True)
-    else:
+    elif is_hf_model_dir(value):
         ctx.set("model.model_name_or_path", value)
+    else:
+        ctx.set("training.resume_from_checkpoint", value)
+
+
+@handles("use_checkpoint_args", "model.architecture from the checkpoint in --load (architecture flags dropped)")
+def _use_checkpoint_args(ctx, value):
+    if value and not loads_checkpoint(ctx):
+        ctx.record("use_checkpoint_args", "no_effect", "read only with --load naming a checkpoint directory")
 
 
 @handles("save", "training.output_dir (absent: training.save_checkpoints false)")
@@ -278,17 +290,18 @@ def _tokenizer_path(ctx, value):
         ctx.set("model.tokenizer_name_or_path", value)
 
 
-@handles("make_vocab_size_divisible_by", "model.make_vocab_size_divisible_by (× tensor-parallel size)")
+@handles("make_vocab_size_divisible_by", "model.make_vocab_size_divisible_by (the engine pads to it × tp, as "
+                                         "Megatron does)")
 def _divisible(ctx, value):
-    ctx.set("model.make_vocab_size_divisible_by", value * ctx.get("tensor_model_parallel_size"))
+    ctx.set("model.make_vocab_size_divisible_by", value)
 
 
 # --- data -------------------------------------------------------------------------------------------------------
 
-@handles("data_path", "data.dataset (Megatron blend syntax kept)")
+@handles("data_path", "data.dataset (a list: a prefix, or Megatron's blend W1 P1 W2 P2)")
 def _data_path(ctx, value):
     if value:
-        ctx.set("data.dataset", " ".join(value))
+        ctx.set("data.dataset", list(value))
 
 
 for _split in ("train_data_path", "valid_data_path", "test_data_path"):

@@ -119,3 +119,20 @@ def test_device_and_backend_selection():
     with pytest.raises(UsageError, match="--distributed-backend .*'nccl' cannot run on this machine's cpu"):
         resolve_device("nccl")
     assert resolve_device("gloo").backend == "gloo"
+
+
+def test_tp_plans_use_the_plan_globs():
+    """TP selects modules with the same globs as FSDP / EP / recompute: `{*}` works in tp_colwise too."""
+    from transformers import Qwen3ForCausalLM
+
+    from fsdp2_backend.parallel.plans import unmatched_patterns
+    from fsdp2_backend.parallel.tensor_parallel import plan_modules
+
+    model = Qwen3ForCausalLM(tiny_qwen3_config(num_hidden_layers=2))
+    by_path = plan_modules(model, ["model.layers.{*}.self_attn.q_proj"], "tp_colwise")
+    assert by_path == plan_modules(model, ["*.q_proj"], "tp_colwise")
+    assert by_path == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
+    assert plan_modules(model, ["*.q_proj"], "tp_colwise", exclude=["model.layers.{*}.self_attn.q_proj"]) == []
+    assert unmatched_patterns(model, ["*.q_proj", "model.blocks.{}", "lm_head"]) == ["model.blocks.{}"]
+    with pytest.raises(UsageError, match="tp_colwise: the globs model.blocks.{} match no module"):
+        plan_modules(model, ["model.blocks.{}"], "tp_colwise")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fsdp2_backend.config import Config, OptimizationArguments
-from fsdp2_backend.models.fused_ops import ROTARY_GLOBAL, apply_fused_ops
+from fsdp2_backend.parallel.kernel_swaps import ROTARY_GLOBAL, apply_fused_ops
 from kernels import rotary
 from kernels.rmsnorm import rms_norm, rms_norm_implementation, rms_norm_reference
 from tests.helpers import tiny_model_dir, tiny_qwen3_config

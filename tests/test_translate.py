@@ -118,7 +118,7 @@ def test_global_batch_gives_gradient_accumulation():
 def test_blend_syntax_is_kept():
     fields = translate_megatron(BASE + ["--data-path", "0.3", "/d/a_text_document", "0.7", "/d/b_text_document",
                                         "--split", "949,50,1"]).fields
-    assert fields["data"]["dataset"] == "0.3 /d/a_text_document 0.7 /d/b_text_document"
+    assert fields["data"]["dataset"] == ["0.3", "/d/a_text_document", "0.7", "/d/b_text_document"]
     assert fields["data"]["split"] == "949,50,1"
     assert translate_megatron(BASE + ["--data-path", "/d/a"]).fields["data"]["split"] == "969,30,1"
 
@@ -163,12 +163,14 @@ def test_recompute_selective_and_uniform():
 def test_architecture_from_scratch_is_a_buildable_hf_config():
     argv = LLAMA + "--group-query-attention --num-query-groups 2 --rotary-base 1000000 --norm-epsilon 1e-6 " \
                    "--untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0".split()
-    arch = translate_megatron(argv).fields["model"]["architecture"]
+    fields = translate_megatron(argv).fields
+    arch = fields["model"]["architecture"]
     assert arch["model_type"] == "llama"
     assert arch["hidden_size"] == 64 and arch["num_hidden_layers"] == 2 and arch["num_attention_heads"] == 4
     assert arch["num_key_value_heads"] == 2 and arch["head_dim"] == 16
     assert arch["intermediate_size"] == 128  # Megatron's SwiGLU rule: int(4h·2/3 / 64)·64
-    assert arch["vocab_size"] == 128  # 100 padded to --make-vocab-size-divisible-by 128
+    assert arch["vocab_size"] == 100  # as given: the engine pads it (divisible-by x tp) in one place
+    assert fields["model"]["make_vocab_size_divisible_by"] == 128
     assert arch["rope_theta"] == 1e6 and arch["rms_norm_eps"] == 1e-6 and arch["tie_word_embeddings"] is False
     assert arch["hidden_act"] == "silu" and arch["attention_bias"] is False
     transformers = pytest.importorskip("transformers")
@@ -184,13 +186,15 @@ def test_default_megatron_gpt_is_gpt2_with_4h_ffn():
     assert transformers.AutoConfig.for_model(**arch).n_inner == 256
 
 
-def test_qwen3_flags_with_an_hf_directory_only_carry_what_the_script_says():
-    argv = ("--load /ckpt/qwen3 --save /out --num-layers 28 --hidden-size 2048 --num-attention-heads 16 "
+def test_qwen3_flags_with_an_hf_directory_only_carry_what_the_script_says(tmp_path):
+    (tmp_path / "qwen3").mkdir()
+    (tmp_path / "qwen3" / "config.json").write_text('{"model_type": "qwen3"}')
+    argv = (f"--load {tmp_path}/qwen3 --save /out --num-layers 28 --hidden-size 2048 --num-attention-heads 16 "
             "--group-query-attention --num-query-groups 8 --kv-channels 128 --qk-layernorm --swiglu "
             "--normalization RMSNorm --position-embedding-type rope --micro-batch-size 1 --train-iters 5 "
             "--tokenizer-type PretrainedFromHF --tokenizer-name-or-path /tok --seq-length 64").split()
     fields = translate_megatron(argv).fields
-    assert fields["model"]["model_name_or_path"] == "/ckpt/qwen3"
+    assert fields["model"]["model_name_or_path"] == f"{tmp_path}/qwen3"
     assert fields["model"]["tokenizer_name_or_path"] == "/tok" and "tokenizer_type" not in fields["model"]
     arch = fields["model"]["architecture"]
     assert "model_type" not in arch and "intermediate_size" not in arch  # the HF config defines those
@@ -315,14 +319,31 @@ def test_every_default_is_exposed():
     assert len(defaults()) >= 839 - 1 - 1  # help excluded; yarn's two flags share one dest
 
 
-def test_a_model_from_scratch_needs_megatrons_required_flags():
+def test_a_model_from_scratch_needs_megatrons_required_flags(tmp_path):
     argv = BASE[2:]
     assert BASE[:2] == ["--num-layers", "2"]
     with pytest.raises(UsageError) as err:
         translate_megatron(argv)
-    assert err.value.messages == ["--num-layers: required to build the model (no --load with an HF directory) — "
-                                  "give it"]
-    translate_megatron(argv + ["--load", "/hf/model"])  # the HF directory defines the model
+    assert err.value.messages == ["--num-layers: required to build the model (no --load with an HF directory or a "
+                                  "checkpoint, no model in the YAML) — give it"]
+    (tmp_path / "config.json").write_text("{}")
+    translate_megatron(argv + ["--load", str(tmp_path)])  # the HF directory defines the model
+    # A checkpoint directory given with architecture flags must describe the whole model (built while it is empty)
+    with pytest.raises(UsageError):
+        translate_megatron(argv + ["--load", str(tmp_path / "ckpt")])
+
+
+def test_load_of_a_checkpoint_directory_needs_no_architecture_flags(tmp_path):
+    """`--load X --save X`: X resumes (or starts fresh while empty); without architecture flags the checkpoint
+    defines the model, so no flag is demanded and no architecture is invented from Megatron's defaults."""
+    arch_flags = {"--num-layers", "--hidden-size", "--num-attention-heads", "--max-position-embeddings"}
+    arch_free = [a for i, a in enumerate(BASE) if a not in arch_flags and BASE[i - 1] not in arch_flags]
+    ckpt = str(tmp_path / "ckpt")
+    fields = translate_megatron(arch_free + ["--load", ckpt, "--save", ckpt]).fields
+    assert fields["training"]["resume_from_checkpoint"] == ckpt and fields["training"]["output_dir"] == ckpt
+    assert "architecture" not in fields["model"] and "model_name_or_path" not in fields["model"]
+    with_flags = translate_megatron(BASE + ["--load", ckpt, "--use-checkpoint-args"]).fields
+    assert "architecture" not in with_flags["model"]  # --use-checkpoint-args: the checkpoint's model wins
 
 
 def test_profiling_and_sequence_parallel_follow_megatron():

@@ -83,6 +83,8 @@ def coerce(value: Any, tp: Any) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, int) and value in (0, 1):  # MindSpeed's YAMLs write booleans as 1 / 0
+            return bool(value)
         if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
             return value.strip().lower() in _TRUE
         raise ValueError(f"expected true or false, got {value!r}")

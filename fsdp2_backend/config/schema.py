@@ -78,9 +78,10 @@ class DataArguments:
     """Dataset loading, preprocessing and format."""
 
     template: Optional[str] = _field(None, "Prompt template name (SFT); unset takes it from the tokenizer.")
-    dataset: Optional[Union[Dict[str, Any], str]] = _field(
-        None, "Training data. Pretraining: an indexed prefix, a Megatron blend 'W1 P1 W2 P2', or a raw "
-              ".jsonl/.jsonl.gz/.parquet file. SFT: an inline dataset config or a dataset_info.json name.")
+    dataset: Optional[Union[Dict[str, Any], str, List[str]]] = _field(
+        None, "Training data. Pretraining: an indexed prefix, a Megatron blend (a list [W1, P1, W2, P2], or one "
+              "string 'W1 P1 W2 P2'), a raw .jsonl/.jsonl.gz/.parquet file, or MindSpeed's inline {file_name: "
+              "FILE}. SFT: an inline dataset config or a dataset_info.json name.")
     eval_dataset: Optional[Union[Dict[str, Any], str]] = _field(None, "Evaluation data; exclusive with val_size.")
     dataset_dir: str = _field("./configs/fsdp2/data", "Directory of dataset configuration files.")
     cutoff_len: int = _field(2048, "Sequence length after tokenisation (Megatron --seq-length).")
@@ -133,7 +134,8 @@ class ParallelArguments:
     """Distributed parallel layout and memory savings."""
 
     tp_size: int = _field(1, "Tensor parallel size.")
-    fsdp_size: int = _field(1, "FSDP shard group size; 1 shards over every data-parallel rank, a divisor of the "
+    fsdp_size: int = _field(1, "FSDP shard group size; 1 (or the whole world, MindSpeed's way of writing it, cp "
+                               "and tp inside) shards over every data-parallel rank, a divisor of the "
                                "data-parallel size replicates across groups (HSDP).")
     recompute: bool = _field(False, "Activation recomputation (checkpointing).")
     ep_size: int = _field(1, "Expert parallel size (MoE).")
@@ -185,7 +187,8 @@ class TrainingArguments:
     gradient_accumulation_steps: int = _field(1, "Micro-batches accumulated per optimizer step.")
     disable_shuffling: bool = _field(False, "Do not shuffle the training set.")
     seed: int = _field(42, "Random seed.")
-    save_steps: int = _field(500, "Save a checkpoint every this many steps.")
+    save_steps: int = _field(500, "Save a checkpoint every this many steps; 0: no periodic saves (MindSpeed's "
+                                  "meaning; the final save still happens).")
     save_total_limit: Optional[int] = _field(3, "Keep at most this many checkpoints (oldest removed).")
     resume_from_checkpoint: Optional[str] = _field(None, "Checkpoint to resume from.")
     logging_steps: int = _field(1, "Log every this many steps.")
@@ -201,6 +204,11 @@ class TrainingArguments:
     save_async: bool = _field(False, "Save checkpoints asynchronously.")
     save_epochs: int = _field(1, "Save every this many epochs (when training by epochs).")
     save_hf_weights: bool = _field(True, "Export HF weights at the end of training.")
+    # MindSpeed-LLM fields the seed's table omits (their YAMLs and launchers set them)
+    log_throughput: bool = _field(False, "(MindSpeed) Show the model's training throughput in the log line "
+                                         "(Megatron's 'throughput per GPU (TFLOP/s/GPU)'; Megatron --log-throughput).")
+    log_cpu_memory: bool = _field(False, "(MindSpeed) Show this process's CPU memory (current and peak RSS) in the "
+                                         "log line.")
     # Megatron extensions
     save_checkpoints: bool = _field(True, "(Megatron) False: no checkpoints and no export (a script "
                                           "without --save).")
@@ -337,10 +345,22 @@ class ParallelLayout:
     ep_fsdp: int
 
 
+def fsdp_shard_size(fsdp_size: int, world_size: int, dp: int, cp: int) -> int:
+    """The data-parallel ranks one FSDP group shards over, from `fsdp_size` as MindSpeed counts it: the ranks
+    sharding the parameters, context-parallel ranks inside (fsdp 8 with cp 2 on 8 ranks is 4 data-parallel
+    shards); 1, or the whole world, means every data-parallel rank. 0 when it fits no layout (validation says
+    why)."""
+    if fsdp_size <= 1 or fsdp_size == world_size or fsdp_size == dp * cp:
+        return dp
+    if fsdp_size % cp or dp % (fsdp_size // cp):
+        return 0
+    return fsdp_size // cp
+
+
 def parallel_layout(parallel: ParallelArguments, world_size: int) -> ParallelLayout:
     """Sizes for `world_size`; assumes `config_validation` accepted them."""
     tp, cp = parallel.tp_size, parallel.cp_size
     dp = max(world_size // (tp * cp), 1)
-    dp_shard = dp if parallel.fsdp_size <= 1 else parallel.fsdp_size
+    dp_shard = fsdp_shard_size(parallel.fsdp_size, world_size, dp, cp)
     return ParallelLayout(world_size=world_size, tp=tp, cp=cp, dp=dp, dp_shard=dp_shard,
-                          dp_replicate=max(dp // dp_shard, 1), ep=parallel.ep_size, ep_fsdp=parallel.ep_fsdp_size)
+                          dp_replicate=max(dp // max(dp_shard, 1), 1), ep=parallel.ep_size, ep_fsdp=parallel.ep_fsdp_size)

@@ -1,21 +1,26 @@
-"""Every rule a configuration must satisfy, checked once before any process group, device or file is touched.
+"""Every rule a configuration must satisfy, checked once before any process group, device or model exists.
 
 `validate(config, world_size)` reports every problem at once (UsageError with one message each, in the form
 `<group.field>: <what is wrong> — <what to do>`) and returns the config with its derived values filled in
-(gradient accumulation from the global batch, packing implied by neat_packing). Features that do not exist
-yet are declined here when set to a non-default value, so nothing is accepted and silently ignored.
+(gradient accumulation from the global batch, packing implied by neat_packing, the dataset as a list).
+`validate_with_notices` also returns the notices to print once: fields with no effect in the chosen mode.
+The rules that need the model (heads, experts, layer types, vocabulary for TP/CP/EP) read its facts without
+torch (`model_facts`) and live in `layout_rules`. Features that do not exist yet are declined here when set,
+so nothing is accepted and silently ignored. Runtime code may assert; it does not validate.
 """
 from __future__ import annotations
 
-import json
-import os
+import re
 from dataclasses import replace
-from typing import List
+from typing import List, Tuple
 
+from fsdp2_backend.config.layout_rules import check_model_layout
+from fsdp2_backend.config.model_facts import ModelFacts, model_facts
 from fsdp2_backend.config.schema import Config, parallel_layout
 from usage_errors import UsageError
 
-# Data fields that only the SFT data path (data_manager_type lf) reads; with pretraining they would be ignored.
+# Data fields that only the SFT data path (data_manager_type lf) reads: with pretraining they have no effect, and
+# MindSpeed's pretraining YAMLs set some (template), so they are accepted and reported once.
 SFT_ONLY_DATA_FIELDS = ("template", "eval_dataset", "train_on_prompt", "mask_history", "streaming", "mix_strategy",
                         "interleave_probs", "eval_num_beams", "val_size", "eval_on_each_dataset", "packing",
                         "neat_packing", "tool_format", "default_system", "enable_thinking", "dataset_dir",
@@ -55,9 +60,11 @@ def _check_sizes(config: Config, world_size: int, errors: List[str]) -> None:
                       f"tp {p.tp_size} x cp {p.cp_size} — choose sizes whose product divides {world_size}")
         return
     layout = parallel_layout(p, world_size)
-    if p.fsdp_size > 1 and layout.dp % p.fsdp_size:
+    if layout.dp_shard == 0:
         errors.append(f"parallel.fsdp_size: {p.fsdp_size} does not divide the data-parallel size {layout.dp} "
-                      f"(world {world_size} / tp {p.tp_size} / cp {p.cp_size}) — use a divisor, or 1 for all")
+                      f"(world {world_size} / tp {p.tp_size} / cp {p.cp_size}; counted with cp inside: a multiple "
+                      f"of cp {p.cp_size} whose quotient divides {layout.dp}) — use such a size, or 1 (or the "
+                      f"world size) for all")
     if world_size % (p.ep_size * p.ep_fsdp_size):
         errors.append(f"parallel.ep_size x parallel.ep_fsdp_size: {p.ep_size} x {p.ep_fsdp_size} does not divide "
                       f"the world size {world_size} — choose sizes whose product divides it")
@@ -76,9 +83,7 @@ def _check_sizes(config: Config, world_size: int, errors: List[str]) -> None:
 def _check_seed_rules(config: Config, errors: List[str]) -> None:
     m, d, p, t, prof, o = (config.model, config.data, config.parallel, config.training, config.profiling,
                           config.optimization)
-    if not m.model_name_or_path and not m.architecture:
-        errors.append("model.model_name_or_path: required — give an HF model directory (Megatron --load), or "
-                      "model.architecture to build a model from scratch")
+
     if not t.output_dir and t.save_checkpoints:
         errors.append("training.output_dir: required — give a directory for checkpoints (Megatron --save), or "
                       "set training.save_checkpoints: false")
@@ -117,8 +122,30 @@ def _check_seed_rules(config: Config, errors: List[str]) -> None:
                       "num_train_epochs > 0")
     if t.logging_steps < 1:
         errors.append(f"training.logging_steps: must be at least 1, got {t.logging_steps}")
-    if t.save_steps < 1:
-        errors.append(f"training.save_steps: must be at least 1, got {t.save_steps}")
+    if t.save_steps < 0:
+        errors.append(f"training.save_steps: must be >= 0 (0: no periodic saves), got {t.save_steps}")
+    if t.max_steps > 0 and t.train_samples is not None:
+        errors.append("training.max_steps / training.train_samples: give one training length (Megatron refuses "
+                      "--train-iters with --train-samples) — drop one")
+    parts = [part for part in re.split(r"[,/]", d.split) if part.strip()]
+    if len(parts) > 3:
+        errors.append(f"data.split: {d.split!r} has {len(parts)} parts — give at most three weights "
+                      f"(train,valid,test), as Megatron's --split")
+    else:
+        try:
+            [float(part) for part in parts]
+        except ValueError:
+            errors.append(f"data.split: {d.split!r} is not comma-separated numbers — e.g. 969,30,1")
+    chunk = o.chunk_loss_size
+    if chunk is not None and chunk <= 0:
+        errors.append(f"optimization.chunk_loss_size: {chunk} is not a positive number of tokens — give a "
+                      f"positive chunk size or leave it unset")
+    if chunk and p.tp_size > 1:
+        errors.append("optimization.chunk_loss_size: not available with tensor parallel (parallel.tp_size "
+                      f"{p.tp_size}) yet — unset chunk_loss_size or use tp_size 1")
+    if isinstance(d.dataset, dict) and not d.dataset.get("file_name") and d.data_manager_type == "mg":
+        errors.append("data.dataset: an inline dataset needs file_name (MindSpeed's {file_name: FILE}) in "
+                      "pretraining — give the raw .jsonl/.parquet file")
 
 
 def _check_optimizer_schedule(config: Config, errors: List[str]) -> None:
@@ -155,74 +182,111 @@ def _check_not_yet(config: Config, errors: List[str]) -> None:
     if config.model.init_special_tokens != "noise_init":
         errors.append("model.init_special_tokens: desc_init variants come with the SFT work — use noise_init")
     if config.training.stage == "sft":
-        errors.append("training.stage: 'sft' is not supported yet — set training.stage: pt (pretraining)")
+        errors.append("training.stage: 'sft' (the seed's default) is not available yet — to pretrain, set "
+                      "training.stage: pt and data.data_manager_type: mg (see the README's minimal YAML)")
     if config.data.data_manager_type == "lf":
-        errors.append("data.data_manager_type: 'lf' (the fine-tuning data path) is not supported yet — set "
-                      "data.data_manager_type: mg (Megatron pretraining data)")
+        errors.append("data.data_manager_type: 'lf' (the fine-tuning data path, the seed's default) is not "
+                      "available yet — set data.data_manager_type: mg (Megatron pretraining data)")
     for name in QUANT_ONLY_MODEL_FIELDS:
         if getattr(config.model, name) != getattr(defaults.model, name) and config.model.quant_recipe_name is None:
             errors.append(f"model.{name}: only used with model.quant_recipe_name — unset it")
-    for name in SFT_ONLY_DATA_FIELDS:
-        if getattr(config.data, name) != getattr(defaults.data, name):
-            errors.append(f"data.{name}: only used by the SFT data path, which is not supported yet — unset it")
     if config.parallel.ep_dispatcher == "mc2":
         errors.append("parallel.ep_dispatcher: mc2 needs Ascend NPUs (torch_npu MC2 kernels) — use eager or fused")
 
 
-def _hf_config_json(path: str | None, errors: List[str]) -> dict | None:
-    """The config.json of an HF model directory, or None when `path` holds none."""
-    config_file = os.path.join(path, "config.json") if path else None
-    if not config_file or not os.path.isfile(config_file):
-        return None
-    try:
-        with open(config_file, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        errors.append(f"{config_file}: cannot read the model config ({exc}) — check the model directory")
-        return None
-
-
-def _check_architecture(config: Config, errors: List[str]) -> None:
-    """Architecture flags given together with an HF directory must agree with its config.json."""
-    arch, path = config.model.architecture, config.model.model_name_or_path
-    hf = _hf_config_json(path, errors) if arch else None
+def _check_architecture(config: Config, facts: ModelFacts, errors: List[str]) -> None:
+    """Architecture flags given together with an HF directory or a checkpoint must agree with its config.json
+    (a larger vocabulary is a padding or a resize, not a disagreement)."""
+    arch, hf = config.model.architecture or {}, facts.config_json
     if not hf:
         return
+    where = config.model.model_name_or_path if facts.source == "hf directory" else "the checkpoint's"
     for key, value in arch.items():
-        if key in hf and hf[key] != value and not (key == "vocab_size" and isinstance(value, int)
-                                                   and hf[key] <= value):
-            errors.append(f"model.architecture.{key}: the flags say {value!r} but {path}/config.json says "
-                          f"{hf[key]!r} — fix the flag or the model directory")
+        if value is None or key not in hf or hf[key] == value:
+            continue
+        if key == "vocab_size" and isinstance(value, int) and hf[key] >= value:
+            continue
+        errors.append(f"model.architecture.{key}: the flags say {value!r} but {where} config.json says "
+                      f"{hf[key]!r} — fix the flag, or drop the architecture flags (the model is defined there)")
 
 
-def _model_type(config: Config) -> str | None:
-    arch = config.model.architecture or {}
-    return arch.get("model_type") or (_hf_config_json(config.model.model_name_or_path, []) or {}).get("model_type")
+def _check_model_defined(config: Config, facts: ModelFacts, errors: List[str]) -> None:
+    if facts.source:
+        return
+    load = config.training.resume_from_checkpoint
+    if load:
+        errors.append(f"model.architecture: {load} holds no checkpoint yet and no model is given — add the "
+                      f"architecture flags (--num-layers, --hidden-size, ...) or an HF model (--load HF_DIR / "
+                      f"model.model_name_or_path) to start from")
+    else:
+        errors.append("model.model_name_or_path: required — give an HF model directory (Megatron --load), a "
+                      "checkpoint to resume, or model.architecture to build a model from scratch")
 
 
-def validate(config: Config, world_size: int = 1) -> Config:
-    """Checks every rule; returns the config with derived values filled in, or raises UsageError listing all."""
+def validate_with_notices(config: Config, world_size: int = 1) -> Tuple[Config, List[str]]:
+    """Checks every rule; returns (the config with derived values filled in, notices to print once), or raises
+    UsageError listing every problem."""
     errors: List[str] = []
     _check_seed_rules(config, errors)
     _check_optimizer_schedule(config, errors)
     _check_not_yet(config, errors)
     _check_sizes(config, world_size, errors)
-    _check_architecture(config, errors)
+    facts = model_facts(config, errors)
+    _check_model_defined(config, facts, errors)
+    _check_architecture(config, facts, errors)
+    if not errors:
+        check_model_layout(config, facts, world_size, errors)
     if errors:
         raise UsageError(errors)
-    return normalise(config, world_size)
+    return normalise(config, world_size, facts), _notices(config)
 
 
-def normalise(config: Config, world_size: int) -> Config:
-    """Fills derived values: packing implied by neat_packing, gradient accumulation from the global batch, and
-    the stacked-expert Qwen3-MoE (model_id qwen3_moe) when expert parallel or MoE kernels ask for it."""
+def validate(config: Config, world_size: int = 1) -> Config:
+    """`validate_with_notices` without the notices."""
+    return validate_with_notices(config, world_size)[0]
+
+
+def _notices(config: Config) -> List[str]:
+    """Fields set that have no effect in the chosen mode (accepted, reported once)."""
+    defaults = Config()
+    notices = []
+    if config.data.data_manager_type == "mg":
+        notices += [f"data.{name}: no effect in pretraining (read by the SFT data path only)"
+                    for name in SFT_ONLY_DATA_FIELDS if getattr(config.data, name) != getattr(defaults.data, name)]
+    return notices
+
+
+def dataset_entries(dataset) -> List[str]:
+    """`data.dataset` as the list the pretraining data reads: a list as it is; MindSpeed's inline {file_name: F}
+    as [F]; a string as one path, or as a Megatron blend 'W1 P1 W2 P2' when it starts with a weight."""
+    if dataset is None:
+        return []
+    if isinstance(dataset, dict):
+        return [dataset["file_name"]] if dataset.get("file_name") else []
+    if isinstance(dataset, list):
+        return [str(entry) for entry in dataset]
+    words = dataset.split()
+    try:
+        float(words[0])
+    except (ValueError, IndexError):
+        return [dataset]
+    return words if len(words) > 1 else [dataset]
+
+
+def normalise(config: Config, world_size: int, facts: ModelFacts = None) -> Config:
+    """Fills derived values, once: packing implied by neat_packing, gradient accumulation from the global batch,
+    the pretraining dataset as a list, and the stacked-expert Qwen3-MoE (model_id qwen3_moe) when expert parallel
+    or MoE kernels ask for it."""
     data, training, model = config.data, config.training, config.model
     wants_moe_model = (config.parallel.ep_size > 1 or config.optimization.moe_grouped_gemm
                        or config.optimization.fix_router)
-    if model.model_id is None and wants_moe_model and _model_type(config) == "qwen3_moe":
+    model_type = facts.model_type if facts is not None else (model.architecture or {}).get("model_type")
+    if model.model_id is None and wants_moe_model and model_type == "qwen3_moe":
         model = replace(model, model_id="qwen3_moe")
     if data.neat_packing and not data.packing:
         data = replace(data, packing=True)
+    if data.data_manager_type == "mg" and data.dataset is not None:
+        data = replace(data, dataset=dataset_entries(data.dataset))
     if training.global_batch_size is not None:
         dp = parallel_layout(config.parallel, world_size).dp
         training = replace(training, gradient_accumulation_steps=training.global_batch_size

@@ -119,27 +119,12 @@ def _loader(dataset, consumed: int, micro_batch_size: int, dp_rank: int, dp_size
                       pin_memory=training.dataloader_pin_memory and torch.cuda.is_available(), **extra)
 
 
-class _EodTokenizer:
-    """The ids a GPT dataset reads, taken from an HF tokenizer (eod = eos, as megatron-core's HF wrapper)."""
-
-    def __init__(self, hf) -> None:
-        self.eod = hf.eos_token_id if hf.eos_token_id is not None else hf.sep_token_id
-        self.vocab_size = len(hf)
-        if hf.pad_token_id is not None:
-            self.pad = hf.pad_token_id
-        self.unique_identifiers = {"class": type(hf).__name__, "name_or_path": getattr(hf, "name_or_path", None),
-                                   "vocab_size": self.vocab_size}
-        if self.eod is None:
-            raise UsageError("tokenizer: it has no eos (or sep) token to mark document ends — use a tokenizer "
-                             "with an eos token")
-
-
 def dataset_tokenizer(tokenizer):
-    """`tokenizer` itself when it has `eod`, else its HF ids wrapped; mock data only needs eod and vocab_size."""
-    if tokenizer is None:
-        raise UsageError("tokenizer: pretraining data needs one (its eod id marks document ends) — set "
-                         "tokenizer_name_or_path or tokenizer_type")
-    return tokenizer if hasattr(tokenizer, "eod") else _EodTokenizer(tokenizer)
+    """The run's tokenizer (megatron_compat's surface: `eod`, `vocab_size`), which must mark document ends."""
+    if getattr(tokenizer, "eod", None) is None:
+        raise UsageError("tokenizer: it has no eos (or sep) token to mark document ends — use a tokenizer with "
+                         "an eos token")
+    return tokenizer
 
 
 def _blends(data, tokenizer):

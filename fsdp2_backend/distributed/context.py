@@ -24,7 +24,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp2_backend.config import ParallelArguments, ParallelLayout, parallel_layout
 from fsdp2_backend.distributed.device import DeviceInfo, resolve_device
-from usage_errors import UsageError
 
 
 def _free_local_port() -> int:
@@ -49,21 +48,6 @@ def init_process_group(device: DeviceInfo) -> bool:
     return True
 
 
-def _check_layout(layout: ParallelLayout) -> None:
-    problems = []
-    if layout.tp * layout.cp * layout.dp != layout.world_size:
-        problems.append(f"parallel.tp_size x parallel.cp_size ({layout.tp} x {layout.cp}): must divide the "
-                        f"world size {layout.world_size} — choose sizes whose product divides the rank count")
-    elif layout.dp_shard * layout.dp_replicate != layout.dp:
-        problems.append(f"parallel.fsdp_size ({layout.dp_shard}): must divide the data-parallel size {layout.dp}"
-                        f" — use 1 (shard over all data-parallel ranks) or a divisor of {layout.dp}")
-    if layout.world_size % (layout.ep * layout.ep_fsdp):
-        problems.append(f"parallel.ep_size x parallel.ep_fsdp_size ({layout.ep} x {layout.ep_fsdp}): must "
-                        f"divide the world size {layout.world_size} — choose a divisor")
-    if problems:
-        raise UsageError(problems)
-
-
 @dataclass
 class ParallelContext:
     """Device, ranks and meshes of this run. Build with `ParallelContext.create`; `close()` at the end."""
@@ -86,7 +70,8 @@ class ParallelContext:
         device = device or resolve_device(parallel.distributed_backend)
         layout = parallel_layout(parallel, int(os.environ.get("WORLD_SIZE", dist.get_world_size()
                                                                if dist.is_initialized() else 1)))
-        _check_layout(layout)
+        # Validation (fsdp2_backend.config.validation) accepted these sizes for this world before we got here.
+        assert layout.tp * layout.cp * layout.dp == layout.world_size and layout.dp_shard > 0, layout
         owns = init_process_group(device)
         if dist.get_world_size() != layout.world_size:
             raise RuntimeError(f"WORLD_SIZE {layout.world_size} disagrees with the process group's "

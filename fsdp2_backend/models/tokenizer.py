@@ -1,11 +1,13 @@
 """The tokenizer of a run, the tokens it adds, and the vocabulary size the model gets from it.
 
-- `model.tokenizer_type` set: Megatron's tokenizer of that type (`megatron_compat.data.tokenizer`);
-  otherwise the HF `AutoTokenizer` of `tokenizer_name_or_path` (default: `model_name_or_path`) with
-  `use_fast_tokenizer`, `split_special_tokens`, `trust_remote_code`, `cache_dir`, `model_revision`.
+- One tokenizer type for the whole engine: megatron_compat's (see `load_tokenizer`). `model.tokenizer_type`
+  set: Megatron's tokenizer of that type; otherwise the HF `AutoTokenizer` of `tokenizer_name_or_path`
+  (default: `model_name_or_path`) with `use_fast_tokenizer`, `split_special_tokens`, `trust_remote_code`,
+  `cache_dir`, `model_revision`, wrapped.
 - `add_tokens` / `add_special_tokens` (comma-separated) extend an HF tokenizer.
 - `model_vocab_size` decides the embedding rows: the checkpoint's, grown to the tokenizer with
-  `resize_vocab`; from scratch, the tokenizer's padded like Megatron (`make_vocab_size_divisible_by` x TP).
+  `resize_vocab`; from scratch, the tokenizer's padded like Megatron (`make_vocab_size_divisible_by` x TP, the
+  multiple taken once, here).
 - New rows (a resized vocabulary) are `noise_init`: the mean of the existing rows plus Gaussian noise of
   std 1/sqrt(hidden). `desc_init` variants are declined until the SFT work brings descriptions.
 """
@@ -25,22 +27,24 @@ def _split(tokens: Optional[str]) -> list:
 
 
 def load_tokenizer(model_args: ModelArguments):
-    """The run's tokenizer: an HF tokenizer, or a Megatron-surface one when `tokenizer_type` is set."""
-    if model_args.new_special_tokens_config or model_args.init_special_tokens != "noise_init":
-        raise UsageError(f"model.init_special_tokens: '{model_args.init_special_tokens}' (and "
-                         f"new_special_tokens_config) is not available in this version yet — use noise_init "
-                         f"with add_special_tokens")
-    if model_args.tokenizer_type:
-        from megatron_compat.data.tokenizer import build_tokenizer
+    """The run's tokenizer, always one type: megatron_compat's tokenizer surface (`eod`, `vocab_size`, `pad`,
+    `tokenize`, `detokenize`, and `hf`, the transformers tokenizer inside, None for SentencePiece / Null).
 
+    `tokenizer_type` set: Megatron's tokenizer of that type. Unset: the HF tokenizer of `tokenizer_name_or_path`
+    (default `model_name_or_path`) read as MindSpeed's PretrainedFromHF (special tokens kept when tokenizing).
+    Added tokens (`add_tokens`, `add_special_tokens`) are counted in `vocab_size`.
+    """
+    from megatron_compat.data.tokenizer import HuggingFaceTokenizer, build_tokenizer
+
+    if model_args.tokenizer_type:
         tokenizer = build_tokenizer(model_args.tokenizer_type, tokenizer_model=model_args.tokenizer_model,
                                     tokenizer_name_or_path=model_args.tokenizer_name_or_path,
                                     vocab_file=model_args.vocab_file, merge_file=model_args.merge_file,
                                     vocab_size=model_args.vocab_size, trust_remote_code=model_args.trust_remote_code,
                                     use_fast=model_args.use_fast_tokenizer)
-        hf = getattr(tokenizer, "hf", None)
     else:
-        hf = tokenizer = _load_hf_tokenizer(model_args)
+        tokenizer = HuggingFaceTokenizer.from_hf(_load_hf_tokenizer(model_args))
+    hf = getattr(tokenizer, "hf", None)
     if model_args.add_tokens or model_args.add_special_tokens:
         if hf is None:
             raise UsageError(f"model.add_tokens / add_special_tokens: the {model_args.tokenizer_type} tokenizer "
@@ -48,8 +52,7 @@ def load_tokenizer(model_args: ModelArguments):
         hf.add_tokens(_split(model_args.add_tokens))
         hf.add_special_tokens({"additional_special_tokens": _split(model_args.add_special_tokens)},
                               replace_extra_special_tokens=False)
-        if hf is not tokenizer:
-            tokenizer.vocab_size = len(hf)
+        tokenizer.vocab_size = len(hf)
     return tokenizer
 
 
@@ -73,7 +76,7 @@ def _load_hf_tokenizer(model_args: ModelArguments):
 
 def tokenizer_size(tokenizer) -> int:
     """Token ids the tokenizer can produce (added tokens included)."""
-    return len(tokenizer) if hasattr(tokenizer, "__len__") else int(tokenizer.vocab_size)
+    return int(tokenizer.vocab_size)
 
 
 def padded_vocab_size(size: int, divisible_by: int, tp_size: int) -> int:
@@ -88,9 +91,7 @@ def model_vocab_size(model_args: ModelArguments, config_vocab: Optional[int], to
     vocabulary without `resize_vocab` is a usage error (its ids would index past the embedding)."""
     tokens = tokenizer_size(tokenizer)
     if not from_checkpoint:
-        if config_vocab and config_vocab >= tokens:
-            return config_vocab
-        return padded_vocab_size(tokens, model_args.make_vocab_size_divisible_by, tp_size)
+        return padded_vocab_size(max(config_vocab or 0, tokens), model_args.make_vocab_size_divisible_by, tp_size)
     if tokens <= config_vocab:
         return config_vocab
     if not model_args.resize_vocab:

@@ -1,21 +1,27 @@
-"""The one place where parallelism is applied to a model, in one fixed order:
+"""The one place where a built model is made ready to train in parallel, in one fixed order:
 
-    quantize → TP → EP → CP → recompute → FSDP
+    kernel swaps → model switches → TP → EP → CP → recompute → FSDP → gradient policy
 
-Each stage is one function in its own module (`tensor_parallel`, `expert_parallel`, `context_parallel`,
-`recompute`, `fsdp`), skipped when its size is 1 or its feature off. A stage returns the parameters it
-reduces itself (expert units), which FSDP must then ignore.
+Each stage is one function in its own module (`kernel_swaps`, the model's registry `configure`,
+`tensor_parallel`, `expert_parallel`, `context_parallel`, `recompute`, `fsdp`), skipped when its size is 1 or
+its feature off. A stage returns the parameters it reduces itself (expert units), which FSDP must then ignore.
+Kernel swaps come first: context parallel wraps the attention chosen there. Quantisation, when it lands,
+comes before the kernel swaps. The gradient policy comes last, once every FSDP unit exists.
+
+The config was validated before any of this runs (`fsdp2_backend.config.validation`): stages assert what
+they rely on, they do not validate.
 """
 from __future__ import annotations
 
 from typing import Set
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from fsdp2_backend.config import Config
 from fsdp2_backend.distributed.context import ParallelContext
-from usage_errors import UsageError
 from fsdp2_backend.parallel.fsdp import apply_fsdp
+from fsdp2_backend.parallel.kernel_swaps import apply_fused_ops
 from fsdp2_backend.parallel.recompute import apply_recompute
 
 
@@ -42,12 +48,31 @@ def _context_parallel(model: nn.Module, config: Config, ctx: ParallelContext) ->
     return set()
 
 
+def _model_switches(model: nn.Module, config: Config) -> None:
+    """The model id's own run switches (e.g. grouped GEMM, fix_router), before any stage wraps modules."""
+    from fsdp2_backend.models.registry import model_spec
+
+    if config.model.model_id:
+        spec = model_spec(config.model.model_id)
+        if spec.configure is not None:
+            spec.configure(model, config)
+
+
+def set_gradient_policy(model: nn.Module) -> None:
+    """Every FSDP unit SUMs its gradients, with no division: the loss normaliser (`training.loss`) carries the
+    1/(dp x cp) of Megatron's averaging. Forced SUM: FSDP2's AVG on gloo can sum (pytorch#162338) and gloo has
+    no PREMUL_SUM, which a divide factor other than 1 would need."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(1.0)
+
+
 def apply_parallelism(model: nn.Module, config: Config, ctx: ParallelContext) -> nn.Module:
-    """Applies every configured parallel stage to `model` in the fixed order; returns the FSDP root."""
+    """Applies every configured stage to `model` in the fixed order; returns the FSDP root."""
     parallel = config.parallel
-    if config.model.quant_recipe_name:
-        raise UsageError(f"model.quant_recipe_name: '{config.model.quant_recipe_name}' quantisation is not "
-                         f"available in this version yet — leave it unset")
+    apply_fused_ops(model, config.optimization, ctx.device.type)
+    _model_switches(model, config)
     fsdp_ignored: Set[nn.Parameter] = set()
     if parallel.tp_size > 1:
         fsdp_ignored |= _tensor_parallel(model, config, ctx)
@@ -57,4 +82,6 @@ def apply_parallelism(model: nn.Module, config: Config, ctx: ParallelContext) ->
         fsdp_ignored |= _context_parallel(model, config, ctx)
     if parallel.recompute:
         apply_recompute(model, parallel.recompute_modules)
-    return apply_fsdp(model, parallel, ctx.fsdp_mesh, extra_ignored=fsdp_ignored)
+    model = apply_fsdp(model, parallel, ctx.fsdp_mesh, extra_ignored=fsdp_ignored)
+    set_gradient_policy(model)
+    return model

@@ -3,7 +3,10 @@
 A pattern matches a module's dotted name (as in `model.named_modules()`) as a whole:
 - `{}` or `{*}` stands for exactly one path component, e.g. `model.layers.{}` is every decoder layer;
 - `*` stands for any run of characters, dots included, e.g. `*.q_proj` is every q_proj anywhere;
-- everything else is literal (`model.embed_tokens`, `lm_head`).
+- everything else is literal (`model.embed_tokens`, `lm_head`; `?` and `[...]` too, unlike fnmatch).
+
+This is the one matcher for module names: every stage that picks modules by pattern (tensor parallel, expert
+parallel, recompute, FSDP) asks this module, so a pattern means the same thing in every plan field.
 """
 from __future__ import annotations
 
@@ -41,10 +44,15 @@ def match_modules(model: nn.Module, patterns: Sequence[str]) -> List[Tuple[str, 
     return [(name, module) for name, module in model.named_modules() if name and matches(name, patterns)]
 
 
+def unmatched_patterns(model: nn.Module, patterns: Sequence[str]) -> List[str]:
+    """The patterns (in the given order) that match no submodule of `model`."""
+    names = [name for name, _ in model.named_modules() if name]
+    return [p for p in patterns if not any(compile_pattern(p).match(n) for n in names)]
+
+
 def require_matches(model: nn.Module, patterns: Sequence[str], field: str) -> List[Tuple[str, nn.Module]]:
     """Like `match_modules`, but a pattern that matches nothing is a usage error naming `field`."""
-    names = [name for name, _ in model.named_modules() if name]
-    unmatched = [p for p in patterns if not any(compile_pattern(p).match(n) for n in names)]
+    unmatched = unmatched_patterns(model, patterns)
     if unmatched:
         raise UsageError([f"{field}: pattern '{p}' matches no module of {type(model).__name__} — use module "
                           f"paths such as 'model.layers.{{*}}' or '*.q_proj'" for p in unmatched])

@@ -14,11 +14,12 @@
   sequence on the tp ranks; norms run on their shard (input Shard(1)), attention/MLP inputs are all-gathered, o/down
   outputs reduce-scattered, the embedding output scattered and the lm_head input gathered. Same results, less
   activation memory.
+- Module selection uses the plan globs of `parallel.plans` (as FSDP / EP / recompute do): `*.q_proj` and
+  `model.layers.{*}.self_attn.q_proj` select the same modules.
 """
 from __future__ import annotations
 
-import fnmatch
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -27,6 +28,8 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from usage_errors import UsageError
+from fsdp2_backend.distributed.dtensor import local_tensor
+from fsdp2_backend.parallel.plans import match_modules, matches
 from fsdp2_backend.parallel.tp_cp_checks import tensor_parallel_problems
 
 DEFAULT_COLWISE = ("*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj")
@@ -41,16 +44,17 @@ _HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_hea
 _SEQ, _HEADS = Shard(1), Shard(2)  # activations are [batch, seq, hidden] / [batch, seq, heads, head_dim]
 
 
-def _matches(name: str, globs: Iterable[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in globs)
+def plan_modules(model: nn.Module, globs: Sequence[str], field: str, exclude: Sequence[str] = ()) -> List[str]:
+    """Names of the modules the TP plan field `field` selects (`parallel.plans` globs), minus `exclude`.
 
-
-def _match_modules(model: nn.Module, globs: Sequence[str], field: str) -> List[str]:
-    names = [name for name, _ in model.named_modules() if name and _matches(name, globs)]
+    A glob may match nothing (the default plan names gate/up/down projections a model may not have) as long as
+    the field as a whole matches something; a field that matches no module at all is a usage error.
+    """
+    names = [name for name, _ in match_modules(model, globs)]
     if globs and not names:
         raise UsageError(f"{field}: the globs {', '.join(globs)} match no module of {type(model).__name__} — "
                          f"use patterns such as {DEFAULT_COLWISE[0]!r}")
-    return names
+    return [name for name in names if not matches(name, exclude)]
 
 
 def _check_divisible(model: nn.Module, names: Sequence[str], tp: int, field: str) -> None:
@@ -77,7 +81,7 @@ def _as_dtensor(x, mesh: DeviceMesh, placement: Placement, desired: Optional[Pla
 
 def _to_local(out, mesh: DeviceMesh, desired: Optional[Placement]):
     if isinstance(out, DTensor):
-        return (out if desired is None else out.redistribute(mesh, [desired])).to_local()
+        return local_tensor(out if desired is None else out.redistribute(mesh, [desired]))
     if isinstance(out, tuple):
         return tuple(_to_local(item, mesh, desired) for item in out)
     return out
@@ -141,8 +145,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, colwise: Sequen
         problems.append("sequence_parallel (--sequence-parallel): not supported with eager attention — use sdpa")
     if problems:
         raise UsageError(problems)
-    col_names = [n for n in _match_modules(model, colwise, "tp_colwise") if not _matches(n, exclude)]
-    row_names = [n for n in _match_modules(model, rowwise, "tp_rowwise") if not _matches(n, exclude)]
+    col_names = plan_modules(model, colwise, "tp_colwise", exclude)
+    row_names = plan_modules(model, rowwise, "tp_rowwise", exclude)
     both = sorted(set(col_names) & set(row_names))
     if both:
         raise UsageError(f"tp_colwise / tp_rowwise: {', '.join(both)} match both — make the globs disjoint")
@@ -182,16 +186,16 @@ def _replicate_the_rest(model: nn.Module, mesh: DeviceMesh, sequence_parallel: b
     memo: Dict[int, nn.Parameter] = {}
     for name, module in model.named_modules():
         own = list(module.parameters(recurse=False))
-        if not own or all(isinstance(p, DTensor) for p in own) or _matches(name, exclude):
+        if not own or all(isinstance(p, DTensor) for p in own) or matches(name, exclude):
             continue
         if module is embedding:
             _replicate_module(module, mesh, memo, Replicate(), output_desired=_SEQ if sequence_parallel else None)
         elif module is lm_head:
             _replicate_module(module, mesh, memo, _SEQ if sequence_parallel else Replicate(),
                               input_desired=Replicate() if sequence_parallel else None)
-        elif _matches(name, HEAD_NORM_GLOBS):
+        elif matches(name, HEAD_NORM_GLOBS):
             _replicate_module(module, mesh, memo, _HEADS)
-        elif sequence_parallel and _matches(name, SEQUENCE_NORM_GLOBS):
+        elif sequence_parallel and matches(name, SEQUENCE_NORM_GLOBS):
             _replicate_module(module, mesh, memo, _SEQ)
         elif sequence_parallel:
             raise UsageError(f"sequence_parallel (--sequence-parallel): does not know how {name} "

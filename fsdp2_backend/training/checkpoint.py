@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 
 from usage_errors import UsageError
 from fsdp2_backend.training import checkpoint_io as io
+from fsdp2_backend.training import rng_state
 from fsdp2_backend.training.hf_export import save_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -139,8 +140,8 @@ class CheckpointManager:
         rank = _rank()
         tmp_dir.mkdir(parents=True, exist_ok=True)  # every rank: no barrier needed before writing
         if self.save_rng:
-            io.rng_file(tmp_dir, rank).parent.mkdir(exist_ok=True)
-            torch.save(io.capture_rng_state(), io.rng_file(tmp_dir, rank))
+            rng_state.rng_file(tmp_dir, rank).parent.mkdir(exist_ok=True)
+            torch.save(rng_state.capture_rng_state(), rng_state.rng_file(tmp_dir, rank))
         with_optim = optimizer is not None and self.save_optim
         if rank == 0:
             self._write_rank0_files(tmp_dir, iteration, model, with_optim, scheduler, train_state, tokenizer,
@@ -289,7 +290,7 @@ def load_checkpoint(checkpoint: str | os.PathLike, model: torch.nn.Module,
 
 
 def _load_rng(checkpoint: Path, meta: dict) -> None:
-    path = io.rng_file(checkpoint, _rank())
+    path = rng_state.rng_file(checkpoint, _rank())
     if not meta["has_rng"]:
         logger.warning("%s holds no RNG state: RNG states are left as they are", checkpoint)
     elif not path.is_file():
@@ -297,4 +298,4 @@ def _load_rng(checkpoint: Path, meta: dict) -> None:
         logger.warning("%s has no RNG state for rank %d (saved by %d ranks)", checkpoint, _rank(),
                        meta["world_size"])
     else:
-        io.restore_rng_state(torch.load(path, weights_only=True))
+        rng_state.restore_rng_state(torch.load(path, weights_only=True))

@@ -1,4 +1,5 @@
-"""On-disk layout of our checkpoints: naming, atomic visibility, discovery, rotation, per-rank RNG files.
+"""On-disk layout of our checkpoints: naming, atomic visibility, discovery, rotation. Torch-free
+(config validation reads a checkpoint's model config through it); the per-rank RNG files are `rng_state`'s.
 
 A save directory looks like Megatron's::
 
@@ -28,14 +29,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional
-
-import numpy as np
-import torch
+from typing import NamedTuple, Optional
 
 from usage_errors import UsageError
 
@@ -48,7 +45,6 @@ RUN_CONFIG_FILE = "run_config.json"
 SCHEDULER_FILE = "scheduler.pt"
 EXTRA_FILE = "extra_state.pt"
 HF_META_DIR = "hf_meta"
-RNG_DIR = "rng"
 FORMAT = "fsdp2-dcp-v1"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 _TMP_SUFFIX = ".tmp"
@@ -56,8 +52,10 @@ _DELETING_SUFFIX = ".deleting"
 
 
 def print_rank0(line: str) -> None:
-    """User-facing checkpoint lines (Megatron's among them), on stdout of rank 0 as print_rank_0 writes."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+    """User-facing lines (Megatron's among them), on stdout of rank 0 as print_rank_0 writes."""
+    import torch.distributed as dist  # here, not at import: validation reads this module without torch
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(line, flush=True)
 
 
@@ -131,65 +129,91 @@ def resolve_checkpoint(path: os.PathLike | str) -> Optional[Path]:
     return newest_checkpoint(path)
 
 
-def find_resume_checkpoint(load_dir: Optional[str], save_dir: Optional[str]) -> Optional[Path]:
-    """Where a run resumes from, or None (then ``load_dir``, if any, holds HF weights to start from).
-
-    A restart of the same command must continue its own run, so ``save_dir``'s newest complete checkpoint
-    (see ``newest_checkpoint``) wins; otherwise ``load_dir`` when it holds one of our checkpoints (a root
-    with ``iter_*`` dirs, or an ``iter_*`` dir itself). Partial (``.tmp``) checkpoints are never returned.
-    """
-    for source, directory in (("save", save_dir), ("load", load_dir)):
-        if not directory:
-            continue
-        found = resolve_checkpoint(directory)
-        if found is None:
-            _refuse_foreign_checkpoint(Path(directory), source)
-        if found is not None:
-            print_rank0(f"resuming from the newest complete checkpoint {found} (found under the {source} "
-                        f"directory)")
-            return found
-    return None
-
-
-def _refuse_foreign_checkpoint(root: Path, source: str) -> None:
-    """A Megatron-LM (or other) checkpoint where ours would be: starting fresh there would silently ignore
-    it and overwrite its latest marker, so stop and say what to do."""
+def foreign_checkpoint(root: os.PathLike | str) -> Optional[str]:
+    """What a directory holds when it is a checkpoint this backend did not write (a Megatron-LM one), or None."""
+    root = Path(root)
     if not root.is_dir():
-        return
-    foreign = sorted(child.name for child in root.iterdir() if _ITER_RE.match(child.name) and child.is_dir())
-    if foreign or (root / LATEST_FILE).is_file():
-        flag = "--save / training.output_dir" if source == "save" else "--load / model.model_name_or_path"
-        raise UsageError(f"{flag}: {root} holds a checkpoint this backend did not write "
-                         f"({foreign[-1] if foreign else LATEST_FILE} without {META_FILE}; a Megatron-LM "
-                         f"checkpoint?) — convert it to Hugging Face format, --load that directory and --save "
-                         f"to a new one")
+        return None
+    iters = sorted(child for child in root.iterdir() if _ITER_RE.match(child.name) and child.is_dir())
+    if _ITER_RE.match(root.name):
+        iters = [root]
+    if not iters and not (root / LATEST_FILE).is_file():
+        return None
+    probe = iters[-1] if iters else root
+    names = {p.name for p in probe.iterdir()} if probe.is_dir() else set()
+    if "common.pt" in names or any(n.endswith(".distcp") for n in names) and META_FILE not in names:
+        kind = "a Megatron-LM distributed (torch_dist) checkpoint"
+    elif any(n.startswith("mp_rank_") for n in names):
+        kind = "a Megatron-LM legacy (mp_rank_*) checkpoint"
+    else:
+        kind = f"a checkpoint this backend did not write ({probe.name} without {META_FILE})"
+    return kind
+
+
+class ResumePoint(NamedTuple):
+    """Where a run starts: the checkpoint to load (None: from the model's weights or from scratch), whether it
+    loads as --finetune (weights only, iteration 0), and a line saying why, for the log."""
+
+    checkpoint: Optional[Path]
+    finetune: bool
+    reason: str
+
+
+def resume_point(save_dir: Optional[str], resume_from_checkpoint: Optional[str], model_dir: Optional[str] = None,
+                 finetune: bool = False) -> ResumePoint:
+    """Decides where a run starts, reading only the file system (no torch, no printing; call it anywhere).
+
+    1. An explicit `resume_from_checkpoint` naming one complete `iter_*` checkpoint.
+    2. The newest complete checkpoint under `save_dir`: a restart of the same command continues its own run
+       (so a `--finetune` restart does not reset it again).
+    3. `resume_from_checkpoint` naming a save directory (Megatron's `--load`): its newest checkpoint; a directory
+       that holds none yet, or does not exist yet, starts the run from scratch, as Megatron's --load does.
+    4. `model_dir` (model_name_or_path) when it is one of our checkpoints instead of an HF directory.
+    A Megatron-LM checkpoint in any of these places is refused with what it is.
+    """
+    def refuse_foreign(path, flag):
+        kind = foreign_checkpoint(path)
+        if kind:
+            raise UsageError(f"{flag}: {path} holds {kind} — importing Megatron-LM checkpoints is not supported "
+                             f"yet: convert it to Hugging Face format and give that directory as the model "
+                             f"(--load HF_DIR / model.model_name_or_path), with --save pointing elsewhere")
+
+    explicit = Path(resume_from_checkpoint) if resume_from_checkpoint else None
+    if explicit is not None and _ITER_RE.match(explicit.name):
+        if not is_complete_checkpoint(explicit):
+            refuse_foreign(explicit, "training.resume_from_checkpoint (--load)")
+            raise UsageError(f"training.resume_from_checkpoint (--load): {explicit} is not a complete checkpoint "
+                             f"(no {META_FILE} or .metadata: an interrupted save?) — give another iter_* directory "
+                             f"or the save directory itself")
+        return ResumePoint(explicit, finetune and not is_restart(explicit, save_dir),
+                           f"resuming from {explicit} (resume_from_checkpoint)")
+    if save_dir:
+        found = newest_checkpoint(save_dir)
+        if found is not None:
+            return ResumePoint(found, False, f"resuming from the newest complete checkpoint {found} (found under "
+                                             f"the save directory)")
+        refuse_foreign(save_dir, "training.output_dir (--save)")
+    if explicit is not None:
+        found = newest_checkpoint(explicit)
+        if found is not None:
+            return ResumePoint(found, finetune and not is_restart(found, save_dir),
+                               f"resuming from the newest complete checkpoint {found} (found under {explicit})")
+        refuse_foreign(explicit, "training.resume_from_checkpoint (--load)")
+        return ResumePoint(None, False, f"no checkpoint found in {explicit}: training starts from scratch (as "
+                                        f"Megatron's --load does)")
+    if model_dir and Path(model_dir).is_dir() and not (Path(model_dir) / "config.json").is_file():
+        found = resolve_checkpoint(model_dir)
+        if found is not None:
+            return ResumePoint(found, finetune and not is_restart(found, save_dir),
+                               f"resuming from the newest complete checkpoint {found} (found under the model "
+                               f"directory)")
+        refuse_foreign(model_dir, "model.model_name_or_path (--load)")
+    return ResumePoint(None, False, "")
 
 
 def is_restart(checkpoint: os.PathLike | str, save_dir: Optional[str]) -> bool:
     """True when ``checkpoint`` lies in ``save_dir``: a restart of this run (``--finetune`` must not reset it)."""
     return bool(save_dir) and Path(checkpoint).resolve().parent == Path(save_dir).resolve()
-
-
-def choose_resume(load_dir: Optional[str], save_dir: Optional[str], resume_from_checkpoint: Optional[str] = None,
-                  finetune: bool = False) -> tuple[Optional[Path], bool]:
-    """The trainer's one call: (checkpoint to load or None, whether to load it as ``--finetune``).
-
-    An explicit ``resume_from_checkpoint`` (an ``iter_*`` dir, or a dir whose newest one is taken) wins and
-    must hold a complete checkpoint; otherwise ``find_resume_checkpoint``. ``finetune`` applies to a
-    checkpoint from elsewhere only: a restart of this run continues it instead of resetting it again.
-    """
-    if resume_from_checkpoint:
-        found = resolve_checkpoint(resume_from_checkpoint)
-        if found is None:
-            raise UsageError(f"training.resume_from_checkpoint: {resume_from_checkpoint} holds no complete "
-                             f"checkpoint (an iter_* directory with {META_FILE}) — point it at an iter_* "
-                             f"directory or at the --save directory of a run, or unset it")
-        print_rank0(f"resuming from {found} (resume_from_checkpoint)")
-    else:
-        found = find_resume_checkpoint(load_dir, save_dir)
-    if found is None:
-        return None, False
-    return found, finetune and not is_restart(found, save_dir)
 
 
 def remove_stale_partials(root: Path) -> None:
@@ -248,38 +272,3 @@ def write_json(path: Path, data: dict) -> None:
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
-
-
-def rng_file(checkpoint: Path, rank: int) -> Path:
-    return checkpoint / RNG_DIR / f"rank_{rank:05d}.pt"
-
-
-def _device_module():
-    """The torch module of the current accelerator (torch.cuda, torch.npu, ...), or None on CPU."""
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    return torch.get_device_module(accelerator) if accelerator is not None else None
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """This rank's RNG states as plain values and tensors (loadable with ``weights_only=True``)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(keys.copy()), pos, has_gauss, cached),
-        "torch_cpu": torch.get_rng_state(),
-    }
-    module = _device_module()
-    if module is not None:
-        state["device"] = module.get_rng_state()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    python = state["python"]
-    random.setstate((python[0], tuple(python[1]), python[2]))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch_cpu"])
-    module = _device_module()
-    if module is not None and "device" in state:
-        module.set_rng_state(state["device"])

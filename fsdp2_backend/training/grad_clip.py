@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fsdp2_backend.distributed.dtensor import local_tensor
+
 try:  # DTensor placement classes (torch >= 2.4)
     from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # pragma: no cover - older torch keeps them under _tensor
@@ -34,10 +36,6 @@ def _shard_key(grad: Tensor) -> Tuple:
     return (grad.device_mesh, dims) if dims else ()
 
 
-def _local(grad: Tensor) -> Tensor:
-    return grad.to_local() if isinstance(grad, DTensor) else grad
-
-
 def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> Tensor:
     """The global gradient norm (fp32 scalar on the gradients' device), identical on every rank."""
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -46,8 +44,8 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float =
     inf_norm = math.isinf(norm_type)
     groups: Dict[Tuple, List[Tensor]] = defaultdict(list)
     for g in grads:
-        groups[_shard_key(g)].append(_local(g))
-    device = _local(grads[0]).device
+        groups[_shard_key(g)].append(local_tensor(g))
+    device = local_tensor(grads[0]).device
     total = torch.zeros((), dtype=torch.float32, device=device)
     for key, tensors in groups.items():
         if inf_norm:
@@ -77,5 +75,5 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float,
     if max_norm > 0 and torch.isfinite(norm):
         coeff = max_norm / (norm.item() + 1.0e-6)
         if coeff < 1.0:
-            torch._foreach_mul_([_local(p.grad) for p in params], coeff)
+            torch._foreach_mul_([local_tensor(p.grad) for p in params], coeff)
     return norm

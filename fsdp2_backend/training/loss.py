@@ -7,10 +7,10 @@ divided by the token count of the whole global batch after the reduction. The re
 token-weighted over the global batch.
 
 Every cross-rank reduction here is an explicit all_reduce(SUM) followed by a division: FSDP2's AVG reduction
-can sum instead of average on gloo (pytorch#162338), so the trainer must make FSDP reduce with a plain SUM —
-on every FSDP module: `m.set_gradient_divide_factor(1.0)` and `m.set_force_sum_reduction_for_comms(True)`
-(without the second, FSDP uses PREMUL_SUM, which gloo rejects) — and the 1/dp of Megatron's averaging is folded
-into the backward loss by `GlobalBatchLoss.backward_loss`.
+can sum instead of average on gloo (pytorch#162338), so FSDP reduces with a plain SUM — the gradient policy that
+`parallel.apply.set_gradient_policy` sets on every FSDP module — and the 1/dp of Megatron's averaging is folded
+into the backward loss by `GlobalBatchLoss.backward_loss`, the one loss normaliser (dp, cp, per-token and MoE
+aux-loss scaling).
 
 Labels are already shifted (Megatron's `labels[i] = tokens[i + 1]`), so logits[:, i] scores labels[:, i].
 """
@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+from fsdp2_backend.distributed.dtensor import local_tensor
 
 
 def masked_loss_sum(logits: Tensor, labels: Tensor, loss_mask: Tensor) -> Tuple[Tensor, Tensor]:
@@ -72,15 +74,32 @@ class GlobalBatchLoss:
     """
 
     def __init__(self, *, num_microbatches: int, dp_size: int, calculate_per_token_loss: bool,
-                 dp_group: Optional[dist.ProcessGroup] = None):
+                 dp_group: Optional[dist.ProcessGroup] = None, cp_size: int = 1,
+                 cp_group: Optional[dist.ProcessGroup] = None):
         self.num_microbatches, self.dp_size = num_microbatches, dp_size
         self.per_token = calculate_per_token_loss
         self.dp_group = dp_group
+        self.cp_size, self.cp_group = cp_size, cp_group
         self._loss_sum: Optional[Tensor] = None
         self._tokens: Optional[Tensor] = None
 
-    def backward_loss(self, loss_sum: Tensor, num_tokens: Tensor) -> Tensor:
-        """The scalar to call `.backward()` on for this micro-batch (also records it for the report)."""
+    def backward_loss(self, loss_sum: Tensor, num_tokens: Tensor, aux_loss: Optional[Tensor] = None) -> Tensor:
+        """The scalar to call `.backward()` on for this micro-batch (also records it for the report).
+
+        Context parallel: this rank holds part of the sequence, and the micro-batch's mean runs over the whole
+        sequence: the rank's share is its tokens over all cp ranks' tokens, times cp (the 1/(dp x cp) below
+        and the SUM over the sequence's ranks make it whole). `aux_loss` (MoE load balancing, already weighted)
+        joins the backward loss averaged like the lm loss, as Megatron adds it; it is not reported."""
+        scaled = self._lm_backward_loss(loss_sum, num_tokens)
+        if self.cp_size > 1 and not self.per_token:
+            total = num_tokens.detach().float().clone()
+            dist.all_reduce(total, group=self.cp_group)
+            scaled = scaled * (num_tokens.detach().float() * self.cp_size / total.clamp(min=1))
+        if aux_loss is not None:
+            scaled = scaled + aux_loss / (self.num_microbatches * self.dp_size)
+        return scaled
+
+    def _lm_backward_loss(self, loss_sum: Tensor, num_tokens: Tensor) -> Tensor:
         detached = torch.stack([loss_sum.detach().float(), num_tokens.detach().float()])
         if self._loss_sum is None:
             self._loss_sum, self._tokens = detached[0].clone(), detached[1].clone()
@@ -100,13 +119,10 @@ class GlobalBatchLoss:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.dp_group)
         loss_sum, tokens = totals.tolist()
         if self.per_token and tokens > 0:
-            grads = [_local(p.grad) for p in parameters if p.grad is not None]
+            grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, 1.0 / tokens)
         self._loss_sum = self._tokens = None
         return loss_sum / tokens if tokens > 0 else float("nan")
 
 
-def _local(tensor: Tensor) -> Tensor:
-    """The local shard of a DTensor (in-place ops on it change the DTensor), or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from usage_errors import UsageError
+from fsdp2_backend.distributed.device import torch_npu_module
 
 _TORCH_LEVEL_OPTIONS = {"level_none": {}, "level0": {}, "level1": {"with_modules": True},
                         "level2": {"with_modules": True, "with_flops": True}}
@@ -130,7 +131,8 @@ def _check(profiling: Any, device_type: str) -> None:
 
 def _npu_profiler(a: Any):
     """torch_npu.profiler.profile configured from the seed's fields (Ascend only)."""
-    import torch_npu  # noqa: F401  (imported only on NPU runs; never installed in CI)
+    if torch_npu_module() is None:  # the one NPU probe; torch_npu is never imported before it said yes
+        raise RuntimeError("profiler: this run is on npu but torch_npu does not import or sees no NPU")
     from torch_npu import profiler as npu_prof
 
     config = npu_prof._ExperimentalConfig(

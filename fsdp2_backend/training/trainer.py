@@ -16,26 +16,21 @@ An iteration whose loss or gradient norm is not finite is skipped (no update, no
 counted in "number of skipped iterations" (and in "number of nan iterations" when the loss is not finite),
 as Megatron counts them. fp16 uses Megatron's dynamic loss scale (`loss_scaler`).
 
-Checkpoint hooks: `Trainer.state` (a `TrainState`) is what a checkpoint stores besides model, optimizer,
-scheduler and loss scaler; `save_hook(trainer, reason)` is called at `save_steps` multiples, at
-`exit_interval` and at the end ("interval" / "exit" / "final"); `run_training`'s `resume_hook` restores
-everything before the data loaders are built at the restored consumed samples.
+The trainer runs the loop over a `build.TrainJob` and nothing else: assembly (model, data, resume) is
+`fsdp2_backend.build`'s. Checkpoints: the job's checkpointer saves at `save_steps` multiples (0: none), at
+`exit_interval` and at the end ("interval" / "exit" / "final").
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
-from fsdp2_backend.config import Config
-from fsdp2_backend.distributed.context import ParallelContext
-from usage_errors import UsageError
+from fsdp2_backend.distributed.dtensor import local_tensor
 from fsdp2_backend.training.chunked_forward import check_chunked_loss_model, chunked_loss_forward
 from fsdp2_backend.training.exit_conditions import ExitTimer
 from fsdp2_backend.training.grad_clip import clip_grad_norm
@@ -89,48 +84,34 @@ class TrainResult:
     state: TrainState = field(default_factory=TrainState)
 
 
-def enable_sum_gradient_reduction(model: nn.Module) -> None:
-    """Makes every FSDP unit SUM its gradients (no division): the loss carries the 1/dp factor instead."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
-            module.set_gradient_divide_factor(1.0)
-
-
 class Trainer:
     """Runs iterations over `train_batches` (this rank's micro-batches, in order) until `train_iters`."""
 
-    def __init__(self, config: Config, ctx: ParallelContext, model: nn.Module, optimizer, scheduler,
-                 train_batches: Iterator[Batch], train_iters: int, *, micro_batches: int,
-                 valid_batches: Optional[Iterator[Batch]] = None, logger: Optional[TrainLogger] = None,
-                 loss_fn: Callable = masked_loss_sum, clip_fn: Callable = clip_grad_norm,
-                 profiler: Optional[StepProfiler] = None, save_hook: Optional[Callable] = None,
-                 state: Optional[TrainState] = None, loss_scaler: Optional[LossScaler] = None,
-                 test_batches: Optional[Iterator[Batch]] = None, start_time: Optional[float] = None,
-                 epoch_save_interval: Optional[int] = None):
-        self.config, self.ctx, self.model = config, ctx, model
-        self.optimizer, self.scheduler = optimizer, scheduler
-        self.train_batches, self.valid_batches, self.test_batches = train_batches, valid_batches, test_batches
-        self.train_iters, self.micro_batches = train_iters, micro_batches
-        self.loss_fn, self.clip_fn = loss_fn, clip_fn
-        self.profiler, self.save_hook = profiler, save_hook
-        self.epoch_save_interval = epoch_save_interval  # save_epochs, in iterations, when training by epochs
-        self.state = state or TrainState()
-        self.loss_scaler = loss_scaler or LossScaler.for_dtype(config.parallel.param_dtype)
-        self.global_batch_size = micro_batches * config.training.per_device_train_batch_size * ctx.dp_size
-        self.logger = logger or TrainLogger(
-            train_iters=train_iters, log_interval=config.training.logging_steps,
+    def __init__(self, job):
+        config, ctx, model = job.config, job.ctx, job.model
+        self.job, self.config, self.ctx, self.model = job, config, ctx, model
+        self.optimizer, self.scheduler = job.optimizer, job.scheduler
+        self.train_batches, self.valid_batches, self.test_batches = (job.train_batches, job.valid_batches,
+                                                                     job.test_batches)
+        self.train_iters, self.micro_batches = job.train_iters, job.micro_batches
+        self.loss_fn, self.clip_fn = job.loss_fn or masked_loss_sum, job.clip_fn or clip_grad_norm
+        self.profiler, self.checkpointer = job.profiler, job.checkpointer
+        self.epoch_save_interval = job.epoch_save_interval
+        self.state = job.state if job.state is not None else TrainState()
+        self.loss_scaler = job.loss_scaler or LossScaler.for_dtype(config.parallel.param_dtype)
+        self.global_batch_size = self.micro_batches * config.training.per_device_train_batch_size * ctx.dp_size
+        self.logger = job.logger or TrainLogger(
+            train_iters=self.train_iters, log_interval=config.training.logging_steps,
             global_batch_size=self.global_batch_size, world_size=ctx.world_size, device=ctx.device.torch_device,
             is_logging_rank=ctx.is_last_rank, tokens_per_iteration=self.global_batch_size * config.data.cutoff_len,
             tensorboard_dir=config.training.tensorboard_dir)
         self.device = ctx.device.torch_device
-        self.exit_timer = ExitTimer(config.training.exit_duration_in_mins, start=start_time, device=self.device)
+        self.exit_timer = ExitTimer(config.training.exit_duration_in_mins, start=job.start_time, device=self.device)
         self.loss_group = ctx.loss_mesh.get_group()
         self.cp_size = ctx.cp_mesh.size()
         self.chunk_loss_size = config.optimization.chunk_loss_size  # when set, `loss_fn` is not used
         if self.chunk_loss_size:
             check_chunked_loss_model(model)
-        enable_sum_gradient_reduction(model)
 
     # -- one iteration -------------------------------------------------------------------------------------
     def _forward_loss(self, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -154,15 +135,6 @@ class Trainer:
             aux = aux * getattr(self.model, "router_aux_loss_coef", self.model.config.router_aux_loss_coef)
         return loss_sum, count, aux
 
-    def _sequence_share(self, count: torch.Tensor) -> torch.Tensor:
-        """Under context parallel a micro-batch's mean runs over the whole sequence: this rank's tokens over
-        all cp ranks' tokens, times cp (GlobalBatchLoss divides by dp x cp, the sequence's ranks SUM)."""
-        if self.cp_size == 1 or self.config.training.calculate_per_token_loss:
-            return torch.ones((), device=self.device)
-        total = count.detach().float().clone()
-        dist.all_reduce(total, group=self.ctx.cp_mesh.get_group())
-        return count.detach().float() * self.cp_size / total.clamp(min=1)
-
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.ctx.loss_mesh.size() > 1:
             dist.all_reduce(tensor, group=self.loss_group)
@@ -173,16 +145,14 @@ class Trainer:
         self.model.train()
         accounting = GlobalBatchLoss(num_microbatches=self.micro_batches, dp_size=self.ctx.loss_mesh.size(),
                                      calculate_per_token_loss=self.config.training.calculate_per_token_loss,
-                                     dp_group=self.loss_group)
+                                     dp_group=self.loss_group, cp_size=self.cp_size,
+                                     cp_group=self.ctx.cp_mesh.get_group())
         tokens = 0
         for _ in range(self.micro_batches):
             batch = next(self.train_batches)
             tokens += batch["tokens"].numel()
             loss_sum, count, aux = self._forward_loss(batch)
-            scaled = accounting.backward_loss(loss_sum, count) * self._sequence_share(count)
-            if aux is not None:  # Megatron adds it to the backward loss, averaged like the lm loss
-                scaled = scaled + aux / (self.micro_batches * self.ctx.loss_mesh.size())
-            (scaled * self.loss_scaler.scale).backward()
+            (accounting.backward_loss(loss_sum, count, aux) * self.loss_scaler.scale).backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
         loss = accounting.finish(params)
         grad_norm = self._unscale_and_clip(params)
@@ -199,8 +169,7 @@ class Trainer:
 
     def _unscale_and_clip(self, params) -> float:
         if self.loss_scaler.scale != 1.0:
-            torch._foreach_div_([p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params],
-                                self.loss_scaler.scale)
+            torch._foreach_div_([local_tensor(p.grad) for p in params], self.loss_scaler.scale)
         return float(self.clip_fn(params, self.config.training.max_grad_norm))
 
     # -- validation ----------------------------------------------------------------------------------------
@@ -243,7 +212,7 @@ class Trainer:
                 self.profiler.step(iteration)
             if training.eval_interval and iteration % training.eval_interval == 0 and self.valid_batches:
                 result.valid_losses.append((iteration, self._validate(iteration)))
-            if self.save_hook is not None and self._save_due(iteration):
+            if self._save_due(iteration):
                 self._save("interval")
             if self.exit_timer.should_exit() or (training.exit_interval and iteration % training.exit_interval == 0):
                 self._save("exit")
@@ -264,7 +233,8 @@ class Trainer:
         return result
 
     def _save_due(self, iteration: int) -> bool:
-        """Every save_steps iterations, and every save_epochs epochs when training by epochs."""
+        """Every save_steps iterations (0: no periodic saves, MindSpeed's meaning), and every save_epochs epochs
+        when training by epochs."""
         steps, epochs = self.config.training.save_steps, self.epoch_save_interval
         return bool((steps and iteration % steps == 0) or (epochs and iteration % epochs == 0))
 
@@ -275,110 +245,6 @@ class Trainer:
         return loss
 
     def _save(self, reason: str) -> None:
-        if self.save_hook is not None:
+        if self.checkpointer is not None:
             with self.logger.paused():
-                self.save_hook(self, reason)
-
-
-# -- assembly: Config → everything above → TrainResult -----------------------------------------------------
-def _decline_unsupported(config: Config) -> None:
-    problems = []
-    if config.training.stage != "pt" or config.data.data_manager_type != "mg":
-        problems.append(f"training.stage / data.data_manager_type: '{config.training.stage}' / "
-                        f"'{config.data.data_manager_type}' — only pretraining (stage pt, data_manager_type mg) is "
-                        f"available in this version; SFT comes later")
-    chunk = config.optimization.chunk_loss_size
-    if chunk is not None and chunk <= 0:
-        problems.append(f"optimization.chunk_loss_size: {chunk} is not a positive number of tokens — give a "
-                        f"positive chunk size or leave it unset")
-    if chunk and config.parallel.tp_size > 1:
-        problems.append("optimization.chunk_loss_size: not available with tensor parallel (parallel.tp_size "
-                        f"{config.parallel.tp_size}) yet — unset chunk_loss_size or use tp_size 1")
-    if problems:
-        raise UsageError(problems)
-
-
-def seed_everything(seed: int) -> None:
-    """Python, numpy and torch RNGs (Megatron's --seed; every rank the same: the data order is the sampler's)."""
-    import random
-
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _train_length(config: Config, global_batch_size: int, build_data: Callable) -> Tuple[int, Optional[int]]:
-    """(train_iters, iterations per epoch or None). Megatron's length: max_steps (--train-iters),
-    train_samples // gbs, or num_train_epochs of the train split (its one-epoch sample count read from a
-    one-iteration build); only that last way knows an epoch's length."""
-    training = config.training
-    if training.max_steps and training.max_steps > 0:
-        return training.max_steps, None
-    if training.train_samples:
-        return training.train_samples // global_batch_size, None
-    epoch_samples = len(build_data(1).datasets[0] or ())
-    iters = int(training.num_train_epochs * epoch_samples) // global_batch_size
-    if iters < 1:
-        raise UsageError(f"training.num_train_epochs: {training.num_train_epochs} epochs of {epoch_samples} samples "
-                         f"make no global batch of {global_batch_size} — train longer or set max_steps")
-    return iters, max(epoch_samples // global_batch_size, 1)
-
-
-def run_training(config: Config, save_hook: Optional[Callable] = None,
-                 resume_hook: Optional[Callable] = None) -> TrainResult:
-    """Trains per `config` (validated) on this process's rank; the entry point of pretrain_fsdp2.py.
-
-    Checkpoint call sites: `resume_hook(model=, optimizer=, scheduler=, state=, loss_scaler=, tokenizer=)`
-    runs once everything is built and before the data is (it may restore all of them in place; the loaders
-    then start at `state.consumed_train_samples`); `save_hook(trainer, reason)` as in `Trainer`.
-    """
-    from fsdp2_backend.data.pretrain import build_pretrain_data, data_iterator
-    from fsdp2_backend.models.setup import setup_model_and_tokenizer
-    from fsdp2_backend.training.optimizer import build_optimizer
-    from fsdp2_backend.training.scheduler import ParamScheduler, scheduler_steps
-
-    start_time = time.time()  # Megatron's --exit-duration-in-mins counts from the start of the run
-    _decline_unsupported(config)
-    ctx = ParallelContext.create(config.parallel)
-    try:
-        training = config.training
-        seed_everything(training.seed)
-        bundle = setup_model_and_tokenizer(config, ctx)
-        mbs, micro_batches = training.per_device_train_batch_size, training.gradient_accumulation_steps
-        gbs = mbs * micro_batches * ctx.dp_size
-        state = TrainState()
-
-        def build_data(iters: int):
-            return build_pretrain_data(config, bundle.tokenizer, ctx.dp_rank, ctx.dp_size,
-                                       state.consumed_train_samples, gbs, mbs, iters,
-                                       consumed_valid_samples=state.consumed_valid_samples)
-
-        train_iters, epoch_iters = _train_length(config, gbs, build_data)
-        optimizer = build_optimizer(bundle.model, name=training.optimizer, lr=training.lr,
-                                    weight_decay=training.weight_decay,
-                                    betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_epsilon,
-                                    decoupled_lr=training.decoupled_lr, decoupled_min_lr=training.decoupled_min_lr,
-                                    apply_wd_to_qk_layernorm=training.apply_wd_to_qk_layernorm)
-        scheduler = ParamScheduler(optimizer, **scheduler_steps(training, gbs, train_iters))
-        loss_scaler = LossScaler.for_dtype(config.parallel.param_dtype)
-        if resume_hook is not None:
-            resume_hook(model=bundle.model, optimizer=optimizer, scheduler=scheduler, state=state,
-                        loss_scaler=loss_scaler, tokenizer=bundle.tokenizer)
-        data = build_data(train_iters)
-        if data.train_loader is None:
-            raise UsageError("data.dataset: the training split is empty — check data.split and the data paths")
-        profiler = StepProfiler(config.profiling, rank=ctx.rank, device_type=ctx.device.type,
-                                first_iteration=state.iteration) if config.profiling.profile else None
-        trainer = Trainer(config, ctx, bundle.model, optimizer, scheduler,
-                          data_iterator(data.train_loader, config.data.dataloader_type), train_iters,
-                          micro_batches=micro_batches,
-                          valid_batches=data_iterator(data.valid_loader, config.data.dataloader_type),
-                          test_batches=data_iterator(data.test_loader, config.data.dataloader_type),
-                          profiler=profiler, save_hook=save_hook, state=state, loss_scaler=loss_scaler,
-                          start_time=start_time,
-                          epoch_save_interval=epoch_iters * training.save_epochs if epoch_iters else None)
-        return trainer.train()
-    finally:
-        ctx.close()
+                self.checkpointer.save(self.state.iteration, reason, self.train_iters)

@@ -7,7 +7,7 @@ while the blend itself takes sum(ceil(size * weight)); an unweighted blend weigh
 (capped at the requested size, exhaustive when None); a split's documents are
 [round(begin * n), round(end * n)); per-split blends use the whole dataset for their split; multiple
 validation sets give a list. Ranks: the cache-building rank constructs first, a barrier, then the others
-(which only load caches); ranks for which `is_built_on_rank()` is False get None.
+(which only load caches) — `utils.rank_zero_first`; ranks for which `is_built_on_rank()` is False get None.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import numpy
 from megatron_compat.data.blended import BlendedDataset
 from megatron_compat.data.dataset_config import BlendedMegatronDatasetConfig
 from megatron_compat.data.megatron_dataset import MegatronDataset
-from megatron_compat.data.utils import Split, barrier, builds_caches_first, distributed, normalize
+from megatron_compat.data.utils import (Split, barrier, builds_caches_first, distributed, normalize,
+                                     rank_zero_first)
 
 logger = logging.getLogger(__name__)
 
@@ -127,16 +128,7 @@ class BlendedMegatronDatasetBuilder:
                 for j, dataset in enumerate(self._build_megatron_dataset_splits(prefix, split, sizes, False)):
                     datasets[j].append(dataset)
 
-        first = builds_caches_first(self.config.shared_storage)
-        error = None
-        if first:
-            try:
-                build_all()
-            except Exception as exc:  # reaches the waiting ranks through the barrier
-                error = exc
-        barrier(error)
-        if not first:
-            build_all()
+        rank_zero_first(build_all, self.config.shared_storage)
         return datasets
 
     def _build_megatron_dataset_splits(self, dataset_path: Optional[str], split: List[Optional[tuple]],
@@ -171,23 +163,20 @@ class BlendedMegatronDatasetBuilder:
         if not distributed():
             return cls(*args)
         config = next((a for a in args if isinstance(a, BlendedMegatronDatasetConfig)), None)
-        first = builds_caches_first(True if config is None else config.shared_storage)
-        dataset, error = None, None
-        if first and is_built_on_rank():
+        shared_storage = True if config is None else config.shared_storage
+
+        def build() -> Optional[Any]:
+            if not is_built_on_rank():
+                return None
             try:
-                dataset = cls(*args)
+                return cls(*args)
             except OSError as err:
-                error = OSError(f"Failed to write dataset index caches: supply a folder you can write to as "
-                                f"path_to_cache (--data-cache-path): {err}")
-            except Exception as exc:
-                error = exc
-        if synchronize_ranks:
-            barrier(error)
-        elif error is not None:
-            raise error
-        if not first and is_built_on_rank():
-            dataset = cls(*args)
-        return dataset
+                if not builds_caches_first(shared_storage):
+                    raise  # the other ranks only read the caches
+                raise OSError(f"Failed to write dataset index caches: supply a folder you can write to as "
+                              f"path_to_cache (--data-cache-path): {err}") from err
+
+        return rank_zero_first(build, shared_storage, synchronize=synchronize_ranks)
 
 
 def _get_size_per_split_per_dataset(normalized_weights: List[float], target_size_per_split: List[Optional[int]],

@@ -10,7 +10,9 @@ are not in merge order, post-processors other than a template (e.g. a BOS) or By
 
 `select_fast_path(tokenizer, sample)` builds it and checks it against the HF tokenizer on a sample of the
 real input (plus probes around every added token); it returns None and the reason when it cannot be used,
-so callers fall back to the HF tokenizer.
+so callers fall back to the HF tokenizer. `tokenizer` is megatron_compat's HF wrapper or a transformers
+tokenizer itself; the `tokenizers.Tokenizer` is found by `rust_tokenizer` (on transformers 5 a transformers
+tokenizer's `.backend` is the *name* of its backend, "tokenizers" or "sentencepiece", not the object).
 """
 from __future__ import annotations
 
@@ -204,9 +206,28 @@ def _probes(added_tokens: Sequence[str]) -> List[str]:
     return probes
 
 
+def rust_tokenizer(tokenizer):
+    """The `tokenizers.Tokenizer` behind `tokenizer` (megatron_compat's HF wrapper, or a transformers fast
+    tokenizer), or None (a slow / SentencePiece tokenizer). Only an object with `to_str` counts: on
+    transformers 5 `PreTrainedTokenizerBase.backend` is a string naming the backend."""
+    for owner in (tokenizer, getattr(tokenizer, "hf", None)):
+        for name in ("backend_tokenizer", "_tokenizer", "backend"):
+            candidate = getattr(owner, name, None) if owner is not None else None
+            if callable(getattr(candidate, "to_str", None)):
+                return candidate
+    return None
+
+
+def _reference_ids(tokenizer, texts: Sequence[str]) -> List[List[int]]:
+    """The ids the slow path gives: megatron_compat's `tokenize_batch`, else the transformers call itself."""
+    if hasattr(tokenizer, "tokenize_batch"):
+        return tokenizer.tokenize_batch(texts)
+    return [list(ids) for ids in tokenizer(list(texts))["input_ids"]] if texts else []
+
+
 def first_disagreement(fast, tokenizer, texts: Sequence[str]) -> Optional[int]:
     """The index of the first text a fast path tokenizes differently from the reference tokenizer, or None."""
-    expected = tokenizer.tokenize_batch(texts)
+    expected = _reference_ids(tokenizer, texts)
     for n, (text, ids) in enumerate(zip(texts, expected)):
         if fast.tokenize(text) != ids:
             return n
@@ -215,9 +236,10 @@ def first_disagreement(fast, tokenizer, texts: Sequence[str]) -> Optional[int]:
 
 def select_fast_path(tokenizer, sample: Sequence[str]) -> Tuple[Optional[TiktokenBPE], str]:
     """(fast tokenizer or None, what was decided and why), checked against `tokenizer` on `sample`."""
-    backend = getattr(tokenizer, "backend", None)
+    backend = rust_tokenizer(tokenizer)
     if backend is None:
-        return None, f"{tokenizer.tokenizer_type} has no byte-level BPE fast path"
+        kind = getattr(tokenizer, "tokenizer_type", None) or type(tokenizer).__name__
+        return None, f"{kind} has no byte-level BPE fast path (no `tokenizers` backend)"
     try:
         fast = TiktokenBPE.from_hf(backend.to_str(), getattr(tokenizer, "include_special_tokens", True))
     except NotRepresentable as exc:

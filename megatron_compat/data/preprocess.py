@@ -179,6 +179,17 @@ class _Progress:
                       f"{self.nbytes / elapsed / 1024 / 1024} MB/s).", file=self.log, flush=True)
 
 
+def _megatron_surface(tokenizer):
+    """`tokenizer` with megatron_compat's surface (`tokenize_batch`, `eod`, `vocab_size` with added tokens,
+    `tokenizer_type`): a transformers tokenizer is wrapped as PretrainedFromHF, as the engine's
+    `load_tokenizer` does; anything else is returned as is."""
+    if hasattr(tokenizer, "tokenize_batch") or not callable(getattr(tokenizer, "convert_tokens_to_ids", None)):
+        return tokenizer
+    from megatron_compat.data.tokenizer import HuggingFaceTokenizer
+
+    return HuggingFaceTokenizer.from_hf(tokenizer)
+
+
 def preprocess_files(inputs: Union[str, Sequence[str]], output_prefix: str, json_keys: Sequence[str] = ("text",),
                      tokenizer=None, append_eod: bool = False, workers: int = 1, split_sentences: bool = False,
                      keep_newlines: bool = False, lang: str = "english", partitions: int = 1,
@@ -187,7 +198,8 @@ def preprocess_files(inputs: Union[str, Sequence[str]], output_prefix: str, json
                      log: Optional[TextIO] = None) -> Dict[str, str]:
     """Tokenizes `inputs` into one indexed dataset per JSON key; returns {key: dataset prefix}.
 
-    `tokenizer` comes from `megatron_compat.data.tokenizer.build_tokenizer`. `fast=False` disables the
+    `tokenizer` comes from `megatron_compat.data.tokenizer.build_tokenizer` (or is a transformers tokenizer,
+    then read as PretrainedFromHF: `tokenizer(text)` ids, special tokens included). `fast=False` disables the
     tiktoken fast paths. `skip_empty` applies MindSpeed-LLM's rules (empty sentences not tokenized, documents
     without ids left out); by default it follows the tokenizer type (PretrainedFromHF is MindSpeed's).
     Messages (tokenizer choice, progress) go to `log` (stderr by default).
@@ -207,6 +219,7 @@ def preprocess_files(inputs: Union[str, Sequence[str]], output_prefix: str, json
         problems.append("tokenizer: none given — build one with megatron_compat.data.tokenizer.build_tokenizer")
     if problems:
         raise UsageError(problems)
+    tokenizer = _megatron_surface(tokenizer)
     paths = expand_inputs(inputs)
     for path in paths:
         print(f"Opening {path}", file=log)

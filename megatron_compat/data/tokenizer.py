@@ -83,13 +83,35 @@ class HuggingFaceTokenizer(_Tokenizer):
             where = "not found" if not os.path.exists(name_or_path) else "cannot be loaded"
             raise UsageError(f"{flag}: tokenizer {name_or_path} {where} ({str(exc).splitlines()[0]}) — give "
                              "a local tokenizer directory (tokenizer.json / tokenizer_config.json)") from None
-        eos = self.hf.eos_token_id if self.hf.eos_token_id is not None else self.hf.sep_token_id
-        self.eod = eos
-        self.bos = self.hf.bos_token_id
-        self.pad = self.hf.pad_token_id
-        self.vocab_size = len(self.hf)
+        self._read_ids()
+
+    @classmethod
+    def from_hf(cls, hf, tokenizer_type: str = "PretrainedFromHF",
+                include_special_tokens: bool = True) -> "HuggingFaceTokenizer":
+        """Wraps an already loaded transformers tokenizer (e.g. one with added tokens); pickles with it."""
+        self = cls.__new__(cls)
+        self._init_kwargs = None
+        self.tokenizer_type, self.include_special_tokens, self.hf = tokenizer_type, include_special_tokens, hf
+        self._read_ids()
+        return self
+
+    def __reduce__(self):
+        if self._init_kwargs is None:
+            return HuggingFaceTokenizer.from_hf, (self.hf, self.tokenizer_type, self.include_special_tokens)
+        return super().__reduce__()
+
+    def _read_ids(self) -> None:
+        """The ids Megatron's data code reads (eod = eos, else sep, as megatron-core's HF wrapper), after any
+        tokens were added."""
+        hf = self.hf
+        self.eod = hf.eos_token_id if hf.eos_token_id is not None else hf.sep_token_id
+        self.bos = hf.bos_token_id
+        self.pad = hf.pad_token_id
+        self.vocab_size = len(hf)
         # the Rust tokenizer behind a fast tokenizer: `hf(text)` is `backend.encode_batch([text])`
-        self.backend = getattr(self.hf, "backend_tokenizer", None)
+        self.backend = getattr(hf, "backend_tokenizer", None)
+        self.unique_identifiers = {"class": type(hf).__name__, "name_or_path": getattr(hf, "name_or_path", None),
+                                   "vocab_size": self.vocab_size}
 
     def tokenize(self, text: str) -> List[int]:
         return self.hf(text, add_special_tokens=self.include_special_tokens).input_ids

@@ -1,5 +1,7 @@
 """Small shared pieces of the Megatron dataset stack: the Split enum, weight normalisation, Megatron's
-blend-list and split-string parsing, and the rank queries that decide who builds index caches.
+blend-list and split-string parsing, the rank queries that decide who builds index caches, and
+`rank_zero_first`, the one "the building rank does it first, the others wait" helper (dataset caches here,
+tokenized files in `fsdp2_backend.data`), whose barrier spreads a failure to every rank.
 
 Facts reproduced from megatron-core 0.16.1 (`datasets/utils.py`, `blended_megatron_dataset_config.py`):
 weights are normalised in float64; a split string keeps every `[.0-9]+` run, pads to three entries with
@@ -11,10 +13,11 @@ import os
 import re
 from enum import Enum
 from itertools import accumulate
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, TypeVar
 
 import numpy
 
+T = TypeVar("T")
 
 class Split(Enum):
     train = 0
@@ -112,3 +115,28 @@ def builds_caches_first(shared_storage: bool) -> bool:
     if shared_storage:
         return dist.get_rank() == 0
     return int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+
+
+def rank_zero_first(work: Callable[[], T], shared_storage: bool = True, *, others: bool = True,
+                    synchronize: bool = True) -> Optional[T]:
+    """Runs `work` on the cache-building rank(s) (`builds_caches_first(shared_storage)`: global rank 0, or each
+    node's local rank 0 without shared storage) first; then a `barrier` that hands a failure there to every
+    rank; then, when `others`, runs `work` on the remaining ranks (which now find what the first one wrote).
+    Returns this rank's result, None where `work` did not run. `synchronize=False` skips the barrier (a caller
+    whose ranks are kept in step otherwise): the building rank then raises its own failure at once.
+    Without a process group `work` just runs."""
+    first = builds_caches_first(shared_storage)
+    result: Optional[T] = None
+    error: Optional[BaseException] = None
+    if first:
+        try:
+            result = work()
+        except Exception as exc:  # reaches the waiting ranks through the barrier
+            error = exc
+    if synchronize:
+        barrier(error)
+    elif error is not None:
+        raise error
+    if not first and others:
+        result = work()
+    return result

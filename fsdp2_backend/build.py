@@ -1,0 +1,201 @@
+"""The one assembly: a validated Config → a `TrainJob` holding everything the training loop needs.
+
+    build(config):  ParallelContext → seed → tokenizer → model (built, loaded, parallelised by the fixed plan)
+                    → optimizer → scheduler → loss scaler → checkpointer (load: resume / finetune)
+                    → data (at the restored consumed samples) → logger → profiler
+
+Where the run starts (`checkpoint_io.resume_point`) is decided first, from the file system alone: a resumed
+run takes its model config and tokenizer from the checkpoint (`hf_meta/`) when the config names no model, so
+`--load CKPT` needs no architecture flags. The trainer (`training.trainer`) only runs the loop over a TrainJob.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+from fsdp2_backend.config import Config
+
+
+@dataclass
+class TrainJob:
+    """Everything one run's loop uses. `build(config)` makes it; tests may assemble one by hand."""
+
+    config: Config
+    ctx: Any                                  # distributed.context.ParallelContext
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    train_batches: Iterator
+    train_iters: int
+    micro_batches: int
+    tokenizer: Any = None
+    valid_batches: Optional[Iterator] = None
+    test_batches: Optional[Iterator] = None
+    state: Any = None                         # training.trainer.TrainState (fresh when None)
+    loss_scaler: Any = None                   # training.loss_scaler.LossScaler (by dtype when None)
+    checkpointer: Any = None                  # training.checkpointer.Checkpointer, None: no checkpoints
+    logger: Any = None                        # training.logging.TrainLogger (Megatron's line when None)
+    profiler: Any = None
+    loss_fn: Optional[Callable] = None        # training.loss.masked_loss_sum when None
+    clip_fn: Optional[Callable] = None        # training.grad_clip.clip_grad_norm when None
+    start_time: Optional[float] = None
+    epoch_save_interval: Optional[int] = None  # save_epochs in iterations, when training by epochs
+    extras: dict = field(default_factory=dict)
+
+    def close(self) -> None:
+        """Releases the checkpointer (waits for an async save) and the process group this job created."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        self.ctx.close()
+
+
+def seed_everything(seed: int) -> None:
+    """Python, numpy and torch RNGs (Megatron's --seed; every rank the same: the data order is the sampler's)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def effective_model_args(config: Config, resume) -> Any:
+    """The model arguments the model is built from: a resumed run whose config names no model (no HF directory,
+    no architecture) builds it from the checkpoint's own config and tokenizer (weights come from the load)."""
+    from fsdp2_backend.training.checkpoint_io import HF_META_DIR
+
+    model = config.model
+    if resume.checkpoint is None or model.model_name_or_path or model.architecture:
+        return model
+    hf_meta = str(resume.checkpoint / HF_META_DIR)
+    return dataclasses.replace(model, model_name_or_path=hf_meta, train_from_scratch=True,
+                               tokenizer_name_or_path=model.tokenizer_name_or_path
+                               or (None if model.tokenizer_type else hf_meta))
+
+
+def build_model(config: Config, ctx, resume):
+    """(tokenizer, parallelised model, its HF config): the tokenizer, then the HF config with its vocabulary sized
+    for it, then the model through the fixed plan of `parallel.apply`."""
+    from fsdp2_backend.models.loading import create_model, load_hf_config, weights_available
+    from fsdp2_backend.models.tokenizer import load_tokenizer, model_vocab_size, noise_init_rows
+    from fsdp2_backend.parallel.apply import apply_parallelism
+
+    model_args = effective_model_args(config, resume)
+    tokenizer = load_tokenizer(model_args)
+    hf_config = load_hf_config(model_args)
+    # A checkpoint's vocabulary is kept as it is (its rows are what the load fills), at any tp.
+    from_checkpoint = weights_available(model_args) or resume.checkpoint is not None
+    config_vocab = hf_config.vocab_size
+    if not from_checkpoint and config.model.architecture and not config.model.architecture.get("vocab_size"):
+        config_vocab = None  # Megatron sizes a from-scratch model by its tokenizer
+    hf_config.vocab_size = model_vocab_size(model_args, config_vocab, tokenizer, from_checkpoint=from_checkpoint,
+                                            tp_size=ctx.layout.tp)
+    model = create_model(model_args, hf_config, seed=config.training.seed, device=ctx.device.torch_device,
+                         parallelize=lambda m: apply_parallelism(m, config, ctx),
+                         new_rows=noise_init_rows(config.training.seed))
+    return tokenizer, model, hf_config
+
+
+def train_length(config: Config, global_batch_size: int, build_data: Callable):
+    """(train_iters, iterations per epoch or None). Megatron's length: max_steps (--train-iters),
+    train_samples // gbs, or num_train_epochs of the train split (its one-epoch sample count read from a
+    one-iteration build); only that last way knows an epoch's length."""
+    from usage_errors import UsageError
+
+    training = config.training
+    if training.max_steps and training.max_steps > 0:
+        return training.max_steps, None
+    if training.train_samples:
+        return training.train_samples // global_batch_size, None
+    epoch_samples = len(build_data(1).datasets[0] or ())
+    iters = int(training.num_train_epochs * epoch_samples) // global_batch_size
+    if iters < 1:
+        raise UsageError(f"training.num_train_epochs: {training.num_train_epochs} epochs of {epoch_samples} samples "
+                         f"make no global batch of {global_batch_size} — train longer or set max_steps")
+    return iters, max(epoch_samples // global_batch_size, 1)
+
+
+def build(config: Config) -> TrainJob:
+    """Assembles the run on this process's rank (collective: every rank calls it). `config` is validated."""
+    from usage_errors import UsageError
+    from fsdp2_backend.data.pretrain import build_pretrain_data, data_iterator
+    from fsdp2_backend.distributed.context import ParallelContext
+    from fsdp2_backend.training.checkpoint_io import print_rank0, resume_point
+    from fsdp2_backend.training.checkpointer import Checkpointer
+    from fsdp2_backend.training.logging import TrainLogger
+    from fsdp2_backend.training.loss_scaler import LossScaler
+    from fsdp2_backend.training.optimizer import build_optimizer
+    from fsdp2_backend.training.profiler import StepProfiler
+    from fsdp2_backend.training.scheduler import ParamScheduler, scheduler_steps
+    from fsdp2_backend.training.throughput import model_flops_per_token
+    from fsdp2_backend.training.trainer import TrainState
+
+    start_time = time.time()  # Megatron's --exit-duration-in-mins counts from the start of the run
+    training = config.training
+    resume = resume_point(training.output_dir if training.save_checkpoints else None,
+                          training.resume_from_checkpoint, config.model.model_name_or_path, training.finetune)
+    ctx = ParallelContext.create(config.parallel)
+    try:
+        if resume.reason:
+            print_rank0(resume.reason)
+        seed_everything(training.seed)
+        tokenizer, model, hf_config = build_model(config, ctx, resume)
+        mbs, micro_batches = training.per_device_train_batch_size, training.gradient_accumulation_steps
+        gbs = mbs * micro_batches * ctx.dp_size
+        state = TrainState()
+
+        def build_data(iters: int):
+            return build_pretrain_data(config, tokenizer, ctx.dp_rank, ctx.dp_size, state.consumed_train_samples,
+                                       gbs, mbs, iters, consumed_valid_samples=state.consumed_valid_samples)
+
+        train_iters, epoch_iters = train_length(config, gbs, build_data)
+        optimizer = build_optimizer(model, name=training.optimizer, lr=training.lr, weight_decay=training.weight_decay,
+                                    betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_epsilon,
+                                    decoupled_lr=training.decoupled_lr, decoupled_min_lr=training.decoupled_min_lr,
+                                    apply_wd_to_qk_layernorm=training.apply_wd_to_qk_layernorm)
+        scheduler = ParamScheduler(optimizer, **scheduler_steps(training, gbs, train_iters))
+        loss_scaler = LossScaler.for_dtype(config.parallel.param_dtype)
+        checkpointer = Checkpointer(config, resume, model=model, optimizer=optimizer, scheduler=scheduler,
+                                    state=state, loss_scaler=loss_scaler, tokenizer=tokenizer,
+                                    model_config=getattr(model, "config", hf_config))
+        checkpointer.load()
+        data = build_data(train_iters)
+        if data.train_loader is None:
+            raise UsageError("data.dataset: the training split is empty — check data.split and the data paths")
+        tokens_per_iteration = gbs * config.data.cutoff_len
+        logger = TrainLogger(
+            train_iters=train_iters, log_interval=training.logging_steps, global_batch_size=gbs,
+            world_size=ctx.world_size, device=ctx.device.torch_device, is_logging_rank=ctx.is_last_rank,
+            tokens_per_iteration=tokens_per_iteration, tensorboard_dir=training.tensorboard_dir,
+            flops_per_iteration=(model_flops_per_token(hf_config, config.data.cutoff_len) * tokens_per_iteration
+                                 if training.log_throughput else None),
+            log_cpu_memory=training.log_cpu_memory)
+        profiler = StepProfiler(config.profiling, rank=ctx.rank, device_type=ctx.device.type,
+                                first_iteration=state.iteration) if config.profiling.profile else None
+        dataloader_type = config.data.dataloader_type
+        return TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler,
+                        train_batches=data_iterator(data.train_loader, dataloader_type), train_iters=train_iters,
+                        micro_batches=micro_batches, tokenizer=tokenizer,
+                        valid_batches=data_iterator(data.valid_loader, dataloader_type),
+                        test_batches=data_iterator(data.test_loader, dataloader_type), state=state,
+                        loss_scaler=loss_scaler, checkpointer=checkpointer, logger=logger, profiler=profiler,
+                        start_time=start_time,
+                        epoch_save_interval=epoch_iters * training.save_epochs if epoch_iters else None)
+    except BaseException:
+        ctx.close()
+        raise
+
+
+def run_training(config: Config):
+    """Builds the job, trains it and releases it; the entry point of pretrain_fsdp2.py. Returns the TrainResult."""
+    from fsdp2_backend.training.trainer import Trainer
+
+    job = build(config)
+    try:
+        return Trainer(job).train()
+    finally:
+        job.close()

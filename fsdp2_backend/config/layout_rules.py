@@ -1,0 +1,59 @@
+"""The rules that tie the parallel layout and the data shape to the model: checked by validation, torch-free.
+
+`check_model_layout(config, facts, world_size, errors)` adds one message per problem:
+- tensor parallel: attention heads and key/value heads divisible by tp (`parallel.tp_cp_checks`);
+- context parallel: Ulysses' heads per tp rank divisible by cp, the sequence cut into cp (Ulysses) or 2 x cp
+  (ring) equal chunks, no packed documents (reset_attention_mask / reset_position_ids), only full-attention
+  layers;
+- sequence parallel: the sequence divisible by tp;
+- expert parallel: an MoE model whose experts divide by ep, and no tp with it.
+Facts the model does not state (None) are not checked; the runtime stages then assert.
+"""
+from __future__ import annotations
+
+from typing import List
+
+from fsdp2_backend.config.model_facts import ModelFacts
+from fsdp2_backend.config.schema import Config
+from fsdp2_backend.parallel.tp_cp_checks import (context_parallel_problems, sequence_length_problems,
+                                                 tensor_parallel_problems)
+
+CP_LAYER_TYPES = {"full_attention"}
+
+
+def _prefixed(problems: List[str]) -> List[str]:
+    return [p if p.startswith(("parallel.", "data.")) else f"parallel.{p}" for p in problems]
+
+
+def check_model_layout(config: Config, facts: ModelFacts, world_size: int, errors: List[str]) -> None:
+    p, d = config.parallel, config.data
+    heads, kv_heads = facts.num_heads, facts.num_kv_heads
+    if p.tp_size > 1 and heads:
+        errors += _prefixed(tensor_parallel_problems(heads, kv_heads or heads, p.tp_size))
+    if p.cp_size > 1:
+        if heads:
+            errors += _prefixed(context_parallel_problems(p.cp_size, p.cp_type, heads, kv_heads or heads,
+                                                          p.tp_size))
+        errors += [f"data.cutoff_len: {m}" for m in sequence_length_problems(d.cutoff_len, p.cp_size, p.cp_type)]
+        if d.reset_attention_mask or d.reset_position_ids:
+            errors.append("parallel.cp_size: packed documents (data.reset_attention_mask / reset_position_ids, "
+                          "Megatron --reset-attention-mask / --reset-position-ids) are not supported with context "
+                          "parallel — drop them or use cp_size 1")
+        other = sorted(set(facts.layer_types) - CP_LAYER_TYPES)
+        if other:
+            errors.append(f"parallel.cp_size: layer types {other} of model_type {facts.model_type} are not "
+                          f"supported by context parallel — use cp_size 1")
+    if p.sequence_parallel and p.tp_size > 1 and d.cutoff_len % p.tp_size:
+        errors.append(f"parallel.sequence_parallel: the sequence length {d.cutoff_len} (data.cutoff_len) is not "
+                      f"divisible by tp_size {p.tp_size} — use a multiple of {p.tp_size} or drop sequence "
+                      f"parallel")
+    if p.ep_size > 1 or p.ep_fsdp_size > 1:
+        if p.tp_size > 1:
+            errors.append("parallel.ep_size / ep_fsdp_size: expert parallelism together with tensor parallelism "
+                          "(--expert-tensor-parallel-size) is not supported yet — use tp_size 1 with EP")
+        if facts.source and not facts.num_experts:
+            errors.append(f"parallel.ep_size: the model ({facts.model_type or 'from ' + facts.source}) has no "
+                          f"experts — expert parallelism needs an MoE model; use ep_size 1")
+        elif facts.num_experts and facts.num_experts % p.ep_size:
+            errors.append(f"parallel.ep_size: {p.ep_size} does not divide the model's {facts.num_experts} "
+                          f"experts — use a divisor of {facts.num_experts}")

@@ -1,0 +1,84 @@
+"""What validation needs to know about the model, read without torch before anything is built.
+
+The model of a run is defined, in this order, by: `model.model_name_or_path` (an HF directory's config.json),
+the checkpoint the run resumes from (its `hf_meta/config.json`: `--load CKPT` needs no architecture flags),
+and `model.architecture` (HF config keys from Megatron's flags), which overrides or completes the others.
+`model_facts(config)` merges them into one `ModelFacts`; `source` says where they came from.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from fsdp2_backend.config.schema import Config
+from fsdp2_backend.training import checkpoint_io
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The model's sizes that parallel layouts and fields depend on (None: unknown, not checked)."""
+
+    source: str                      # "hf directory", "checkpoint", "architecture flags" or "" (no model)
+    model_type: Optional[str] = None
+    num_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = None
+    num_layers: Optional[int] = None
+    vocab_size: Optional[int] = None
+    num_experts: Optional[int] = None
+    layer_types: tuple = ()
+    config_json: Optional[Dict[str, Any]] = None  # the HF config.json the facts were read from, if any
+
+
+def read_config_json(directory: Optional[str], errors: List[str]) -> Optional[Dict[str, Any]]:
+    """`directory/config.json` as a dict, or None when there is none (an unreadable one is an error)."""
+    path = os.path.join(directory, "config.json") if directory else None
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        errors.append(f"{path}: cannot read the model config ({exc}) — check the model directory")
+        return None
+
+
+def resume_checkpoint(config: Config):
+    """The run's resume point (`checkpoint_io.resume_point`), from the file system; raises UsageError for a
+    checkpoint this backend cannot read (e.g. Megatron-LM's)."""
+    t = config.training
+    return checkpoint_io.resume_point(t.output_dir if t.save_checkpoints else None, t.resume_from_checkpoint,
+                                      config.model.model_name_or_path, t.finetune)
+
+
+def _first(values: Dict[str, Any], *keys: str) -> Any:
+    for key in keys:
+        if values.get(key) is not None:
+            return values[key]
+    return None
+
+
+def model_facts(config: Config, errors: List[str]) -> ModelFacts:
+    """The model's facts from its definitions (see the module docstring); problems reading them go to `errors`."""
+    m = config.model
+    base, source = read_config_json(m.model_name_or_path, errors), "hf directory"
+    if base is None:
+        resume = resume_checkpoint(config)
+        if resume.checkpoint is not None:
+            base = read_config_json(str(resume.checkpoint / checkpoint_io.HF_META_DIR), errors)
+            source = "checkpoint"
+    arch = {k: v for k, v in (m.architecture or {}).items() if v is not None}
+    if base is None and not arch:
+        # A model path without a config.json here (not there yet, or a hub name) is the loader's to read.
+        return ModelFacts(source="model path (not read)" if m.model_name_or_path else "")
+    values = {**(base or {}), **arch}
+    if base is None:
+        source = "architecture flags"
+    heads = _first(values, "num_attention_heads", "n_head")
+    return ModelFacts(
+        source=source, model_type=values.get("model_type"), num_heads=heads,
+        num_kv_heads=_first(values, "num_key_value_heads") or heads,
+        num_layers=_first(values, "num_hidden_layers", "n_layer"), vocab_size=values.get("vocab_size"),
+        num_experts=_first(values, "num_experts", "num_local_experts", "n_routed_experts"),
+        layer_types=tuple(values.get("layer_types") or ()), config_json=base)

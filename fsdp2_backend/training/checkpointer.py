@@ -1,0 +1,77 @@
+"""The run's one checkpointer: it owns the states a checkpoint holds and the run's resume point.
+
+    checkpointer = Checkpointer(config, resume_point(...), model=, optimizer=, scheduler=, state=,
+                                loss_scaler=, tokenizer=, model_config=)      # every rank (collective)
+    checkpointer.load()                        # restores every state from the resume point, if there is one
+    checkpointer.save(iteration, reason)       # "interval" / "exit" / "final"
+    checkpointer.close()                       # waits for an async save, releases its process group
+
+States: the model and optimizer (DCP, resharded to any layout), the scheduler, the train state (iteration,
+consumed samples), the loss scaler, per-rank RNG; the tokenizer and model config are written beside them so a
+checkpoint describes itself. `save_checkpoints: false` (Megatron without --save) makes `save` a no-op while
+`load` still resumes. After the save that finishes training ("final", or an exit at the last iteration) the
+HF export (`save_hf_weights`) is written to OUTPUT_DIR/hf. Format and commit protocol: `checkpoint`,
+`checkpoint_io`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from fsdp2_backend.training.checkpoint import CheckpointManager, load_checkpoint
+from fsdp2_backend.training.checkpoint_io import ResumePoint
+from fsdp2_backend.training.hf_export import export_hf
+
+HF_EXPORT_SUBDIR = "hf"
+
+
+class Checkpointer:
+    """Loads and saves one run's states; construct it on every rank."""
+
+    def __init__(self, config, resume: ResumePoint, *, model, optimizer=None, scheduler=None, state: Any = None,
+                 loss_scaler: Any = None, tokenizer: Any = None, model_config: Any = None):
+        self.config, self.resume = config, resume
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.state, self.loss_scaler = state, loss_scaler
+        self.hf_tokenizer = getattr(tokenizer, "hf", None)  # the run's tokenizer type; None: not saveable as HF
+        self.model_config = model_config
+        training = config.training
+        self.manager: Optional[CheckpointManager] = CheckpointManager(
+            training.output_dir, save_total_limit=training.save_total_limit, async_save=training.save_async,
+            save_only_model=training.save_only_model, no_save_optim=training.no_save_optim,
+            no_save_rng=training.no_save_rng) if training.save_checkpoints else None
+
+    def _extra_states(self) -> dict:
+        return {"loss_scaler": self.loss_scaler} if self.loss_scaler is not None else {}
+
+    def load(self) -> None:
+        """Restores every state from the resume point (collective); nothing to do for a fresh run.
+        --no-load-optim / --no-load-rng skip those parts; --finetune loads the weights only (iteration 0)."""
+        if self.resume.checkpoint is None:
+            return
+        training = self.config.training
+        restored = load_checkpoint(self.resume.checkpoint, self.model, self.optimizer, self.scheduler, self.state,
+                                   no_load_optim=training.no_load_optim, no_load_rng=training.no_load_rng,
+                                   finetune=self.resume.finetune, extra_states=self._extra_states())
+        if restored is not self.state and self.state is not None:
+            self.state.load_state_dict(restored.state_dict() if hasattr(restored, "state_dict") else restored)
+
+    def save(self, iteration: int, reason: str, train_iters: Optional[int] = None) -> None:
+        """Saves every state at `iteration` (collective); `reason` "exit" / "final" also waits for the write.
+        Training has finished at "final" or at an exit with `iteration >= train_iters`: then the HF export."""
+        if self.manager is None:
+            return
+        self.manager.save(iteration, self.model, self.optimizer, self.scheduler, self.state,
+                          tokenizer=self.hf_tokenizer, model_config=self.model_config,
+                          run_config=self.config.to_dict(), extra_states=self._extra_states())
+        if reason in ("exit", "final"):
+            self.manager.wait()
+        finished = reason == "final" or (train_iters is not None and iteration >= train_iters)
+        if finished and self.config.training.save_hf_weights:
+            export_hf(self.model, Path(self.config.training.output_dir) / HF_EXPORT_SUBDIR, self.hf_tokenizer)
+
+    def close(self) -> None:
+        """Waits for a pending async save and releases the manager's resources (every rank)."""
+        if self.manager is not None:
+            self.manager.finalize()
+            self.manager = None
