@@ -74,6 +74,7 @@ def _worker(rank, world_size, model_dir, steps, out_path):
 
     import torch.distributed as dist
 
+    from fsdp2_backend.build import TrainJob
     from fsdp2_backend.config import Config
     from fsdp2_backend.distributed.context import ParallelContext
     from fsdp2_backend.training.trainer import Trainer
@@ -88,8 +89,9 @@ def _worker(rank, world_size, model_dir, steps, out_path):
 
     engine_model = _build(model_dir, config, ctx)
     engine_opt = torch.optim.AdamW(engine_model.parameters(), lr=1e-4)
-    trainer = Trainer(config, ctx, engine_model, engine_opt, type("NoSchedule", (), {"step": lambda s, n: None})(),
-                      _batches(rank, 10 ** 6), 10 ** 6, micro_batches=1)
+    trainer = Trainer(TrainJob(config=config, ctx=ctx, model=engine_model, optimizer=engine_opt,
+                               scheduler=type("NoSchedule", (), {"step": lambda s, n: None})(),
+                               train_batches=_batches(rank, 10 ** 6), train_iters=10 ** 6, micro_batches=1))
 
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM

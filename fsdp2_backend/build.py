@@ -64,15 +64,16 @@ def seed_everything(seed: int) -> None:
 
 
 def effective_model_args(config: Config, resume) -> Any:
-    """The model arguments the model is built from: a resumed run whose config names no model (no HF directory,
-    no architecture) builds it from the checkpoint's own config and tokenizer (weights come from the load)."""
+    """The model arguments the model is built from: a resumed run whose config names no HF directory builds it
+    from the checkpoint's own config (and tokenizer, unless one is given); the weights come from the load."""
     from fsdp2_backend.training.checkpoint_io import HF_META_DIR
 
     model = config.model
-    if resume.checkpoint is None or model.model_name_or_path or model.architecture:
+    if resume.checkpoint is None or model.model_name_or_path:
         return model
+    # Architecture flags given too were checked against this config by validation: the checkpoint's wins.
     hf_meta = str(resume.checkpoint / HF_META_DIR)
-    return dataclasses.replace(model, model_name_or_path=hf_meta, train_from_scratch=True,
+    return dataclasses.replace(model, model_name_or_path=hf_meta, train_from_scratch=True, architecture=None,
                                tokenizer_name_or_path=model.tokenizer_name_or_path
                                or (None if model.tokenizer_type else hf_meta))
 
@@ -87,10 +88,16 @@ def build_model(config: Config, ctx, resume):
     model_args = effective_model_args(config, resume)
     tokenizer = load_tokenizer(model_args)
     hf_config = load_hf_config(model_args)
-    # A checkpoint's vocabulary is kept as it is (its rows are what the load fills), at any tp.
-    from_checkpoint = weights_available(model_args) or resume.checkpoint is not None
+    from_checkpoint = weights_available(model_args)
     config_vocab = hf_config.vocab_size
-    if not from_checkpoint and config.model.architecture and not config.model.architecture.get("vocab_size"):
+    if resume.checkpoint is not None:
+        # A resumed run's embedding has the checkpoint's rows (at any tp): its saved config says how many.
+        from fsdp2_backend.config.model_facts import read_config_json
+        from fsdp2_backend.training.checkpoint_io import HF_META_DIR
+
+        saved = read_config_json(str(resume.checkpoint / HF_META_DIR), []) or {}
+        config_vocab, from_checkpoint = saved.get("vocab_size", config_vocab), True
+    elif not from_checkpoint and config.model.architecture and not config.model.architecture.get("vocab_size"):
         config_vocab = None  # Megatron sizes a from-scratch model by its tokenizer
     hf_config.vocab_size = model_vocab_size(model_args, config_vocab, tokenizer, from_checkpoint=from_checkpoint,
                                             tp_size=ctx.layout.tp)
@@ -119,6 +126,18 @@ def train_length(config: Config, global_batch_size: int, build_data: Callable):
     return iters, max(epoch_samples // global_batch_size, 1)
 
 
+def _log_options(training, hf_config, seq_length: int, tokens_per_iteration: int) -> dict:
+    """MindSpeed's log_throughput (Megatron's TFLOP/s per device) and log_cpu_memory, for the TrainLogger."""
+    options = {}
+    if training.log_throughput:
+        from fsdp2_backend.training.throughput import model_flops_per_token
+
+        options["flops_per_iteration"] = model_flops_per_token(hf_config, seq_length) * tokens_per_iteration
+    if training.log_cpu_memory:
+        options["log_cpu_memory"] = True
+    return options
+
+
 def build(config: Config) -> TrainJob:
     """Assembles the run on this process's rank (collective: every rank calls it). `config` is validated."""
     from usage_errors import UsageError
@@ -131,7 +150,6 @@ def build(config: Config) -> TrainJob:
     from fsdp2_backend.training.optimizer import build_optimizer
     from fsdp2_backend.training.profiler import StepProfiler
     from fsdp2_backend.training.scheduler import ParamScheduler, scheduler_steps
-    from fsdp2_backend.training.throughput import model_flops_per_token
     from fsdp2_backend.training.trainer import TrainState
 
     start_time = time.time()  # Megatron's --exit-duration-in-mins counts from the start of the run
@@ -171,9 +189,7 @@ def build(config: Config) -> TrainJob:
             train_iters=train_iters, log_interval=training.logging_steps, global_batch_size=gbs,
             world_size=ctx.world_size, device=ctx.device.torch_device, is_logging_rank=ctx.is_last_rank,
             tokens_per_iteration=tokens_per_iteration, tensorboard_dir=training.tensorboard_dir,
-            flops_per_iteration=(model_flops_per_token(hf_config, config.data.cutoff_len) * tokens_per_iteration
-                                 if training.log_throughput else None),
-            log_cpu_memory=training.log_cpu_memory)
+            **_log_options(training, hf_config, config.data.cutoff_len, tokens_per_iteration))
         profiler = StepProfiler(config.profiling, rank=ctx.rank, device_type=ctx.device.type,
                                 first_iteration=state.iteration) if config.profiling.profile else None
         dataloader_type = config.data.dataloader_type

@@ -136,7 +136,8 @@ def _check_positive(ns) -> None:
 def _flags_define_model(ctx: Context, model_given: bool) -> bool:
     """Whether the architecture flags are the whole model (Megatron's defaults fill the rest, and the required
     ones must be given): not when an HF directory (--load, or the native config) defines it; with --load naming
-    a checkpoint directory only when the script gives architecture flags — the model to build while that
+    a checkpoint directory only when the script gives the model's shape (--num-layers, --hidden-size, ...) — the
+    model to build while that
     directory holds no checkpoint, checked against the checkpoint's own config once it does. Without them (or
     with --use-checkpoint-args) the checkpoint defines the model."""
     if model_given or "model.model_name_or_path" in _flat(ctx):
@@ -144,7 +145,7 @@ def _flags_define_model(ctx: Context, model_given: bool) -> bool:
     if loads_checkpoint(ctx):
         if ctx.get("use_checkpoint_args"):
             return False
-        return any(dest in architecture.ARCHITECTURE_DESTS for dest in ctx.active)
+        return any(dest in ctx.active for dest in architecture.REQUIRED_FROM_SCRATCH)
     return True
 
 
@@ -169,7 +170,7 @@ def translate_report(argv: Sequence[str], world_size: int = 1, model_given: bool
         step(ctx)
     from_scratch = _flags_define_model(ctx, model_given)
     arch = architecture.apply(ctx.ns, active, from_scratch, ctx.record)
-    if arch:
+    if arch and not (ctx.get("use_checkpoint_args") and loads_checkpoint(ctx)):  # the checkpoint's model wins
         ctx.set("model.architecture", arch)
         given = [ctx.flag_names[d] for d in sorted(active, key=ctx.order.__getitem__)
                  if d in architecture.ARCHITECTURE_DESTS]

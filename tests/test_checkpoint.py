@@ -134,7 +134,7 @@ def _load_one_rank(rank, world_size, root):
 
     root = Path(root)
     saved = torch.load(root / "sync_reference.pt", weights_only=True)
-    sync_ckpt = io.find_resume_checkpoint(None, str(root / "sync"))
+    sync_ckpt = io.resume_point(str(root / "sync"), None).checkpoint
     assert sync_ckpt == root / "sync" / "iter_0000002"
     assert checkpoint_meta(sync_ckpt)["world_size"] == 2
 
@@ -201,7 +201,7 @@ def _load_one_rank(rank, world_size, root):
     _blocking_writes(release)
     pending = CheckpointManager(root / "held", async_save=True)
     final = pending.save(8, model, optimizer, scheduler, _State(8, 8))
-    assert not final.exists() and io.find_resume_checkpoint(None, str(root / "held")) is None
+    assert not final.exists() and io.resume_point(str(root / "held"), None).checkpoint is None
     release.set()
     pending.finalize()
     assert io.is_complete_checkpoint(final) and io.read_latest_marker(root / "held") == 8
@@ -209,7 +209,7 @@ def _load_one_rank(rank, world_size, root):
     # A crash after the write and before the rename: the .tmp copy is never picked, and is cleared.
     import shutil
     shutil.copytree(final, root / "held" / "iter_0000009.tmp")
-    assert io.find_resume_checkpoint(str(root / "sync"), str(root / "held")) == final
+    assert io.resume_point(str(root / "held"), str(root / "sync")).checkpoint == final
     CheckpointManager(root / "held")
     assert not (root / "held" / "iter_0000009.tmp").exists()
 
@@ -238,8 +238,10 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     load_manager = CheckpointManager(tmp_path / "pretrained")
     load_manager.save(100, model, train_state=_State(100, 1000))
     save_dir = tmp_path / "run"
-    assert io.find_resume_checkpoint(str(tmp_path / "pretrained"), str(save_dir)) == \
-        tmp_path / "pretrained" / "iter_0000100"
+    pretrained = str(tmp_path / "pretrained")
+    # --load of a save directory (resume_from_checkpoint), or our checkpoint given as the model directory
+    assert io.resume_point(str(save_dir), pretrained).checkpoint == tmp_path / "pretrained" / "iter_0000100"
+    assert io.resume_point(str(save_dir), None, pretrained).checkpoint == tmp_path / "pretrained" / "iter_0000100"
 
     manager = CheckpointManager(save_dir, save_total_limit=2)
     for iteration in (10, 20, 30):
@@ -249,12 +251,16 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     assert f"saving checkpoint at iteration      10 to {save_dir} in " in printed
     assert f"\n  successfully saved checkpoint from iteration      30 to {save_dir}\n" in printed
     assert [i for i, _ in io.complete_checkpoints(save_dir)] == [20, 30]
-    found = io.find_resume_checkpoint(str(tmp_path / "pretrained"), str(save_dir))
+    # A restart of the same command continues its own run, whatever --load says.
+    assert io.resume_point(str(save_dir), None, pretrained).checkpoint == save_dir / "iter_0000030"
+    found = io.resume_point(str(save_dir), pretrained).checkpoint
     assert found == save_dir / "iter_0000030" and io.is_restart(found, str(save_dir))
     assert not io.is_restart(tmp_path / "pretrained" / "iter_0000100", str(save_dir))
-    # A --load that names an iter_* directory directly, and one with no checkpoint (HF weights).
-    assert io.find_resume_checkpoint(str(save_dir / "iter_0000020"), None) == save_dir / "iter_0000020"
-    assert io.find_resume_checkpoint(str(tmp_path), None) is None
+    # A --load that names an iter_* directory directly (it wins over the save directory's newest), and a model
+    # directory with no checkpoint (HF weights).
+    assert io.resume_point(None, str(save_dir / "iter_0000020")).checkpoint == save_dir / "iter_0000020"
+    assert io.resume_point(str(save_dir), str(save_dir / "iter_0000020")).checkpoint == save_dir / "iter_0000020"
+    assert io.resume_point(None, None, str(tmp_path)) == (None, False, "")
 
     # As in Megatron the marker decides (a kill between rename and marker resumes from the one before)...
     (save_dir / io.LATEST_FILE).write_text("20")
@@ -291,26 +297,45 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     megatron = tmp_path / "megatron"
     (megatron / "iter_0000500" / "mp_rank_00").mkdir(parents=True)
     (megatron / io.LATEST_FILE).write_text("500")
-    with pytest.raises(UsageError, match="--save / training.output_dir: .*iter_0000500 without"):
-        io.choose_resume(str(megatron), str(megatron))
-    with pytest.raises(UsageError, match="--load / model.model_name_or_path: "):
-        io.find_resume_checkpoint(str(megatron), str(tmp_path / "fresh"))
+    megatron_kind = r"a Megatron-LM legacy \(mp_rank_\*\) checkpoint"
+    with pytest.raises(UsageError, match=rf"training.output_dir \(--save\): .* holds {megatron_kind}"):
+        io.resume_point(str(megatron), str(megatron))
+    with pytest.raises(UsageError, match=rf"training.resume_from_checkpoint \(--load\): .* holds {megatron_kind}"):
+        io.resume_point(str(tmp_path / "fresh"), str(megatron))
+    with pytest.raises(UsageError, match=rf"training.resume_from_checkpoint \(--load\): .* holds {megatron_kind}"):
+        io.resume_point(None, str(megatron / "iter_0000500"))
+    with pytest.raises(UsageError, match=rf"model.model_name_or_path \(--load\): .* holds {megatron_kind}"):
+        io.resume_point(str(tmp_path / "fresh"), None, str(megatron))
 
     meta_file = shared / "iter_0000100" / io.META_FILE
     meta_file.write_text(meta_file.read_text().replace(io.FORMAT, "some-other-format"))
     with pytest.raises(UsageError, match="checkpoint format 'some-other-format'"):
         load_checkpoint(shared / "iter_0000100", replaced)
 
-    # The trainer's one call: --finetune resets a checkpoint from --load, never a restart of this run.
-    pretrained = str(tmp_path / "pretrained")
-    assert io.choose_resume(pretrained, str(tmp_path / "fresh"), finetune=True) == \
+    # build's one call: --finetune resets a checkpoint from --load (or the model directory), never a restart
+    # of this run.
+    def plan(*args, **kwargs):
+        point = io.resume_point(*args, **kwargs)
+        return point.checkpoint, point.finetune
+
+    assert plan(str(tmp_path / "fresh"), pretrained, finetune=True) == (tmp_path / "pretrained" / "iter_0000100", True)
+    assert plan(str(tmp_path / "fresh"), None, pretrained, finetune=True) == \
         (tmp_path / "pretrained" / "iter_0000100", True)
-    assert io.choose_resume(pretrained, str(save_dir), finetune=True) == (save_dir / "iter_0000030", False)
-    assert io.choose_resume(pretrained, str(save_dir), str(save_dir / "iter_0000020")) == \
-        (save_dir / "iter_0000020", False)
-    assert io.choose_resume(str(tmp_path), None) == (None, False)
-    with pytest.raises(UsageError, match="resume_from_checkpoint"):
-        io.choose_resume(None, None, str(tmp_path / "fresh"))
+    assert plan(str(save_dir), pretrained, finetune=True) == (save_dir / "iter_0000030", False)
+    assert plan(str(save_dir), None, pretrained, finetune=True) == (save_dir / "iter_0000030", False)
+    assert plan(str(save_dir), str(save_dir / "iter_0000020"), pretrained) == (save_dir / "iter_0000020", False)
+    assert plan(str(save_dir), str(save_dir / "iter_0000020"), finetune=True) == (save_dir / "iter_0000020", False)
+    assert plan(None, None, str(tmp_path)) == (None, False)
+    # An iter_* directory that is not a complete checkpoint is an error; a --load directory holding no
+    # checkpoint (yet), or not existing yet, starts the run from scratch, as Megatron's --load does.
+    with pytest.raises(UsageError, match="resume_from_checkpoint .*is not a complete checkpoint"):
+        io.resume_point(None, str(save_dir / "iter_0000040"))
+    with pytest.raises(UsageError, match="resume_from_checkpoint .*is not a complete checkpoint"):
+        io.resume_point(None, str(tmp_path / "fresh" / "iter_0000001"))
+    (tmp_path / "empty").mkdir()
+    for load in (tmp_path / "fresh", tmp_path / "empty"):
+        point = io.resume_point(None, str(load))
+        assert (point.checkpoint, point.finetune) == (None, False) and "from scratch" in point.reason
 
 
 def test_manager_from_training_args(tmp_path):
@@ -357,17 +382,14 @@ def test_checkpoint_carries_model_config_and_megatron_tokenizer(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_trainer_hooks_save_resume_finetune_and_export(tmp_path):
-    """The glue run_training calls: a Config → manager, resume plan, save hook (with the HF export at the
-    end), and the resume, with the trainer's real TrainState and LossScaler."""
-    from types import SimpleNamespace
-
+def test_checkpointer_saves_resumes_finetunes_and_exports(tmp_path):
+    """The run's Checkpointer as `build` makes it: a Config and its resume point → save (with the HF export at
+    the end of training) and load, with the trainer's real TrainState and LossScaler."""
     from transformers import AutoModelForCausalLM
 
     from fsdp2_backend.config import Config
     from fsdp2_backend.training import checkpoint_io as io
-    from fsdp2_backend.training.checkpoint_hooks import (checkpoint_manager, resume, resume_plan,
-                                                         trainer_save_hook)
+    from fsdp2_backend.training.checkpointer import Checkpointer
     from fsdp2_backend.training.trainer import TrainState
 
     def build():
@@ -376,22 +398,33 @@ def test_trainer_hooks_save_resume_finetune_and_export(tmp_path):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
+    def resume_point(config):  # as `fsdp2_backend.build.build` decides it
+        training = config.training
+        return io.resume_point(training.output_dir if training.save_checkpoints else None,
+                               training.resume_from_checkpoint, config.model.model_name_or_path, training.finetune)
+
+    def checkpointer(config, resume, model, optimizer, scheduler, state, loss_scaler=None):
+        return Checkpointer(config, resume, model=model, optimizer=optimizer, scheduler=scheduler, state=state,
+                            loss_scaler=loss_scaler, model_config=model.config)
+
     config = Config()
     config.training.output_dir, config.training.save_total_limit = str(tmp_path / "out"), 1
     config.model.model_name_or_path = str(tmp_path / "hf_weights")  # HF weights: nothing to resume there
-    assert resume_plan(config) == (None, False)
+    assert resume_point(config) == (None, False, "")
     model, optimizer, scheduler = build()
-    trainer = SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler, train_iters=4,
-                              state=TrainState(iteration=3, consumed_train_samples=24),
-                              loss_scaler=LossScaler.for_dtype("fp16"))
-    trainer.loss_scaler.scale = 1024.0
-    hook = trainer_save_hook(checkpoint_manager(config), config, model_config=model.config)
-    hook(trainer, "interval")
+    state = TrainState(iteration=3, consumed_train_samples=24)
+    scaler = LossScaler.for_dtype("fp16")
+    scaler.scale = 1024.0
+    saver = checkpointer(config, resume_point(config), model, optimizer, scheduler, state, scaler)
+    saver.load()  # a fresh run: nothing to restore
+    assert (state.iteration, state.consumed_train_samples, scaler.scale) == (3, 24, 1024.0)
+    saver.save(3, "interval", train_iters=4)
     assert not (tmp_path / "out" / "hf").exists()  # exported only once training has finished
     with torch.no_grad():
         model.lm_head.weight.add_(1.0)
-    trainer.state.iteration, trainer.state.consumed_train_samples = 4, 32
-    hook(trainer, "exit")  # an exit at the last iteration has finished training: it exports too
+    state.iteration, state.consumed_train_samples = 4, 32
+    saver.save(4, "exit", train_iters=4)  # an exit at the last iteration has finished training: it exports too
+    saver.close()
 
     out = tmp_path / "out"
     assert [i for i, _ in io.complete_checkpoints(out)] == [4]
@@ -401,21 +434,37 @@ def test_trainer_hooks_save_resume_finetune_and_export(tmp_path):
 
     # The restart of the same command continues; --finetune does not reset a restart.
     config.training.finetune = True
-    checkpoint, finetune = resume_plan(config)
-    assert (checkpoint, finetune) == (out / "iter_0000004", False)
+    resume = resume_point(config)
+    assert (resume.checkpoint, resume.finetune) == (out / "iter_0000004", False)
     model, optimizer, scheduler = build()
-    scaler = LossScaler.for_dtype("fp16")
-    state = resume(config, checkpoint, finetune, model, optimizer, scheduler, TrainState(),
-                   extra_states={"loss_scaler": scaler})
+    state, scaler = TrainState(), LossScaler.for_dtype("fp16")
+    loader = checkpointer(config, resume, model, optimizer, scheduler, state, scaler)
+    loader.load()
+    loader.close()
     assert (state.iteration, state.consumed_train_samples, scaler.scale) == (4, 32, 1024.0)
     assert torch.equal(model.lm_head.weight, exported.lm_head.weight)
 
-    # A new run that --load's this one with --finetune: weights only, counters at 0.
-    config.model.model_name_or_path, config.training.output_dir = str(out), str(tmp_path / "next")
-    checkpoint, finetune = resume_plan(config)
-    assert (checkpoint, finetune) == (out / "iter_0000004", True)
-    state = resume(config, checkpoint, finetune, *build(), TrainState())
-    assert (state.iteration, state.consumed_train_samples) == (0, 0)
+    # A new run that --load's this one with --finetune (as Megatron's --load, or as the model directory):
+    # weights only, counters at 0.
+    config.training.output_dir = str(tmp_path / "next")
+    for load, model_dir in ((str(out), None), (None, str(out))):
+        config.training.resume_from_checkpoint, config.model.model_name_or_path = load, model_dir
+        resume = resume_point(config)
+        assert (resume.checkpoint, resume.finetune) == (out / "iter_0000004", True)
+        model, optimizer, scheduler = build()
+        state = TrainState()
+        loader = checkpointer(config, resume, model, optimizer, scheduler, state)
+        loader.load()
+        loader.close()
+        assert (state.iteration, state.consumed_train_samples) == (0, 0)
+        assert torch.equal(model.lm_head.weight, exported.lm_head.weight)
 
+    # save_checkpoints false (Megatron without --save): saving does nothing, not even the export.
     config.training.save_checkpoints = False
-    assert checkpoint_manager(config) is None and trainer_save_hook(None, config) is None
+    config.training.output_dir = str(tmp_path / "unsaved")
+    config.training.resume_from_checkpoint = config.model.model_name_or_path = None
+    idle = checkpointer(config, resume_point(config), model, optimizer, scheduler, TrainState(iteration=1))
+    assert idle.manager is None
+    idle.save(1, "final", train_iters=1)
+    idle.close()
+    assert not (tmp_path / "unsaved").exists()

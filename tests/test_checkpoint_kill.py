@@ -38,7 +38,7 @@ def train_loop(save_dir: str, port: int) -> None:
     from transformers import AutoModelForCausalLM
 
     from fsdp2_backend.training.checkpoint import CheckpointManager, load_checkpoint
-    from fsdp2_backend.training.checkpoint_io import find_resume_checkpoint
+    from fsdp2_backend.training.checkpoint_io import resume_point
     from tests.helpers import tiny_qwen3_config
 
     torch.set_num_threads(1)
@@ -50,7 +50,7 @@ def train_loop(save_dir: str, port: int) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     manager = CheckpointManager(save_dir, save_total_limit=2)
     state = _State()
-    checkpoint = find_resume_checkpoint(None, save_dir)
+    checkpoint = resume_point(save_dir, None).checkpoint
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer, scheduler, state)
         print(f"resumed {state.iteration} from {Path(checkpoint).name}", flush=True)

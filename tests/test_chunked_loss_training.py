@@ -31,6 +31,7 @@ class _ConstantLR:
 
 def _train(model_dir, chunk, cp=1):
     """Losses, grad norms and one validation loss of a short run on this process's ranks (dp x cp)."""
+    from fsdp2_backend.build import TrainJob
     from fsdp2_backend.distributed.context import ParallelContext
     from fsdp2_backend.models.loading import create_model, load_hf_config
     from fsdp2_backend.parallel.apply import apply_parallelism
@@ -50,8 +51,9 @@ def _train(model_dir, chunk, cp=1):
         # SGD, not Adam: Adam's per-element normalisation would blow fp32 summation-order noise of near-zero
         # gradient elements up to visible differences, which says nothing about the chunked loss
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-        trainer = Trainer(config, ctx, model, optimizer, _ConstantLR(), _batches(1, ctx.dp_size, ctx.dp_rank),
-                          STEPS, micro_batches=2)
+        trainer = Trainer(TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer, scheduler=_ConstantLR(),
+                                   train_batches=_batches(1, ctx.dp_size, ctx.dp_rank), train_iters=STEPS,
+                                   micro_batches=2))
         aux = trainer._forward_loss(next(_batches(3)))[2]
         losses, norms = [], []
         for _ in range(STEPS):
@@ -122,16 +124,27 @@ def test_chunked_loss_equals_full_loss_two_fsdp_ranks(tmp_path):
     _assert_same(results["cp_full"], results["cp_chunked"])  # cp 2: each rank's loss from its sequence share
 
 
+@pytest.fixture(scope="module")
+def pretrain_model_dir(tmp_path_factory):
+    from tests.helpers import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("decline_model"), seed=0, num_hidden_layers=1)
+
+
 @pytest.mark.parametrize("chunk, tp, message", [
     (0, 1, "not a positive number"), (-4, 1, "not a positive number"), (8, 2, "tensor parallel")])
-def test_bad_chunk_settings_are_declined(chunk, tp, message):
-    from fsdp2_backend.training.trainer import _decline_unsupported
+def test_bad_chunk_settings_are_declined(pretrain_model_dir, chunk, tp, message):
+    """Config validation declines them (before anything is built); the same config without them is accepted."""
+    from fsdp2_backend.config.validation import validate
 
     config = Config()
+    config.model.model_name_or_path = pretrain_model_dir
     config.training.stage, config.data.data_manager_type = "pt", "mg"
+    config.data.mock_data = True
+    config.training.save_checkpoints = False
     config.optimization.chunk_loss_size = chunk
     config.parallel.tp_size = tp
     with pytest.raises(UsageError, match=message):
-        _decline_unsupported(config)
+        validate(config, world_size=tp)
     config.optimization.chunk_loss_size = None
-    _decline_unsupported(config)
+    validate(config, world_size=tp)

@@ -154,11 +154,11 @@ def _ranks(rank, world_size, reference, ckpt_dir):
     _check_full_state_dict_is_transformers(model, rank)
     del model, opt
 
-    # The trainer's scheme: every FSDP unit (expert ones included) SUMs, the loss carries 1/dp.
-    from fsdp2_backend.training.trainer import enable_sum_gradient_reduction
+    # The engine's gradient policy: every FSDP unit (expert ones included) SUMs, the loss carries 1/dp.
+    from fsdp2_backend.parallel.apply import set_gradient_policy
 
     model, opt = _with_opt(_parallel_model(ep=2, ep_fsdp=1, dispatcher="fused", recompute=True))
-    enable_sum_gradient_reduction(model)
+    set_gradient_policy(model)
     fused, _ = _train(model, opt, range(STEPS), rank, loss_scale=1 / world_size)
     torch.testing.assert_close(torch.tensor(fused), torch.tensor(eager), rtol=1e-5, atol=0)
 

@@ -37,6 +37,7 @@ class _ConstantLR:
 
 
 def _train(model_dir, per_token, world_size, tp=1, cp=1, fsdp_size=1, mbs=MBS):
+    from fsdp2_backend.build import TrainJob
     from fsdp2_backend.distributed.context import ParallelContext
     from fsdp2_backend.models.loading import create_model, load_hf_config
     from fsdp2_backend.parallel.apply import apply_parallelism
@@ -56,8 +57,8 @@ def _train(model_dir, per_token, world_size, tp=1, cp=1, fsdp_size=1, mbs=MBS):
                          parallelize=lambda m: apply_parallelism(m, config, ctx))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     batches = _rank_micro_batches(_samples(), dp, ctx.dp_rank, mbs)
-    trainer = Trainer(config, ctx, model, optimizer, _ConstantLR(), batches,
-                      STEPS, micro_batches=GBS // (mbs * dp))
+    trainer = Trainer(TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer, scheduler=_ConstantLR(),
+                               train_batches=batches, train_iters=STEPS, micro_batches=GBS // (mbs * dp)))
     result = trainer.train()
     ctx.close()
     return {"losses": result.losses, "grad_norms": result.grad_norms}

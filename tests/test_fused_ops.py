@@ -178,12 +178,13 @@ def hf_dir(tmp_path_factory):
 
 
 def test_engine_setup_applies_the_flags_once_on_a_meta_device_build(hf_dir, capsys):
-    """Through `setup_model_and_tokenizer` (FSDP on one rank, meta-device init): the same logits as
+    """Through the engine's `build_model` (FSDP on one rank, meta-device init): the same logits as
     transformers' own model of the directory, and the log lines once each on stdout."""
     from transformers import AutoModelForCausalLM
 
+    from fsdp2_backend.build import build_model
     from fsdp2_backend.distributed.context import ParallelContext
-    from fsdp2_backend.models.setup import setup_model_and_tokenizer
+    from fsdp2_backend.training.checkpoint_io import ResumePoint
 
     config = Config()
     config.model.model_name_or_path = hf_dir
@@ -194,7 +195,7 @@ def test_engine_setup_applies_the_flags_once_on_a_meta_device_build(hf_dir, caps
     ctx = ParallelContext.create(config.parallel)
     try:
         capsys.readouterr()
-        model = setup_model_and_tokenizer(config, ctx).model
+        _, model, _ = build_model(config, ctx, ResumePoint(None, False, ""))
         out = capsys.readouterr().out
         reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
         ids = torch.randint(0, 300, (2, 12))

@@ -34,6 +34,14 @@ def _config(hf_dir, **model_fields):
     return config
 
 
+def _build_model(config, ctx):
+    """(tokenizer, parallelised model, HF config) of a fresh run (no checkpoint to resume)."""
+    from fsdp2_backend.build import build_model
+    from fsdp2_backend.training.checkpoint_io import ResumePoint
+
+    return build_model(config, ctx, ResumePoint(None, False, ""))
+
+
 def _logits(model, ids):
     with torch.no_grad():
         return model(input_ids=ids).logits
@@ -48,13 +56,11 @@ def test_single_process_context_is_one_rank_cpu(ctx):
 def test_hf_dir_loads_the_checkpoint(hf_dir, ctx, model_id):
     from transformers import AutoModelForCausalLM
 
-    from fsdp2_backend.models.setup import setup_model_and_tokenizer
-
-    bundle = setup_model_and_tokenizer(_config(hf_dir, model_id=model_id), ctx)
+    tokenizer, model, _ = _build_model(_config(hf_dir, model_id=model_id), ctx)
     reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     ids = torch.randint(0, 300, (2, 12))
-    torch.testing.assert_close(_logits(bundle.model, ids), _logits(reference, ids), rtol=0, atol=0)
-    assert len(bundle.tokenizer) == 300
+    torch.testing.assert_close(_logits(model, ids), _logits(reference, ids), rtol=0, atol=0)
+    assert tokenizer.vocab_size == len(tokenizer.hf) == 300
 
 
 def test_unknown_model_id_and_missing_weights_are_usage_errors(tmp_path, hf_dir):
@@ -71,37 +77,32 @@ def test_unknown_model_id_and_missing_weights_are_usage_errors(tmp_path, hf_dir)
 
 
 def test_architecture_flags_build_from_scratch_and_are_checked(hf_dir, ctx):
-    from fsdp2_backend.models.setup import setup_model_and_tokenizer
-
     arch = dict(model_type="qwen3", num_hidden_layers=1, hidden_size=32, intermediate_size=64,
                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
     config = _config(None, architecture=arch, tokenizer_name_or_path=hf_dir, make_vocab_size_divisible_by=128)
-    bundle = setup_model_and_tokenizer(config, ctx)
-    assert bundle.hf_config.num_hidden_layers == 1 and bundle.hf_config.hidden_size == 32
-    assert bundle.model.lm_head.weight.shape[0] == 384  # 300 tokens padded to a multiple of 128, like Megatron
-    again = setup_model_and_tokenizer(config, ctx)
-    for a, b in zip(bundle.model.parameters(), again.model.parameters()):  # seeded: the same every time
+    _, model, hf_config = _build_model(config, ctx)
+    assert hf_config.num_hidden_layers == 1 and hf_config.hidden_size == 32
+    assert model.lm_head.weight.shape[0] == 384  # 300 tokens padded to a multiple of 128, like Megatron
+    _, again, _ = _build_model(config, ctx)
+    for a, b in zip(model.parameters(), again.parameters()):  # seeded: the same every time
         assert torch.equal(a.full_tensor(), b.full_tensor())
     wrong = _config(hf_dir, architecture=dict(model_type="qwen3", hidden_size=128, num_hidden_layers=2))
     with pytest.raises(UsageError, match="architecture.hidden_size: 128 disagrees with 64"):
-        setup_model_and_tokenizer(wrong, ctx)
+        _build_model(wrong, ctx)
 
 
 @pytest.mark.parametrize("meta", [False, True])
 def test_added_tokens_resize_embedding_and_lm_head_with_noise_init(hf_dir, ctx, meta):
     from transformers import AutoModelForCausalLM
 
-    from fsdp2_backend.models.setup import setup_model_and_tokenizer
-
     config = _config(hf_dir, add_tokens="hello_world,foo_bar", add_special_tokens="<|tool|>", resize_vocab=True,
                      init_model_with_meta_device=meta)
-    bundle = setup_model_and_tokenizer(config, ctx)
-    tokenizer = bundle.tokenizer
-    assert len(tokenizer) == 303 and tokenizer.convert_tokens_to_ids("<|tool|>") == 302
-    assert "<|tool|>" in tokenizer.all_special_tokens
+    tokenizer, model, _ = _build_model(config, ctx)
+    assert tokenizer.vocab_size == len(tokenizer.hf) == 303 and tokenizer.hf.convert_tokens_to_ids("<|tool|>") == 302
+    assert "<|tool|>" in tokenizer.hf.all_special_tokens
     reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        got = dict(bundle.model.named_parameters())[name].full_tensor()
+        got = dict(model.named_parameters())[name].full_tensor()
         old = dict(reference.named_parameters())[name]
         assert got.shape == (303, 64)
         assert torch.equal(got[:300], old)
@@ -112,12 +113,13 @@ def test_added_tokens_resize_embedding_and_lm_head_with_noise_init(hf_dir, ctx, 
 
 
 def test_tokenizer_without_resize_or_with_desc_init_is_declined(hf_dir, ctx):
-    from fsdp2_backend.models.setup import setup_model_and_tokenizer
+    from fsdp2_backend.config.validation import validate
 
     with pytest.raises(UsageError, match="model.resize_vocab"):
-        setup_model_and_tokenizer(_config(hf_dir, add_tokens="brand_new_token"), ctx)
-    with pytest.raises(UsageError, match="init_special_tokens: 'desc_init'"):
-        setup_model_and_tokenizer(_config(hf_dir, init_special_tokens="desc_init"), ctx)
+        _build_model(_config(hf_dir, add_tokens="brand_new_token"), ctx)
+    # desc_init is declined by config validation, before anything is built
+    with pytest.raises(UsageError, match="model.init_special_tokens: desc_init"):
+        validate(_config(hf_dir, init_special_tokens="desc_init"))
 
 
 def test_split_special_tokens_and_slow_tokenizer_flags_reach_the_tokenizer(hf_dir):
@@ -129,9 +131,9 @@ def test_split_special_tokens_and_slow_tokenizer_flags_reach_the_tokenizer(hf_di
     for split in (False, True):
         ours = load_tokenizer(_config(hf_dir, split_special_tokens=split).model)
         ref = AutoTokenizer.from_pretrained(hf_dir, split_special_tokens=split)
-        assert ours(text).input_ids == ref(text).input_ids
-    assert load_tokenizer(_config(hf_dir).model)(text).input_ids != \
-        load_tokenizer(_config(hf_dir, split_special_tokens=True).model)(text).input_ids
+        assert ours.tokenize(text) == ref(text).input_ids
+    assert load_tokenizer(_config(hf_dir).model).tokenize(text) != \
+        load_tokenizer(_config(hf_dir, split_special_tokens=True).model).tokenize(text)
 
 
 def test_plan_patterns():
@@ -187,6 +189,7 @@ def test_trainer_adds_the_moe_aux_loss_to_backward(tmp_path, ctx):
 
     from fsdp2_backend.models.loading import create_model, load_hf_config
     from fsdp2_backend.parallel.apply import apply_parallelism
+    from fsdp2_backend.build import TrainJob
     from fsdp2_backend.training.grad_clip import clip_grad_norm
     from fsdp2_backend.training.trainer import Trainer
 
@@ -210,8 +213,9 @@ def test_trainer_adds_the_moe_aux_loss_to_backward(tmp_path, ctx):
         return clip_grad_norm(params, max_norm)
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    trainer = Trainer(config, ctx, model, optimizer, type("Fixed", (), {"step": lambda s, n: None})(), iter([batch]),
-                      1, micro_batches=1, clip_fn=capture)
+    trainer = Trainer(TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer,
+                               scheduler=type("Fixed", (), {"step": lambda s, n: None})(), train_batches=iter([batch]),
+                               train_iters=1, micro_batches=1, clip_fn=capture))
     trainer.train_step()
     ref = dict(reference.named_parameters())
     gate = "model.layers.0.mlp.gate.weight"

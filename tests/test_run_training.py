@@ -1,4 +1,4 @@
-"""`run_training(config)` end to end on 2 gloo ranks: Megatron's mock GPT data, a tiny Qwen3 HF directory,
+"""`build.run_training(config)` end to end on 2 gloo ranks: Megatron's mock GPT data, a tiny Qwen3 HF directory,
 Megatron log lines, validation, and a profile written for the chosen steps and rank only."""
 import json
 import os
@@ -41,7 +41,7 @@ def _config(model_dir, profile_dir):
 
 
 def _worker(rank, world_size, model_dir, out_dir):
-    from fsdp2_backend.training.trainer import run_training
+    from fsdp2_backend.build import run_training
 
     config = validate(_config(model_dir, os.path.join(out_dir, "profile")), world_size)
     assert config.training.gradient_accumulation_steps == 2
@@ -76,39 +76,73 @@ def test_two_rank_run_logs_like_megatron_and_profiles_the_chosen_window(model_di
 
 
 def test_sft_stage_is_declined():
-    from fsdp2_backend.training.trainer import run_training
+    """Config validation (which every run passes before it is built) declines the seed's SFT defaults."""
+    with pytest.raises(UsageError) as declined:
+        validate(Config())
+    assert "training.stage: 'sft'" in str(declined.value) and "not available yet" in str(declined.value)
+    assert "data.data_manager_type: 'lf'" in str(declined.value)
 
-    with pytest.raises(UsageError, match="only pretraining"):
-        run_training(Config())
+
+class _SaveRecorder:
+    """Stands for the job's Checkpointer during the loop: records its save points as (iteration, reason)."""
+
+    def __init__(self):
+        self.saves = []
+
+    def save(self, iteration, reason, train_iters=None):
+        self.saves.append((iteration, reason))
+
+    def close(self):
+        pass
 
 
-def test_checkpoint_hooks_resume_from_the_restored_state(model_dir, tmp_path):
-    """One in-process rank: the resume hook's state decides where training (and the data) continue."""
-    from fsdp2_backend.training.trainer import run_training
+def test_resume_continues_from_the_restored_state(model_dir, tmp_path):
+    """One in-process rank: the state restored from a checkpoint decides where training (and the data)
+    continue. A run stopped by exit_interval at iteration 2, restarted with the same command, resumes from its
+    checkpoint and ends as the uninterrupted run does."""
+    from fsdp2_backend.build import build, run_training
+    from fsdp2_backend.training import checkpoint_io as io
+    from fsdp2_backend.training.trainer import Trainer
 
-    config = _config(model_dir, str(tmp_path / "profile"))
-    config.profiling.profile = False
-    config.training.eval_interval = None
-    config = validate(config, 1)
-    seen, saves = {}, []
+    def config_for(output_dir, **training):
+        config = _config(model_dir, str(tmp_path / "profile"))
+        config.profiling.profile = False
+        config.training.eval_interval = None
+        config.training.save_checkpoints = output_dir is not None
+        config.training.output_dir = str(output_dir) if output_dir else None
+        for key, value in training.items():
+            setattr(config.training, key, value)
+        return validate(config, 1)
 
-    def resume(model, optimizer, scheduler, state, loss_scaler, tokenizer):
-        seen.update(lr=optimizer.param_groups[0]["lr"], scale=loss_scaler.scale, vocab=len(tokenizer))
-        state.iteration, state.consumed_train_samples = 2, 8
-        scheduler.step(8)
+    straight = run_training(config_for(None))
+    assert len(straight.losses) == 4
+    stopped = run_training(config_for(tmp_path / "run", exit_interval=2))
+    assert stopped.state.iteration == 2 and stopped.losses == pytest.approx(straight.losses[:2], rel=1e-6)
+    assert io.newest_checkpoint(tmp_path / "run") == tmp_path / "run" / "iter_0000002"
 
-    result = run_training(config, save_hook=lambda t, reason: saves.append((t.state.iteration, reason)),
-                          resume_hook=resume)
-    assert seen == {"lr": 0.0, "scale": 1.0, "vocab": 300}  # warmup starts at lr_warmup_init
+    job = build(config_for(tmp_path / "run"))
+    recorder = _SaveRecorder()
+    try:
+        assert (job.state.iteration, job.state.consumed_train_samples) == (2, 8)
+        # the schedule continues at iteration 2 (not at the warmup's start, lr_warmup_init 0)
+        assert job.optimizer.param_groups[0]["lr"] == pytest.approx(straight.learning_rates[1], rel=1e-6)
+        assert job.optimizer.param_groups[0]["lr"] > 0.0
+        assert job.loss_scaler.scale == 1.0 and job.tokenizer.vocab_size == 300
+        job.checkpointer.close()
+        job.checkpointer = recorder
+        result = Trainer(job).train()
+    finally:
+        job.close()
     assert len(result.losses) == 2 and result.state.iteration == 4 and result.state.consumed_train_samples == 16
-    assert saves == [(4, "final")]
+    assert result.losses == pytest.approx(straight.losses[2:], rel=1e-6)
+    assert recorder.saves == [(4, "final")]
 
 
 def test_num_train_epochs_sets_the_length_from_one_epoch_of_the_train_split(model_dir, tmp_path):
     from fsdp2_backend.data.pretrain import build_pretrain_data
     from fsdp2_backend.distributed.context import ParallelContext
     from fsdp2_backend.models.tokenizer import load_tokenizer
-    from fsdp2_backend.training.trainer import _train_length
+    from fsdp2_backend.build import train_length
 
     config = _config(model_dir, str(tmp_path))
     config.training.max_steps = -1
@@ -120,9 +154,9 @@ def test_num_train_epochs_sets_the_length_from_one_epoch_of_the_train_split(mode
         build = lambda iters: build_pretrain_data(config, tokenizer, 0, 1, 0, 4, 1, iters)  # noqa: E731
         epoch = len(build(1).datasets[0])
         assert epoch > 8
-        assert _train_length(config, 4, build) == (int(0.5 * epoch) // 4, epoch // 4)
+        assert train_length(config, 4, build) == (int(0.5 * epoch) // 4, epoch // 4)
         config.training.num_train_epochs = 1e-9
         with pytest.raises(UsageError, match="training.num_train_epochs"):
-            _train_length(config, 4, build)
+            train_length(config, 4, build)
     finally:
         ctx.close()

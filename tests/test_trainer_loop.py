@@ -1,5 +1,5 @@
 """The loop's Megatron behaviours on one real rank: NaN/inf iterations skipped and counted, exit_interval,
-validation every eval_interval, save-hook call sites, log cadence."""
+validation every eval_interval, the checkpointer's save points, log cadence."""
 import math
 
 import pytest
@@ -47,11 +47,26 @@ def parts(tmp_path):
     ctx.close()
 
 
+class _SaveRecorder:
+    """Stands for the job's Checkpointer: records the loop's save points as (iteration, reason)."""
+
+    def __init__(self):
+        self.saves = []
+
+    def save(self, iteration, reason, train_iters=None):
+        self.saves.append((iteration, reason))
+
+    def close(self):
+        pass
+
+
 def _trainer(config, ctx, model, optimizer, scheduler, **kw):
+    from fsdp2_backend.build import TrainJob
     from fsdp2_backend.training.trainer import Trainer
 
-    return Trainer(config, ctx, model, optimizer, scheduler, _batches(1), config.training.max_steps,
-                   micro_batches=1, **kw)
+    job = TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler,
+                   train_batches=_batches(1), train_iters=config.training.max_steps, micro_batches=1, **kw)
+    return Trainer(job)
 
 
 def test_nan_loss_iteration_is_skipped_and_counted(parts):
@@ -79,7 +94,7 @@ def test_nan_loss_iteration_is_skipped_and_counted(parts):
     assert not all(torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, model.parameters()))
 
 
-def test_loop_counts_exits_validates_and_calls_save_hook(parts):
+def test_loop_counts_exits_validates_and_saves_at_save_points(parts):
     from fsdp2_backend.training.loss import masked_loss_sum
 
     config, ctx, model, optimizer, scheduler = parts
@@ -90,7 +105,7 @@ def test_loop_counts_exits_validates_and_calls_save_hook(parts):
     config.training.exit_interval = 5
     from fsdp2_backend.training.logging import TrainLogger, parse_train_line
 
-    lines, saves, calls = [], [], []
+    lines, calls, recorder = [], [], _SaveRecorder()
     logger = TrainLogger(train_iters=6, log_interval=2, global_batch_size=MBS, world_size=1,
                          device=torch.device("cpu"), is_logging_rank=True, tokens_per_iteration=MBS * SEQ,
                          print_fn=lines.append)
@@ -101,13 +116,12 @@ def test_loop_counts_exits_validates_and_calls_save_hook(parts):
         return (loss_sum + float("inf") if len(calls) == 2 else loss_sum), count
 
     trainer = _trainer(config, ctx, model, optimizer, scheduler, loss_fn=inf_on_second,
-                       valid_batches=_batches(2), logger=logger,
-                       save_hook=lambda t, reason: saves.append((t.state.iteration, reason)))
+                       valid_batches=_batches(2), logger=logger, checkpointer=recorder)
     result = trainer.train()
     assert result.state.iteration == 5 and result.state.consumed_train_samples == 5 * MBS
     assert result.state.skipped_iterations == 1 and result.state.nan_iterations == 1
     assert result.skipped == [False, True, False, False, False]
-    assert saves == [(2, "interval"), (4, "interval"), (5, "exit")]
+    assert recorder.saves == [(2, "interval"), (4, "interval"), (5, "exit")]
     assert [i for i, _ in result.valid_losses] == [2, 4]
     assert result.state.consumed_valid_samples == 2 * 3 * MBS
     parsed = [parse_train_line(line) for line in lines if parse_train_line(line)]
@@ -164,11 +178,10 @@ def test_fp16_loss_scale_follows_megatron_rules():
 def test_exit_duration_stops_after_saving(parts):
     config, ctx, model, optimizer, scheduler = parts
     config.training.exit_duration_in_mins = 1e-9  # already over after the first iteration
-    saves = []
-    trainer = _trainer(config, ctx, model, optimizer, scheduler,
-                       save_hook=lambda t, reason: saves.append((t.state.iteration, reason)))
+    recorder = _SaveRecorder()
+    trainer = _trainer(config, ctx, model, optimizer, scheduler, checkpointer=recorder)
     result = trainer.train()
-    assert result.state.iteration == 1 and saves == [(1, "exit")]
+    assert result.state.iteration == 1 and recorder.saves == [(1, "exit")]
 
 
 def test_end_of_training_evaluates_validation_and_test_sets(parts):
@@ -192,8 +205,7 @@ def test_end_of_training_evaluates_validation_and_test_sets(parts):
 def test_save_epochs_saves_at_epoch_boundaries(parts):
     config, ctx, model, optimizer, scheduler = parts
     config.training.save_steps = 1000
-    saves = []
-    trainer = _trainer(config, ctx, model, optimizer, scheduler, epoch_save_interval=2,
-                       save_hook=lambda t, reason: saves.append((t.state.iteration, reason)))
+    recorder = _SaveRecorder()
+    trainer = _trainer(config, ctx, model, optimizer, scheduler, epoch_save_interval=2, checkpointer=recorder)
     trainer.train()
-    assert saves == [(2, "interval"), (4, "interval"), (6, "interval"), (6, "final")]
+    assert recorder.saves == [(2, "interval"), (4, "interval"), (6, "interval"), (6, "final")]

@@ -341,9 +341,10 @@ def test_load_of_a_checkpoint_directory_needs_no_architecture_flags(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     fields = translate_megatron(arch_free + ["--load", ckpt, "--save", ckpt]).fields
     assert fields["training"]["resume_from_checkpoint"] == ckpt and fields["training"]["output_dir"] == ckpt
-    assert "architecture" not in fields["model"] and "model_name_or_path" not in fields["model"]
+    arch = fields["model"].get("architecture", {})
+    assert "model_type" not in arch and "num_hidden_layers" not in arch and "model_name_or_path" not in fields["model"]
     with_flags = translate_megatron(BASE + ["--load", ckpt, "--use-checkpoint-args"]).fields
-    assert "architecture" not in with_flags["model"]  # --use-checkpoint-args: the checkpoint's model wins
+    assert "model_type" not in with_flags["model"].get("architecture", {})  # --use-checkpoint-args: the checkpoint's
 
 
 def test_profiling_and_sequence_parallel_follow_megatron():

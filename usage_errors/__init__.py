@@ -6,6 +6,7 @@ prints each as `error: ...` on stderr and exits with code 2, never a traceback.
 """
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import contextmanager
 from typing import Iterable, Iterator
@@ -22,9 +23,11 @@ class UsageError(Exception):
 
 
 def report_and_exit(messages: Iterable[str]) -> None:
-    """Prints `error: <message>` lines on stderr and exits with code 2."""
-    for message in messages:
-        print(f"error: {message}", file=sys.stderr)
+    """Prints `error: <message>` lines on stderr and exits with code 2. Under torchrun every rank meets the same
+    input, so only rank 0 prints: the user reads each problem once."""
+    if os.environ.get("RANK", "0") == "0":
+        for message in messages:
+            print(f"error: {message}", file=sys.stderr)
     sys.stderr.flush()
     raise SystemExit(USAGE_EXIT_CODE)
 
