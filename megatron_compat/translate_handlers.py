@@ -232,9 +232,13 @@ def is_hf_model_dir(path) -> bool:
 
 
 def loads_checkpoint(ctx) -> bool:
-    """`--load X` with X not an HF directory: a save directory to resume or fine-tune from (possibly empty yet)."""
+    """`--load X` names a save directory to resume or fine-tune from (possibly empty yet), not an HF model:
+    X exists and holds no config.json, or X does not exist yet and equals --save (Megatron's resume pattern).
+    A missing X elsewhere is taken as the HF model directory the script means (its loading says if it is not)."""
     load = ctx.get("load")
-    return load not in (None, "None") and not is_hf_model_dir(load)
+    if load in (None, "None") or is_hf_model_dir(load):
+        return False
+    return os.path.exists(load) or load == ctx.get("save")
 
 
 @handles("load", "model.model_name_or_path (an HF directory) or training.resume_from_checkpoint (a checkpoint "
@@ -242,10 +246,10 @@ def loads_checkpoint(ctx) -> bool:
 def _load(ctx, value):
     if value is None or value == "None":  # MindSpeed scripts write `--load None` for "no checkpoint"
         ctx.set("model.train_from_scratch", True)
-    elif is_hf_model_dir(value):
-        ctx.set("model.model_name_or_path", value)
-    else:
+    elif loads_checkpoint(ctx):
         ctx.set("training.resume_from_checkpoint", value)
+    else:
+        ctx.set("model.model_name_or_path", value)
 
 
 @handles("use_checkpoint_args", "model.architecture from the checkpoint in --load (architecture flags dropped)")

@@ -130,6 +130,7 @@ def _load_one_rank(rank, world_size, root):
     from torch.distributed.checkpoint import FileSystemReader
 
     from fsdp2_backend.training import checkpoint_io as io
+    from fsdp2_backend.training import rng_state
     from fsdp2_backend.training.checkpoint import CheckpointManager, checkpoint_meta, load_checkpoint
 
     root = Path(root)
@@ -188,7 +189,8 @@ def _load_one_rank(rank, world_size, root):
     only_ckpt = only.save(7, model, optimizer, scheduler, _State(7, 7))
     keys = FileSystemReader(str(only_ckpt)).read_metadata().state_dict_metadata
     assert keys and all(k.startswith("model.") for k in keys)
-    assert not (only_ckpt / io.SCHEDULER_FILE).exists() and not (only_ckpt / io.RNG_DIR).exists()
+    assert not (only_ckpt / io.SCHEDULER_FILE).exists() and not (only_ckpt / rng_state.RNG_DIR).exists()
+    assert (sync_ckpt / rng_state.RNG_DIR).is_dir()  # what save_only_model leaves out is there otherwise
     meta = checkpoint_meta(only_ckpt)
     assert (meta["has_optimizer"], meta["has_scheduler"], meta["has_rng"]) == (False, False, False)
     fresh_model, fresh_optimizer, fresh_scheduler = _build(world_size)
@@ -328,7 +330,9 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     assert plan(None, None, str(tmp_path)) == (None, False)
     # An iter_* directory that is not a complete checkpoint is an error; a --load directory holding no
     # checkpoint (yet), or not existing yet, starts the run from scratch, as Megatron's --load does.
-    with pytest.raises(UsageError, match="resume_from_checkpoint .*is not a complete checkpoint"):
+    # (a final-named directory without our metadata was never written by our atomic saves: refused as foreign)
+    with pytest.raises(UsageError, match=r"training.resume_from_checkpoint \(--load\): .*iter_0000040 holds a "
+                                         r"checkpoint this backend did not write"):
         io.resume_point(None, str(save_dir / "iter_0000040"))
     with pytest.raises(UsageError, match="resume_from_checkpoint .*is not a complete checkpoint"):
         io.resume_point(None, str(tmp_path / "fresh" / "iter_0000001"))

@@ -77,10 +77,14 @@ def _parallel_model(ep, ep_fsdp, dispatcher, recompute=False):
     for layer in model.model.layers:  # the non-expert FSDP, as the engine's FSDP stage does it
         fully_shard(layer, mesh=ctx.fsdp_mesh, ignored_params=expert_params)
     fully_shard(model, mesh=ctx.fsdp_mesh, ignored_params=expert_params)
+    # The engine's one gradient policy: every FSDP unit (expert ones included) SUMs; the loss carries 1/dp.
+    from fsdp2_backend.parallel.apply import set_gradient_policy
+
+    set_gradient_policy(model)
     return model
 
 
-def _train(model, opt, steps, rank, loss_scale=1.0):
+def _train(model, opt, steps, rank):
     import torch.distributed as dist
 
     from fsdp2_backend.training.grad_clip import total_grad_norm
@@ -89,7 +93,7 @@ def _train(model, opt, steps, rank, loss_scale=1.0):
     for step in steps:
         opt.zero_grad()
         loss = model(**_micro_batch(step, rank)).loss
-        (loss * loss_scale).backward()
+        (loss / dist.get_world_size()).backward()  # the 1/dp of the engine's loss normaliser
         if step == 0:
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
             grads["norm"] = total_grad_norm(model.parameters())  # expert and non-expert meshes together
@@ -154,12 +158,8 @@ def _ranks(rank, world_size, reference, ckpt_dir):
     _check_full_state_dict_is_transformers(model, rank)
     del model, opt
 
-    # The engine's gradient policy: every FSDP unit (expert ones included) SUMs, the loss carries 1/dp.
-    from fsdp2_backend.parallel.apply import set_gradient_policy
-
     model, opt = _with_opt(_parallel_model(ep=2, ep_fsdp=1, dispatcher="fused", recompute=True))
-    set_gradient_policy(model)
-    fused, _ = _train(model, opt, range(STEPS), rank, loss_scale=1 / world_size)
+    fused, _ = _train(model, opt, range(STEPS), rank)
     torch.testing.assert_close(torch.tensor(fused), torch.tensor(eager), rtol=1e-5, atol=0)
 
     # EP 2 → EP 1 x expert-FSDP 2 (dim 1 sharded) → back to EP 2, through DCP.

@@ -93,8 +93,11 @@ def test_one_rank_and_two_rank_fsdp_agree_per_step(model_dir, tmp_path):
         for key in ("losses", "grad_norms"):
             a, b = one[mode][key], two[other][key]
             assert len(a) == len(b) == STEPS
+            # TP's gradients are reduced in another order (row-parallel partial sums): fp32 noise drifts to ~1e-5
+            # over the steps (measured 1.1e-5 at step 4); a scaling fault would be off by a factor.
+            rtol = 5e-5 if other == "tp2" else 1e-5
             for step, (x, y) in enumerate(zip(a, b)):
-                assert abs(x - y) <= 1e-5 * abs(x), f"{other} {key} step {step}: 1 rank {x} vs 2 ranks {y}"
+                assert abs(x - y) <= rtol * abs(x), f"{other} {key} step {step}: 1 rank {x} vs 2 ranks {y}"
         assert one[mode]["losses"][-1] < one[mode]["losses"][0]  # it trains
     # The two modes differ (token counts differ per micro-batch), so the test can tell them apart.
     assert one["mean"]["grad_norms"][0] != pytest.approx(one["per_token"]["grad_norms"][0], rel=1e-4)

@@ -133,3 +133,19 @@ def test_tp_plans_use_the_plan_globs():
     assert unmatched_patterns(model, ["*.q_proj", "model.blocks.{}", "lm_head"]) == ["model.blocks.{}"]
     with pytest.raises(UsageError, match="tp_colwise: the globs model.blocks.{} match no module"):
         plan_modules(model, ["model.blocks.{}"], "tp_colwise")
+
+
+def test_a_plan_pattern_matching_nothing_is_a_warning_where_plans_are_shared(capsys):
+    """MindSpeed's Qwen3-235B YAML ignores `model.layers.{*}.mlp.router`, which our model calls `gate`: a warning
+    line, not an error; a field whose patterns all match nothing still fails where the stage needs a module."""
+    from torch import nn
+
+    from fsdp2_backend.parallel.plans import lenient_matches
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Linear(2, 2)])
+    assert lenient_matches(model, ["layers.{*}.router"], "parallel.ignored_modules", require_one=False) == []
+    assert "warning: parallel.ignored_modules: pattern 'layers.{*}.router' matches no module" in capsys.readouterr().out
+    assert [n for n, _ in lenient_matches(model, ["layers.{*}", "x"], "parallel.ep_modules")] == ["layers.0"]
+    with pytest.raises(UsageError):
+        lenient_matches(model, ["x"], "parallel.ep_modules")

@@ -102,3 +102,82 @@ def test_tensorboard_notice_or_scalars(tmp_path):
     events.Reload()
     assert {"lm loss", "learning-rate", "grad-norm", "batch-size"} <= set(events.Tags()["scalars"])
     assert events.Scalars("lm loss")[0].value == 1.5
+
+
+def _fake_clock(monkeypatch, times):
+    """The logger's clock returns `times` in turn (its constructor and each logged record read it once)."""
+    import types
+
+    import fsdp2_backend.training.logging as logging_module
+
+    ticks = iter(times)
+    monkeypatch.setattr(logging_module, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+
+
+def test_throughput_field_from_flops_per_iteration(monkeypatch):
+    # Megatron: throughput = flops of one iteration / (time per iteration * 1e12 * world size).
+    _fake_clock(monkeypatch, [100.0, 104.0])  # two iterations in 4 s: 2 s per iteration
+    logger = TrainLogger(train_iters=10, log_interval=2, global_batch_size=4, world_size=2,
+                         device=torch.device("cpu"), is_logging_rank=True, tokens_per_iteration=64,
+                         print_fn=lambda line: None, flops_per_iteration=4e13, peak_flops_per_device=20e12)
+    common = dict(learning_rate=1e-3, grad_norm=0.5, consumed_samples=8)
+    logger.record(1, losses={"lm loss": 2.0}, skipped=False, **common)
+    line = logger.record(2, losses={"lm loss": 2.0}, skipped=False, **common)
+    # 4e13 / 2 s / 2 devices = 10 TFLOP/s per device; against a 20 TFLOP/s peak, 50 % MFU
+    assert " elapsed time per iteration (ms): 2000.0 | throughput per GPU (TFLOP/s/GPU): 10.0 |" \
+           " learning rate: 1.000000E-03 |" in line
+    assert line.endswith(" tokens per second per device: 16.0 | peak memory per device (GiB): "
+                         f"{parse_train_line(line)['peak_memory_gib']:.2f} | model flops utilization (%): 50.00 |")
+    parsed = parse_train_line(line)
+    assert parsed["tflops"] == 10.0 and parsed["mfu_percent"] == 50.0 and parsed["elapsed_ms"] == 2000.0
+    assert parsed["tokens_per_sec_per_device"] == 16.0 and parsed["cpu_memory_gib"] is None
+    assert parsed["losses"] == {"lm loss": 2.0} and parsed["grad_norm"] == 0.5
+
+
+def test_throughput_without_a_known_peak_has_no_mfu():
+    logger = TrainLogger(train_iters=10, log_interval=1, global_batch_size=4, world_size=1,
+                         device=torch.device("cpu"), is_logging_rank=True, tokens_per_iteration=64,
+                         print_fn=lambda line: None, flops_per_iteration=1e9)
+    assert logger.peak_flops_per_device is None  # CPU: no peak
+    line = logger.record(1, losses={"lm loss": 1.0}, skipped=False, learning_rate=1e-3, grad_norm=0.5,
+                         consumed_samples=4)
+    parsed = parse_train_line(line)
+    assert parsed["tflops"] is not None and parsed["mfu_percent"] is None
+    assert "model flops utilization" not in line and "cpu memory" not in line
+
+
+def test_options_off_keep_the_line_unchanged():
+    logger = TrainLogger(train_iters=10, log_interval=1, global_batch_size=4, world_size=1,
+                         device=torch.device("cpu"), is_logging_rank=True, tokens_per_iteration=64,
+                         print_fn=lambda line: None)
+    line = logger.record(1, losses={"lm loss": 1.0}, skipped=False, learning_rate=1e-3, grad_norm=0.5,
+                         consumed_samples=4)
+    m = FACTS_LINE.match(line)
+    assert m and "throughput" not in line and "cpu memory" not in line and "utilization" not in line
+    assert re.fullmatch(r" tokens per second per device: \d+\.\d \| peak memory per device \(GiB\): \d+\.\d\d \|",
+                        line[m.end():])
+    parsed = parse_train_line(line)
+    assert parsed["tflops"] is None and parsed["mfu_percent"] is None and parsed["cpu_memory_gib"] is None
+
+
+def test_cpu_memory_field_only_with_the_option():
+    line = _line(cpu_memory_gib=1.254, cpu_memory_peak_gib=2.5)
+    assert line.endswith(" peak memory per device (GiB): 1.50 | cpu memory (GiB): current 1.25, peak 2.50 |")
+    parsed = parse_train_line(line)
+    assert (parsed["cpu_memory_gib"], parsed["cpu_memory_peak_gib"]) == (1.25, 2.5)
+    assert (parsed["tokens_per_sec_per_device"], parsed["peak_memory_gib"]) == (4096.2, 1.5)
+    assert "cpu memory" not in _line()
+
+    import resource
+
+    logger = TrainLogger(train_iters=10, log_interval=1, global_batch_size=4, world_size=1,
+                         device=torch.device("cpu"), is_logging_rank=True, tokens_per_iteration=64,
+                         print_fn=lambda line: None, log_cpu_memory=True)
+    line = logger.record(1, losses={"lm loss": 1.0}, skipped=False, learning_rate=1e-3, grad_norm=0.5,
+                         consumed_samples=4)
+    parsed = parse_train_line(line)
+    assert FACTS_LINE.match(line) and "throughput" not in line
+    # this process: a python + torch process holds tens of MiB at least; the peak is getrusage's (KiB on Linux)
+    assert 0.01 < parsed["cpu_memory_gib"] <= parsed["cpu_memory_peak_gib"]
+    peak_now = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+    assert abs(parsed["cpu_memory_peak_gib"] - peak_now) < 0.05

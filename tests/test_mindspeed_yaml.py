@@ -10,13 +10,16 @@ model's config.json and a tiny tokenizer, the dataset → a small parquet file o
 - `pretrain_fsdp2.py YAML ARGS --dry-run` at the launcher's world size validates and prints the config as YAML;
 - one launcher per (commit, model family) trains 3 steps on 2 gloo ranks, scaled down by overrides appended to
   its arguments, from the raw parquet text as MindSpeed does, and prints 3 Megatron log lines with finite losses.
-SFT launchers (`tune_*`) are refused with one line saying that stage sft is not available yet.
+SFT launchers (`tune_*`) are refused saying that stage sft / data manager lf are not available yet, and the
+mxfp8 launchers (`--model.quant_recipe_name mxfp8`) saying that quantised training is not built yet: both are other
+issues' work, declined with the reason until then.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -221,7 +224,20 @@ def test_every_launcher_in_scope_maps_to_a_copied_yaml():
         "examples__fsdp2__qwen3__tune_qwen3_1point7b_4k_fsdp2_A2.sh"], UNMAPPED
 
 
-@pytest.mark.parametrize("commit,launcher,entry,yaml_file", PRETRAIN, ids=_ids(PRETRAIN))
+QUANT = [case for case in PRETRAIN if "--model.quant_recipe_name" in case[2]["args"]]
+FULL_PRECISION = [case for case in PRETRAIN if case not in QUANT]
+
+
+@pytest.mark.parametrize("commit,launcher,entry,yaml_file", QUANT, ids=_ids(QUANT))
+def test_mxfp8_launcher_is_declined_with_the_reason(assets, tmp_path, commit, launcher, entry, yaml_file):
+    command, result = _dry_run(assets, tmp_path, yaml_file, entry)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, _failure(result, command)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[0].startswith("error: model.quant_recipe_name: quantised training (mxfp8) is not implemented "
+                               "yet"), _failure(result, command)
+
+
+@pytest.mark.parametrize("commit,launcher,entry,yaml_file", FULL_PRECISION, ids=_ids(FULL_PRECISION))
 def test_dry_run_at_launcher_world_size(assets, tmp_path, commit, launcher, entry, yaml_file):
     command, result = _dry_run(assets, tmp_path, yaml_file, entry)
     assert result.returncode == 0, _failure(result, command)
@@ -232,18 +248,29 @@ def test_dry_run_at_launcher_world_size(assets, tmp_path, commit, launcher, entr
 
 
 @pytest.mark.parametrize("commit,launcher,entry,yaml_file", SFT, ids=_ids(SFT))
-def test_sft_launcher_is_refused_in_one_line(assets, tmp_path, commit, launcher, entry, yaml_file):
-    """Stage sft is not built yet: one clear line, exit 2, no traceback (not a list of SFT-only fields)."""
+def test_sft_launcher_is_refused_with_the_reason(assets, tmp_path, commit, launcher, entry, yaml_file):
+    """Stage sft is not built yet: clear lines (the stage, and its data manager lf), exit 2, no traceback, not a
+    list of SFT-only fields."""
     command, result = _dry_run(assets, tmp_path, yaml_file, entry)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2, _failure(result, command)
     assert "Traceback" not in result.stderr, _failure(result, command)
-    assert len(lines) == 1, _failure(result, command)
-    line = lines[0].lower()
-    assert "training.stage" in line and "sft" in line and "yet" in line, _failure(result, command)
+    assert [line.split(":")[1].strip() for line in lines] == ["training.stage", "data.data_manager_type"], \
+        _failure(result, command)
+    assert all("not available yet" in line for line in lines), _failure(result, command)
 
 
 TRAIN_CASES = [case for case in PRETRAIN if (case[0], case[1]) in TRAINED]
+
+
+# Where a Megatron log line starts: rank 0's checkpoint message and the last rank's log line share one stdout, and
+# unbuffered (PYTHONUNBUFFERED) a print's text and its newline are two writes, so a line can start mid-line.
+LOG_LINE_START = re.compile(r" \[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}\.\d{6}\] iteration ")
+
+
+def train_lines(log, parse_train_line):
+    return [parsed for line in log.splitlines() for start in LOG_LINE_START.finditer(line)
+            if (parsed := parse_train_line(line[start.start():]))]
 
 
 def _scaled_ep(entry) -> str:
@@ -269,7 +296,7 @@ def test_trains_three_steps_on_two_ranks(assets, tmp_path, commit, launcher, ent
                str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), str(yaml_file), *args]
     result = _run(command, {}, timeout=600)
     assert result.returncode == 0, _failure(result, command)
-    lines = [parsed for parsed in map(parse_train_line, (result.stdout + result.stderr).splitlines()) if parsed]
+    lines = train_lines(result.stdout + result.stderr, parse_train_line)
     assert [line["iteration"] for line in lines] == [1, 2, 3], _failure(result, command)
     for line in lines:
         loss = line["losses"].get("lm loss")

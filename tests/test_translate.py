@@ -329,6 +329,7 @@ def test_a_model_from_scratch_needs_megatrons_required_flags(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     translate_megatron(argv + ["--load", str(tmp_path)])  # the HF directory defines the model
     # A checkpoint directory given with architecture flags must describe the whole model (built while it is empty)
+    (tmp_path / "ckpt").mkdir()
     with pytest.raises(UsageError):
         translate_megatron(argv + ["--load", str(tmp_path / "ckpt")])
 

@@ -143,6 +143,14 @@ def _check_seed_rules(config: Config, errors: List[str]) -> None:
     if chunk and p.tp_size > 1:
         errors.append("optimization.chunk_loss_size: not available with tensor parallel (parallel.tp_size "
                       f"{p.tp_size}) yet — unset chunk_loss_size or use tp_size 1")
+    if d.data_manager_type == "mg" and not d.mock_data:
+        per_split = any([d.train_data_path, d.valid_data_path, d.test_data_path])
+        if per_split and d.dataset:
+            errors.append("data.dataset / data.train_data_path: give either one dataset split by data.split or "
+                          "per-split paths, not both")
+        elif not per_split and not d.dataset:
+            errors.append("data.dataset: pretraining needs an indexed prefix, a blend [W1, P1, W2, P2] or a raw "
+                          ".jsonl/.parquet file (or data.mock_data) — set data.dataset (Megatron --data-path)")
     if isinstance(d.dataset, dict) and not d.dataset.get("file_name") and d.data_manager_type == "mg":
         errors.append("data.dataset: an inline dataset needs file_name (MindSpeed's {file_name: FILE}) in "
                       "pretraining — give the raw .jsonl/.parquet file")

@@ -28,7 +28,7 @@ from fsdp2_backend.data.sampler import MegatronPretrainingRandomSampler, Megatro
 from usage_errors import UsageError
 from megatron_compat.data.builder import BlendedMegatronDatasetBuilder
 from megatron_compat.data.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron_compat.data.utils import barrier, builds_caches_first, get_blend_from_list
+from megatron_compat.data.utils import get_blend_from_list, rank_zero_first
 
 RAW_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 
@@ -132,26 +132,17 @@ def _blends(data, tokenizer):
     if data.mock_data:
         return None, None
     per_split = [data.train_data_path, data.valid_data_path, data.test_data_path]
-    if any(per_split):
-        if data.dataset:
-            raise UsageError("dataset / train_data_path: give either one dataset split by `split` or per-split "
-                             "paths, not both")
+    if any(per_split):  # validation refused per-split paths together with data.dataset
         return None, [None if p is None else _resolve(get_blend_from_list(list(p)), data, tokenizer)
                       for p in per_split]
-    if not data.dataset or not isinstance(data.dataset, (str, list)):
-        raise UsageError("dataset: pretraining needs an indexed prefix, a blend 'W1 P1 W2 P2' or a raw "
-                         ".jsonl/.parquet file (or mock_data) — set dataset (Megatron --data-path)")
-    entries = data.dataset.split() if isinstance(data.dataset, str) else list(data.dataset)
-    return _resolve(get_blend_from_list(entries), data, tokenizer), None
+    assert isinstance(data.dataset, list) and data.dataset, "validation normalises data.dataset to a list"
+    return _resolve(get_blend_from_list(data.dataset), data, tokenizer), None
 
 
 def _resolve(blend, data, tokenizer):
     prefixes, weights = blend
     raw = [p for p in prefixes if p.endswith(RAW_SUFFIXES)]
     if raw:
-        if data.reset_attention_mask and not data.append_eod:
-            raise UsageError("reset_attention_mask: needs append_eod when raw data is tokenized (documents are "
-                             "told apart by their EOD) — set append_eod")
         done = _preprocess(raw, data, tokenizer)
         prefixes = [done.get(p, p) for p in prefixes]
     missing = [p for p in prefixes if not (os.path.isfile(p + ".bin") and os.path.isfile(p + ".idx"))]
@@ -176,20 +167,18 @@ def _preprocess(raw_paths: Sequence[str], data, tokenizer) -> dict:
     from megatron_compat.data.preprocess import output_prefix_for, outputs_complete, preprocess_files
 
     targets = {p: output_prefix_for(_tokenized_prefix(p, data.tokenized_path), "text") for p in raw_paths}
-    error: Optional[BaseException] = None
-    if builds_caches_first(bool(data.data_shared_file_system) and not data.no_shared_storage):
-        try:
-            for raw, prefix in targets.items():
-                if not os.path.isfile(raw):
-                    raise UsageError(f"dataset: {raw} not found — give an existing raw data file")
-                if data.overwrite_cache or not outputs_complete([prefix]):
-                    preprocess_files(raw, _tokenized_prefix(raw, data.tokenized_path), ["text"], tokenizer,
-                                     append_eod=bool(data.append_eod),
-                                     workers=data.preprocessing_num_workers or 1,
-                                     batch_docs=data.preprocessing_batch_size)
-        except Exception as exc:  # tell the waiting ranks before raising
-            error = exc
-    barrier(error)  # the others wait for the tokenized files, and stop if tokenizing failed
+
+    def tokenize() -> None:
+        for raw, prefix in targets.items():
+            if not os.path.isfile(raw):
+                raise UsageError(f"dataset: {raw} not found — give an existing raw data file")
+            if data.overwrite_cache or not outputs_complete([prefix]):
+                preprocess_files(raw, _tokenized_prefix(raw, data.tokenized_path), ["text"], tokenizer,
+                                 append_eod=bool(data.append_eod), workers=data.preprocessing_num_workers or 1,
+                                 batch_docs=data.preprocessing_batch_size)
+
+    # the others wait for the tokenized files, and stop if tokenizing failed
+    rank_zero_first(tokenize, bool(data.data_shared_file_system) and not data.no_shared_storage, others=False)
     missing = [prefix for prefix in targets.values() if not outputs_complete([prefix])]
     if missing:
         raise UsageError(f"tokenized_path: {missing[0]}.bin/.idx not visible on this node after preprocessing — "

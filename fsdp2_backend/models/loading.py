@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fsdp2_backend.config import ModelArguments
+from fsdp2_backend.distributed.dtensor import local_tensor
 from usage_errors import UsageError
 from fsdp2_backend.models.registry import ModelSpec, model_spec
 
@@ -120,8 +121,8 @@ def _assign_full(target: torch.Tensor, full: torch.Tensor) -> None:
     full = full.to(dtype=target.dtype)
     if isinstance(target, DTensor):
         # Every rank holds the same full tensor, so slicing locally (src_data_rank=None) needs no comms.
-        local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
-        target.to_local().copy_(local)
+        local = local_tensor(distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None))
+        local_tensor(target).copy_(local)
     else:
         target.copy_(full)
 

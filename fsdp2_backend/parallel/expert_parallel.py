@@ -16,9 +16,8 @@ Meshes (built by `ParallelContext`): `ep_mesh` is `(ep_replicate, ep, ep_fsdp)` 
 Gradient scale: an expert's gradient already sums the contributions of every rank of its `ep` group (the
 all-to-all backward), and its FSDP group has only `world / ep` ranks, so FSDP's default average would be
 `ep` times too large (the known bug class). The rule: expert units use the same TOTAL divisor as the
-non-expert units. With per-rank mean losses and averaging FSDP units that is the `dp x cp` size, which
-`apply_expert_parallel` sets (`set_gradient_divide_factor`); under the trainer's scheme (every unit SUMs,
-divide factor 1, the loss carries 1/dp — `enable_sum_gradient_reduction` covers expert units too) it is 1.
+non-expert units: the one gradient policy (`parallel.apply.set_gradient_policy`, applied to every FSDP unit
+once all exist: SUM, divide factor 1, the loss carrying 1/(dp x cp)) covers the expert units too.
 
 Expert parameters then live on their own mesh: an optimizer may hold both kinds in one group, but a global
 gradient norm must reduce each gradient over its own mesh (`training.grad_clip.total_grad_norm` does).
@@ -35,7 +34,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from usage_errors import UsageError
 from fsdp2_backend.models.moe.experts import GroupedExperts
 from fsdp2_backend.parallel.moe_dispatch import make_dispatcher
-from fsdp2_backend.parallel.plans import require_matches
+from fsdp2_backend.parallel.plans import lenient_matches, require_matches
 
 
 def shard_by_dim_1(param: nn.Parameter) -> Shard:
@@ -59,7 +58,7 @@ def resolve_shard_placement_fn(name: Optional[str]) -> Optional[Callable]:
 
 def expert_modules(model: nn.Module, patterns: Iterable[str], field: str) -> List[Tuple[str, GroupedExperts]]:
     """The stacked-experts modules matched by `patterns`; anything else matched is a usage error."""
-    matched = require_matches(model, list(patterns), field)
+    matched = lenient_matches(model, list(patterns), field)
     wrong = [f"{name} ({type(module).__name__})" for name, module in matched if not isinstance(module, GroupedExperts)]
     if wrong:
         raise UsageError(f"{field}: matches modules that are not stacked MoE experts: {', '.join(wrong[:3])} — "
@@ -86,24 +85,18 @@ def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, patterns: Iterable[str]
 
 
 def apply_expert_fsdp(model: nn.Module, mesh: DeviceMesh, patterns: Iterable[str], *,
-                      gradient_divide_factor: float, shard_placement_fn: Optional[Callable] = shard_by_dim_1,
+                      shard_placement_fn: Optional[Callable] = shard_by_dim_1,
                       mp_policy: Optional[MixedPrecisionPolicy] = None, reshard_after_forward: bool = True,
                       field: str = "parallel.ep_fsdp_modules") -> List[FSDPModule]:
     """FSDP units on the expert-FSDP `mesh` (1-D, or 2-D HSDP) for the modules matched by `patterns`.
 
-    `gradient_divide_factor` is the total divisor of the non-expert gradients (the `dp x cp` size).
-    Call before the non-expert `fully_shard`s, which then leave these parameters to these units.
+    Call before the non-expert `fully_shard`s, which then leave these parameters to these units; their
+    gradient reduction is set with every other unit's (`parallel.apply.set_gradient_policy`).
     """
     units = []
     for _, module in require_matches(model, list(patterns), field):
         fully_shard(module, mesh=mesh, shard_placement_fn=shard_placement_fn,
                     reshard_after_forward=reshard_after_forward, mp_policy=mp_policy or MixedPrecisionPolicy())
-        module.set_gradient_divide_factor(float(gradient_divide_factor))
-        shard_size = mesh.size(mesh.ndim - 1)
-        if shard_size > 1 and gradient_divide_factor != shard_size:
-            # FSDP would use PREMUL_SUM, which gloo lacks: sum, then divide. Not on a 1-rank shard group, where
-            # torch 2.13 divides twice with force-sum (its no-communication branch divides, then post-divides).
-            module.set_force_sum_reduction_for_comms(True)
         units.append(module)
     return units
 
@@ -137,7 +130,6 @@ def apply_expert_parallel(model: nn.Module, config, ctx) -> Set[nn.Parameter]:
         shard_experts(model, ctx.ep_mesh["ep"], parallel.ep_modules,
                       make_dispatcher(parallel.ep_dispatcher, group, ctx.device.type))
     units = apply_expert_fsdp(model, expert_fsdp_mesh(ctx.ep_mesh), parallel.ep_fsdp_modules,
-                              gradient_divide_factor=ctx.loss_mesh.size(),
                               shard_placement_fn=resolve_shard_placement_fn(parallel.efsdp_shard_placement_fn),
                               mp_policy=mixed_precision_policy(parallel),
                               reshard_after_forward=parallel.reshard_after_forward)

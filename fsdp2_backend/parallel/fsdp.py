@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from fsdp2_backend.config import ParallelArguments
 from usage_errors import UsageError
-from fsdp2_backend.parallel.plans import require_matches
+from fsdp2_backend.parallel.plans import lenient_matches, require_matches
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -46,7 +46,7 @@ def mixed_precision_policy(parallel: ParallelArguments) -> MixedPrecisionPolicy:
 def _ignored_params(model: nn.Module, patterns: Optional[Sequence[str]]) -> Set[nn.Parameter]:
     if not patterns:
         return set()
-    return {p for _, module in require_matches(model, patterns, "parallel.ignored_modules")
+    return {p for _, module in lenient_matches(model, patterns, "parallel.ignored_modules", require_one=False)
             for p in module.parameters()}
 
 

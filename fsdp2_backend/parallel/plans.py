@@ -57,3 +57,21 @@ def require_matches(model: nn.Module, patterns: Sequence[str], field: str) -> Li
         raise UsageError([f"{field}: pattern '{p}' matches no module of {type(model).__name__} — use module "
                           f"paths such as 'model.layers.{{*}}' or '*.q_proj'" for p in unmatched])
     return match_modules(model, patterns)
+
+
+def lenient_matches(model: nn.Module, patterns: Sequence[str], field: str,
+                    require_one: bool = True) -> List[Tuple[str, nn.Module]]:
+    """Like `match_modules`, with one warning line (rank 0) per pattern that matches nothing: for plan fields a
+    config may share across models (MindSpeed's YAMLs list modules some models lack), where a pattern with no
+    module is harmless. With `require_one`, at least one pattern must match (the stage needs a module)."""
+    unmatched = unmatched_patterns(model, patterns)
+    if require_one and unmatched and len(unmatched) == len(patterns):
+        return require_matches(model, patterns, field)
+    if unmatched:
+        from fsdp2_backend.training.checkpoint_io import print_rank0
+
+        for pattern in unmatched:
+            print_rank0(f"warning: {field}: pattern '{pattern}' matches no module of {type(model).__name__} — "
+                        f"skipped")
+    return match_modules(model, patterns)
+

@@ -5,16 +5,24 @@ Owns `format_train_line` / `format_validation_lines` (Megatron-LM training.py's 
 Megatron's last field), `MegatronLogLine` (a regex for the line, for tests and tools), `parse_train_line`,
 and `TrainLogger`, which accumulates what Megatron accumulates between two log lines: losses of advanced
 (non-skipped) iterations averaged over them, skipped and nan iteration counts, and the wall time per iteration.
+
+Optional fields (off by default; the line is unchanged without them): Megatron's ` throughput per GPU
+(TFLOP/s/GPU): X |` (MindSpeed `training.log_throughput`, Megatron `--log-throughput`) when the logger knows the
+model FLOPs of one iteration, with ` model flops utilization (%): X.XX |` appended when the device's peak is
+known too; and ` cpu memory (GiB): current X.XX, peak Y.YY |` (MindSpeed `training.log_cpu_memory`): this
+process's resident set size now and its peak.
 """
 from __future__ import annotations
 
 import math
+import os
 import re
 import resource
+import sys
 import time
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -36,6 +44,14 @@ MegatronLogLine = re.compile(
     r" number of nan iterations: +(?P<nan>\d+) \|"
     r"(?P<extra>.*)$")
 _LOSS_ENTRY = re.compile(r" ([^|:]+): (-?\d\.\d{6}E[+-]\d{2}) \|")
+# Our fields after Megatron's last one: (parse_train_line key(s), regex on the `extra` group).
+_EXTRA_FIELDS = (
+    (("tokens_per_sec_per_device",), re.compile(r" tokens per second per device: (\d+\.\d) \|")),
+    (("peak_memory_gib",), re.compile(r" peak memory per device \(GiB\): (\d+\.\d{2}) \|")),
+    (("mfu_percent",), re.compile(r" model flops utilization \(%\): (\d+\.\d{2}) \|")),
+    (("cpu_memory_gib", "cpu_memory_peak_gib"),
+     re.compile(r" cpu memory \(GiB\): current (\d+\.\d{2}), peak (\d+\.\d{2}) \|")),
+)
 
 
 def format_train_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
@@ -44,8 +60,14 @@ def format_train_line(*, iteration: int, train_iters: int, consumed_samples: int
                       skipped_iterations: int = 0, nan_iterations: int = 0,
                       tflops_per_device: Optional[float] = None, num_zeros: Optional[int] = None,
                       params_norm: Optional[float] = None, tokens_per_sec_per_device: Optional[float] = None,
-                      peak_memory_gib: Optional[float] = None, now: Optional[datetime] = None) -> str:
-    """Megatron's training log line; `losses` are already averaged (e.g. {"lm loss": 2.5})."""
+                      peak_memory_gib: Optional[float] = None, mfu_percent: Optional[float] = None,
+                      cpu_memory_gib: Optional[float] = None, cpu_memory_peak_gib: Optional[float] = None,
+                      now: Optional[datetime] = None) -> str:
+    """Megatron's training log line; `losses` are already averaged (e.g. {"lm loss": 2.5}).
+
+    `tflops_per_device` is Megatron's `--log-throughput` field; ours after Megatron's last field, each only when
+    given: tokens/s per device, peak memory per device, model FLOPs utilisation (%), and this process's CPU
+    memory (`cpu_memory_gib` current and `cpu_memory_peak_gib` peak RSS, both needed)."""
     now = now or datetime.now()
     s = f" [{now.strftime('%Y-%m-%d %H:%M:%S.%f')}]"
     s += " iteration {:8d}/{:8d} |".format(iteration, train_iters)
@@ -72,11 +94,19 @@ def format_train_line(*, iteration: int, train_iters: int, consumed_samples: int
         s += f" tokens per second per device: {tokens_per_sec_per_device:.1f} |"
     if peak_memory_gib is not None:
         s += f" peak memory per device (GiB): {peak_memory_gib:.2f} |"
+    if mfu_percent is not None:
+        s += f" model flops utilization (%): {mfu_percent:.2f} |"
+    if cpu_memory_gib is not None and cpu_memory_peak_gib is not None:
+        s += f" cpu memory (GiB): current {cpu_memory_gib:.2f}, peak {cpu_memory_peak_gib:.2f} |"
     return s
 
 
 def parse_train_line(line: str) -> Optional[Dict[str, object]]:
-    """The fields of a training log line (numbers as int/float, losses as a dict), or None if it is not one."""
+    """The fields of a training log line (numbers as int/float, losses as a dict), or None if it is not one.
+
+    Besides Megatron's fields (`tflops` is the throughput per GPU), our trailing fields are parsed from `extra`:
+    tokens_per_sec_per_device, peak_memory_gib, mfu_percent, cpu_memory_gib, cpu_memory_peak_gib (None when the
+    line does not have them)."""
     match = MegatronLogLine.match(line.rstrip("\n"))
     if match is None:
         return None
@@ -90,6 +120,10 @@ def parse_train_line(line: str) -> Optional[Dict[str, object]]:
         else:
             out[key] = float(value)
     out["losses"] = {k.strip(): float(v) for k, v in _LOSS_ENTRY.findall(match.group("losses"))}
+    for keys, pattern in _EXTRA_FIELDS:
+        found = pattern.search(match.group("extra"))
+        for i, key in enumerate(keys):
+            out[key] = float(found.group(i + 1)) if found else None
     return out
 
 
@@ -112,6 +146,26 @@ def peak_memory_bytes(device: torch.device) -> int:
     return getattr(torch, device.type).max_memory_allocated(device)  # torch.cuda / torch.npu
 
 
+def cpu_memory_bytes() -> Tuple[int, int]:
+    """(current, peak) resident set size of this process in bytes: current from psutil when it is installed,
+    else /proc/self/statm (Linux); peak from getrusage (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = peak if sys.platform == "darwin" else peak * 1024
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        current = psutil.Process().memory_info().rss
+    else:
+        try:
+            with open("/proc/self/statm", encoding="ascii") as f:
+                current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            current = peak  # no /proc: the peak is the best figure there is
+    return current, max(peak, current)
+
+
 def open_tensorboard(log_dir: Optional[str], print_fn: Callable[[str], None] = print):
     """A SummaryWriter for `log_dir`, or None (with a one-line notice when tensorboard is not installed)."""
     if not log_dir:
@@ -131,15 +185,29 @@ class TrainLogger:
     All ranks may call it; only `is_logging_rank` (Megatron: the last rank) prints and writes TensorBoard.
     Values passed in must already be global (loss reduced over data-parallel ranks, global grad norm).
     `tokens_per_iteration` is the global batch's token count; tokens/s per device divides by `world_size`.
+
+    `flops_per_iteration` (the model FLOPs of one global iteration, e.g. `throughput.model_flops_per_token(hf_config,
+    seq_length) * tokens_per_iteration`) adds Megatron's `throughput per GPU (TFLOP/s/GPU)` = flops_per_iteration /
+    time per iteration / world_size / 1e12, and model FLOPs utilisation against `peak_flops_per_device` (looked up
+    from the device's name when not given; not shown when unknown, e.g. on CPU). `log_cpu_memory` adds this
+    process's current and peak CPU memory (RSS).
     """
 
     def __init__(self, *, train_iters: int, log_interval: int, global_batch_size: int, world_size: int,
                  device: torch.device, is_logging_rank: bool, tokens_per_iteration: int,
-                 tensorboard_dir: Optional[str] = None, print_fn: Callable[[str], None] = print):
+                 tensorboard_dir: Optional[str] = None, print_fn: Callable[[str], None] = print,
+                 flops_per_iteration: Optional[float] = None, peak_flops_per_device: Optional[float] = None,
+                 log_cpu_memory: bool = False):
         self.train_iters, self.log_interval = train_iters, max(1, log_interval)
         self.global_batch_size, self.world_size = global_batch_size, world_size
         self.device, self.is_logging_rank = device, is_logging_rank
         self.tokens_per_iteration = tokens_per_iteration
+        self.flops_per_iteration, self.log_cpu_memory = flops_per_iteration, log_cpu_memory
+        if flops_per_iteration is not None and peak_flops_per_device is None:
+            from fsdp2_backend.training.throughput import peak_device_flops
+
+            peak_flops_per_device = peak_device_flops(device)
+        self.peak_flops_per_device = peak_flops_per_device
         self.print_fn = print_fn
         self.writer = open_tensorboard(tensorboard_dir, print_fn) if is_logging_rank else None
         self._reset()
@@ -179,15 +247,26 @@ class TrainLogger:
         now = time.perf_counter()
         iterations = self.advanced + self.skipped
         elapsed = (now - self._interval_start) / max(iterations, 1)
+        tflops = mfu = cpu_now = cpu_peak = None
+        if self.flops_per_iteration is not None:
+            flops_per_sec_per_device = self.flops_per_iteration / elapsed / self.world_size if elapsed else 0.0
+            tflops = flops_per_sec_per_device / 1e12
+            if self.peak_flops_per_device:
+                mfu = 100.0 * flops_per_sec_per_device / self.peak_flops_per_device
+        if self.log_cpu_memory:
+            cpu_now, cpu_peak = (value / 2**30 for value in cpu_memory_bytes())
         line = format_train_line(
             iteration=iteration, train_iters=self.train_iters, consumed_samples=consumed_samples,
             elapsed_ms=elapsed * 1000.0, learning_rate=learning_rate, global_batch_size=self.global_batch_size,
             losses={k: v / max(1, self.advanced) for k, v in self.loss_sums.items()}, loss_scale=loss_scale,
             grad_norm=grad_norm, skipped_iterations=self.skipped, nan_iterations=self.nan,
             tokens_per_sec_per_device=self.tokens_per_iteration / elapsed / self.world_size if elapsed else 0.0,
-            peak_memory_gib=peak_memory_bytes(self.device) / 2**30)
+            peak_memory_gib=peak_memory_bytes(self.device) / 2**30, tflops_per_device=tflops, mfu_percent=mfu,
+            cpu_memory_gib=cpu_now, cpu_memory_peak_gib=cpu_peak)
         if self.writer is not None:
             self.writer.add_scalar("iteration-time", elapsed, iteration)
+            if tflops is not None:
+                self.writer.add_scalar("throughput", tflops, iteration)  # Megatron's scalar name
         if self.is_logging_rank:
             self.print_fn(line)
         self._reset()

@@ -17,15 +17,10 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from fsdp2_backend.distributed.dtensor import local_tensor
 from fsdp2_backend.models.moe.routing import sort_by_expert
 from kernels.grouped_gemm import grouped_linear
 
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor parameter (this rank's experts), or the tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class GroupedExperts(nn.Module):
