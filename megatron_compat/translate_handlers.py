@@ -4,7 +4,8 @@ Every handler runs on every translation, with the flag's value or Megatron's def
 defaults reach the native config (its lr schedule is linear, its Adam beta2 0.999, its seed 1234, ...). A
 handler may decline its flag for a value it cannot honour, or find it without effect; otherwise the flag is
 reported as mapped to the target named here. `HANDLERS`: dest → (target, handler); `DERIVED_STEPS` fill
-fields that several flags determine together (gradient accumulation, the pretraining stage).
+fields that several flags determine together (the pretraining stage). Derived values (gradient accumulation from
+--global-batch-size, the padded vocabulary) are the engine's, computed once in validation / the model build.
 """
 from __future__ import annotations
 
@@ -395,21 +396,6 @@ for _dest in _ON_RESUME:
         ctx.set("training.lr_scheduler_on_resume", _ON_RESUME[chosen[0]] if len(chosen) == 1 else "check")
 
 
-def _accumulation(ctx):
-    """Derives gbs / (mbs × dp) when the world size allows (dp = world / (tp × cp)); else validation does."""
-    gbs, mbs = ctx.get("global_batch_size"), ctx.get("micro_batch_size") or ctx.get("batch_size")
-    tp, cp = ctx.get("tensor_model_parallel_size"), ctx.get("context_parallel_size")
-    if gbs is None or mbs is None or ctx.world_size % (tp * cp):
-        return
-    dp = ctx.world_size // (tp * cp)
-    if gbs % (mbs * dp):
-        ctx.decline("global_batch_size", f"{gbs} is not divisible by micro batch {mbs} × data-parallel size {dp} "
-                                         f"(world {ctx.world_size} / tp {tp} / cp {cp}) — change "
-                                         "--global-batch-size or --micro-batch-size")
-        return
-    ctx.set("training.gradient_accumulation_steps", gbs // (mbs * dp))
-
-
 def _pretraining(ctx):
     ctx.set("training.stage", "pt")
     ctx.set("data.data_manager_type", "mg")
@@ -418,4 +404,4 @@ def _pretraining(ctx):
 
 
 # Steps that derive fields from several flags, run after every handler.
-DERIVED_STEPS = (_accumulation, _pretraining)
+DERIVED_STEPS = (_pretraining,)

@@ -6,7 +6,8 @@ rank where the one-rank run is.
 Each layout trains 8 steps and saves at 4 and 8; its iteration-4 checkpoint, copied alone into a fresh --save
 directory, is where the same flags on one process resume (the newest checkpoint there), and they must print the
 one-rank reference's losses for steps 5..8: like a run stopped at 4 and restarted without the parallel
-flags, while the parallel run still covers all 8 steps.
+flags, while the parallel run still covers all 8 steps. The TP 2 and EP 2 checkpoints are continued with
+`--load CKPT` and no architecture flag at all (TP 2 at FSDP 2, EP 2 at one rank).
 """
 import json
 import os
@@ -47,6 +48,19 @@ def resume_on_one_rank(flags, run_dir, tmp_path):
     return losses
 
 
+def continue_without_architecture_flags(flags, run_dir, tmp_path, ranks=1):
+    """`--load <the layout's iteration-4 checkpoint> --save NEW` with no architecture flag and no parallel flag:
+    the checkpoint describes its model; it continues at `ranks` plain FSDP ranks."""
+    from tests.test_load_semantics_e2e import without_architecture
+
+    checkpoint = run_dir / f"iter_{SAVED_AT:07d}"
+    bare = without_architecture(flags)
+    assert "--num-layers" not in bare and "--num-experts" not in bare
+    losses, log = train(bare, tmp_path / "continued", "--load", str(checkpoint), ranks=ranks)
+    assert f"resuming from {checkpoint}" in log
+    return losses
+
+
 def saved_run_config(run_dir):
     """The config the run trained with, as its iteration-4 checkpoint records it: the flags reached the run."""
     return json.loads((run_dir / f"iter_{SAVED_AT:07d}" / "run_config.json").read_text())
@@ -82,13 +96,13 @@ def moe_reference(tmp_path_factory):
     return losses
 
 
-def test_tensor_parallel_2_equals_one_rank_and_resumes_on_one_rank(dense_reference, tmp_path):
+def test_tensor_parallel_2_equals_one_rank_and_continues_at_fsdp_2(dense_reference, tmp_path):
     losses, _ = train(DENSE, tmp_path / "tp2", "--tensor-model-parallel-size", "2", ranks=2)
     assert_close(losses, dense_reference, range(1, ITERS + 1))
     # row-parallel o_proj is split along its input dim (FSDP alone would split dim 0): TP really ran
     assert weight_chunks(tmp_path / "tp2", "model.model.layers.0.self_attn.o_proj.weight") == \
         [((0, 0), (64, 32)), ((0, 32), (64, 32))]
-    resumed = resume_on_one_rank(DENSE, tmp_path / "tp2", tmp_path)
+    resumed = continue_without_architecture_flags(DENSE, tmp_path / "tp2", tmp_path, ranks=2)  # TP 2 -> FSDP 2
     assert_close(resumed, dense_reference, range(SAVED_AT + 1, ITERS + 1))
 
 
@@ -138,6 +152,7 @@ def test_expert_parallel_2_equals_one_rank_and_resumes_at_ep_1(moe_reference, tm
     assert_close(losses, moe_reference, range(1, ITERS + 1))
     config = saved_run_config(tmp_path / "ep2")
     assert (config["parallel"]["ep_size"], config["model"]["model_id"]) == (2, "qwen3_moe")
-    resumed = resume_on_one_rank(MOE, tmp_path / "ep2", tmp_path)  # stacked experts -> transformers' model
+    # stacked experts -> transformers' model, the model read from the checkpoint alone
+    resumed = continue_without_architecture_flags(MOE, tmp_path / "ep2", tmp_path)
     assert_close(resumed, moe_reference, range(SAVED_AT + 1, ITERS + 1))
     assert_close(resumed, losses, range(SAVED_AT + 1, ITERS + 1))

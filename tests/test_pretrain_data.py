@@ -99,10 +99,7 @@ def test_raw_jsonl_is_tokenized_once_and_reused(tmp_path):
 
 
 def test_bad_inputs_have_clear_errors(tmp_path):
-    raw = _write_jsonl(tmp_path / "c.jsonl", num_docs=5)
-    with pytest.raises(UsageError, match="reset_attention_mask: needs append_eod"):
-        build_pretrain_data(_config(tmp_path, dataset=raw, reset_attention_mask=True), NullTokenizer(1000),
-                            0, 1, 0, 4, 2, 10)
+    # (reset_attention_mask without append_eod is validation's rule: tests/test_config.py)
     with pytest.raises(UsageError, match="nothing.bin/.idx not found"):
         build_pretrain_data(_config(tmp_path, dataset=str(tmp_path / "nothing")), IdsTokenizer(), 0, 1, 0, 4, 2, 10)
     prefix = write_corpus(str(tmp_path / "small" / "text_document"), 40, seed=3)

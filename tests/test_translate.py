@@ -104,14 +104,20 @@ def test_no_effect_report_is_one_line():
 
 
 def test_global_batch_gives_gradient_accumulation():
-    fields = translate_megatron(BASE + ["--tensor-model-parallel-size", "2"], world_size=8).fields
-    assert fields["training"]["global_batch_size"] == 8
-    assert fields["training"]["gradient_accumulation_steps"] == 1  # 8 / (2 × 8 / 2)
-    fields = translate_megatron(BASE, world_size=2).fields
-    assert fields["training"]["gradient_accumulation_steps"] == 2  # 8 / (2 × 2)
+    """The front end maps --global-batch-size; validation derives the accumulation once, for the world size."""
+    from fsdp2_backend.config.validation import validate
+
+    def accumulation(argv, world):
+        fields = translate_megatron(argv, world_size=world).fields
+        assert fields["training"]["global_batch_size"] == 8 and "gradient_accumulation_steps" not in fields["training"]
+        config = Config(**{group: GROUPS[group](**values) for group, values in fields.items()})
+        return validate(config, world).training.gradient_accumulation_steps
+
+    assert accumulation(BASE + ["--tensor-model-parallel-size", "2"], 8) == 1  # 8 / (2 × 8 / 2)
+    assert accumulation(BASE, 2) == 2  # 8 / (2 × 2)
     with pytest.raises(UsageError) as err:
-        translate_megatron(BASE, world_size=3)
-    assert err.value.messages[0].startswith("--global-batch-size: 8 is not divisible by micro batch 2 × "
+        accumulation(BASE, 3)
+    assert err.value.messages[0].startswith("training.global_batch_size: 8 is not divisible by micro batch 2 x "
                                             "data-parallel size 3")
 
 
@@ -216,7 +222,7 @@ def test_hf_directory_checks_pass_for_a_matching_config(tmp_path):
             "--num-query-groups 2 --kv-channels 16 --ffn-hidden-size 96 --max-position-embeddings 4096 "
             "--rotary-base 1000000 --norm-epsilon 1e-6 --padded-vocab-size 128 --untie-embeddings-and-output-weights "
             "--disable-bias-linear --swiglu --normalization RMSNorm --position-embedding-type rope --qk-layernorm "
-            "--init-method-std 0.01 --micro-batch-size 1 --train-iters 2 --seq-length 32 --bf16").split()
+            "--init-method-std 0.01 --micro-batch-size 1 --train-iters 2 --seq-length 32 --bf16 --mock-data").split()
     fields = translate_megatron(argv).fields
     config = Config(**{group: GROUPS[group](**values) for group, values in fields.items()})
     config_validation.validate(config, 1)

@@ -24,6 +24,7 @@ from typing import Any, Iterator, Optional, Sequence, Tuple
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from fsdp2_backend.config.validation import dataset_entries
 from fsdp2_backend.data.sampler import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from usage_errors import UsageError
 from megatron_compat.data.builder import BlendedMegatronDatasetBuilder
@@ -135,8 +136,9 @@ def _blends(data, tokenizer):
     if any(per_split):  # validation refused per-split paths together with data.dataset
         return None, [None if p is None else _resolve(get_blend_from_list(list(p)), data, tokenizer)
                       for p in per_split]
-    assert isinstance(data.dataset, list) and data.dataset, "validation normalises data.dataset to a list"
-    return _resolve(get_blend_from_list(data.dataset), data, tokenizer), None
+    entries = dataset_entries(data.dataset)  # validation already normalised it; a hand-made config is read alike
+    assert entries, "validation requires data.dataset in pretraining"
+    return _resolve(get_blend_from_list(entries), data, tokenizer), None
 
 
 def _resolve(blend, data, tokenizer):
