@@ -72,9 +72,14 @@ def test_disabled_or_other_rank_writes_nothing(tmp_path):
 
 
 def test_bad_settings_are_usage_errors(tmp_path):
-    args = ProfilingArguments(profile=True, profile_export_type="db", profile_step_start=4, profile_step_end=2,
-                              profile_save_path=str(tmp_path))
+    """Validation refuses them, before any process group (db export needs torch_npu, absent here)."""
+    from fsdp2_backend.config import Config
+    from fsdp2_backend.config.validation import validate
+
+    config = Config()
+    config.profiling = ProfilingArguments(profile=True, profile_export_type="db", profile_step_start=4,
+                                          profile_step_end=2, profile_save_path=str(tmp_path))
     with pytest.raises(UsageError) as err:
-        StepProfiler(args, rank=0, device_type="cpu")
+        validate(config)
     text = "\n".join(err.value.messages)
-    assert "profile_export_type" in text and "profile_step_end" in text
+    assert "profiling.profile_export_type" in text and "profiling.profile_step_end" in text

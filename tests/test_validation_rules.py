@@ -54,6 +54,8 @@ def refused(args, world, expected):
     (BASE + ["--expert-model-parallel-size", "2"], 2, "parallel.ep_size: the model (llama) has no experts"),
     (BASE + ["--split", "90,5,3,2"], 1, "data.split: '90,5,3,2' has 4 parts"),
     (BASE + ["--train-samples", "100"], 1, "training.max_steps / training.train_samples: give one training length"),
+    (BASE + ["--lr", "1e-4", "--min-lr", "1e-3"], 1, "training.min_lr: 0.001 must lie in [0, lr=0.0001]"),
+    (BASE + ["--lr", "1e-4", "--lr-warmup-iters", "4"], 1, "training.lr_warmup_iters: warmup (4 iterations)"),
 ])
 def test_layout_and_megatron_rules_are_refused_by_the_dry_run(args, world, expected):
     refused(args, world, expected)

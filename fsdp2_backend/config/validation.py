@@ -10,6 +10,7 @@ so nothing is accepted and silently ignored. Runtime code may assert; it does no
 """
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import replace
 from typing import List, Tuple
@@ -112,6 +113,9 @@ def _check_seed_rules(config: Config, errors: List[str]) -> None:
     if prof.profile_step_end != -1 and prof.profile_step_end <= prof.profile_step_start:
         errors.append(f"profiling.profile_step_end: must be -1 or greater than profile_step_start "
                       f"({prof.profile_step_start}), got {prof.profile_step_end}")
+    if prof.profile and prof.profile_export_type == "db" and importlib.util.find_spec("torch_npu") is None:
+        errors.append("profiling.profile_export_type: db is torch_npu's format and this machine has no torch_npu "
+                      "(Ascend) — use text (a Chrome trace)")
     if m.model_id is not None:
         known = registered_model_ids()
         if m.model_id not in known:
@@ -177,6 +181,14 @@ def _check_optimizer_schedule(config: Config, errors: List[str]) -> None:
         elif t.start_weight_decay > t.end_weight_decay:
             errors.append(f"training.start_weight_decay: {t.start_weight_decay} exceeds end_weight_decay "
                           f"{t.end_weight_decay} — weight decay can only increase (Megatron's rule)")
+    if not 0.0 <= t.min_lr <= t.lr:
+        errors.append(f"training.min_lr: {t.min_lr} must lie in [0, lr={t.lr}] — lower min_lr (Megatron --min-lr)")
+    if t.lr_warmup_init > t.lr:
+        errors.append(f"training.lr_warmup_init: {t.lr_warmup_init} exceeds lr={t.lr} — lower lr_warmup_init")
+    decay = t.lr_decay_iters or (t.max_steps if t.max_steps > 0 else None)
+    if decay and t.lr_warmup_iters and t.lr_warmup_iters >= decay:
+        errors.append(f"training.lr_warmup_iters: warmup ({t.lr_warmup_iters} iterations) must be shorter than the "
+                      f"decay ({decay} iterations) — shorten the warmup")
     if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
         errors.append(f"training.exit_duration_in_mins: must be positive, got {t.exit_duration_in_mins} — give "
                       "minutes, or unset it")

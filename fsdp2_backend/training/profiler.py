@@ -11,7 +11,7 @@ Output, under `profile_save_path`:
   https://ui.perfetto.dev; steps appear as `ProfilerStep#i`) and `rank{R}_steps{A}-{B}.table.txt` (op table).
   torch.profiler has no levels: level_none / level0 record the defaults, level1 adds module hierarchy,
   level2 also FLOPs. `profile_export_type: db` and `profile_data_simplification` are Ascend features and are
-  refused / ignored here (see `_check`).
+  refused by validation (see `_check`).
 - NPU (torch_npu.profiler, written to its documented API, untested here): levels map to
   `ProfilerLevel.Level_none/Level0/Level1/Level2`, export type to `ExportType.Text/Db`, data simplification to
   `_ExperimentalConfig(data_simplification=...)`; results go through `tensorboard_trace_handler(save_path)`
@@ -115,18 +115,10 @@ class StepProfiler:
 
 
 def _check(profiling: Any, device_type: str) -> None:
-    """Refuses what the device's profiler cannot do, before training starts."""
-    problems = []
-    if profiling.profile_step_start < 0:
-        problems.append(f"profile_step_start: {profiling.profile_step_start} is negative — use a step >= 0")
-    if profiling.profile_step_end != -1 and profiling.profile_step_end <= profiling.profile_step_start:
-        problems.append(f"profile_step_end: {profiling.profile_step_end} must exceed profile_step_start "
-                        f"({profiling.profile_step_start}) or be -1 (to the end)")
-    if device_type != "npu" and profiling.profile_export_type == "db":
-        problems.append("profile_export_type: db is torch_npu's format and this run is on "
-                        f"{device_type} — use text (a Chrome trace) here")
-    if problems:
-        raise UsageError(problems)
+    """What validation established (`fsdp2_backend.config.validation`), asserted for this device."""
+    assert profiling.profile_step_start >= 0 and (profiling.profile_step_end == -1
+                                                  or profiling.profile_step_end > profiling.profile_step_start)
+    assert device_type == "npu" or profiling.profile_export_type != "db", "db export needs torch_npu"
 
 
 def _npu_profiler(a: Any):
