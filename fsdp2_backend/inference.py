@@ -107,14 +107,12 @@ def load_for_inference(config: Config) -> Tuple[torch.nn.Module, object]:
 
 
 def _encode(tokenizer, text: str) -> List[int]:
-    if hasattr(tokenizer, "encode"):
-        return list(tokenizer.encode(text))
-    return list(tokenizer.tokenize(text))  # Megatron's tokenizer surface (model.tokenizer_type)
+    return list(tokenizer.tokenize(text))  # the run's tokenizer type (models.tokenizer.load_tokenizer)
 
 
 def _decode(tokenizer, ids: List[int]) -> str:
-    if hasattr(tokenizer, "decode"):
-        return tokenizer.decode(ids, skip_special_tokens=True)
+    if tokenizer.hf is not None:
+        return tokenizer.hf.decode(ids, skip_special_tokens=True)
     return tokenizer.detokenize(ids)
 
 
@@ -127,10 +125,9 @@ def _generation_settings(base, inference: InferenceArguments, tokenizer):
     settings.do_sample = inference.do_sample
     settings.num_beams = 1
     if settings.eos_token_id is None:
-        settings.eos_token_id = getattr(tokenizer, "eos_token_id", getattr(tokenizer, "eod", None))
+        settings.eos_token_id = tokenizer.eod
     if settings.pad_token_id is None:
-        pad = getattr(tokenizer, "pad_token_id", getattr(tokenizer, "pad", None))
-        settings.pad_token_id = pad if pad is not None else settings.eos_token_id
+        settings.pad_token_id = tokenizer.pad if tokenizer.pad is not None else settings.eos_token_id
     return settings
 
 

@@ -12,21 +12,12 @@ from usage_errors import UsageError
 
 CP_TYPES = ("ulysses", "ring")
 
-# Megatron / MindSpeed `--context-parallel-algo` values and the cp_type they mean here.
-MEGATRON_CP_ALGOS = {"ulysses_cp_algo": "ulysses", "megatron_cp_algo": "ring"}
-
 
 def normalize_cp_type(name: str) -> str:
-    """Maps a seed `cp_type` or a Megatron `--context-parallel-algo` value to "ulysses" or "ring"."""
+    """The engine's cp_type ("ulysses" or "ring"); Megatron's --context-parallel-algo names end at the front end."""
     if name in CP_TYPES:
         return name
-    if name in MEGATRON_CP_ALGOS:
-        return MEGATRON_CP_ALGOS[name]
-    if name == "hybrid_cp_algo":
-        raise UsageError("--context-parallel-algo: hybrid_cp_algo (Ulysses x ring) is not supported — use "
-                         "ulysses_cp_algo or megatron_cp_algo")
-    raise UsageError(f"cp_type (--context-parallel-algo): unknown value {name!r} — use one of "
-                     f"{', '.join(CP_TYPES + tuple(MEGATRON_CP_ALGOS))}")
+    raise UsageError(f"parallel.cp_type: unknown value {name!r} — use one of {', '.join(CP_TYPES)}")
 
 
 def tensor_parallel_problems(num_heads: int, num_kv_heads: int, tp_size: int) -> List[str]:

@@ -18,7 +18,8 @@ training loop's collectives on the default group. DCP gathers every rank's write
 it writes ``.metadata``, so when rank 0's save finishes every rank has written: rank 0 then renames the
 checkpoint into place (in a committer thread for async saves) with no further collective.
 
-The trainer-facing glue (Config → manager, resume plan, save hook, HF export) is ``checkpoint_hooks``.
+The run's one checkpointer (the states it owns, load / save / HF export) is ``checkpointer``; where a run
+resumes from is ``checkpoint_io.resume_point``.
 """
 from __future__ import annotations
 

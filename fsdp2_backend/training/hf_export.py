@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from usage_errors import UsageError
 from fsdp2_backend.training import checkpoint_io as io
+from megatron_compat.data.utils import rank_zero_first
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +34,8 @@ def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, tokenizer: Any
     """Writes ``model`` (sharded or not; an HF PreTrainedModel) as an HF directory (collective)."""
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     out_dir = Path(out_dir)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        write_hf_dir(model, state_dict, out_dir, tokenizer)
-    if dist.is_initialized():
-        dist.barrier()
+    # rank 0 writes; a failure there reaches every rank instead of leaving them waiting
+    rank_zero_first(lambda: write_hf_dir(model, state_dict, out_dir, tokenizer), others=False, what="HF export")
     return out_dir
 
 

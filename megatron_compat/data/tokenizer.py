@@ -47,6 +47,7 @@ class _Tokenizer:
 
     bos: Optional[int] = None
     pad: Optional[int] = None
+    hf = None  # the transformers tokenizer inside, for HF-backed types (what checkpoints and exports save)
 
 
 def _construct(cls, init_kwargs: dict) -> "_Tokenizer":

@@ -83,7 +83,7 @@ def global_rank() -> int:
     return dist.get_rank() if dist is not None else 0
 
 
-def barrier(error: Optional[BaseException] = None) -> None:
+def barrier(error: Optional[BaseException] = None, what: str = "data: preparing the datasets") -> None:
     """A barrier over all ranks that also spreads failure: re-raises `error` (this rank's exception, if any),
     and raises on every other rank when some rank failed, so no rank waits forever for a rank that died."""
     dist = _dist()
@@ -96,8 +96,8 @@ def barrier(error: Optional[BaseException] = None) -> None:
         if error is None and failed.item():
             from usage_errors import UsageError
 
-            raise UsageError(f"data: preparing the datasets failed on another rank (rank {dist.get_rank()} "
-                             "stops too) — see that rank's error")
+            raise UsageError(f"{what} failed on another rank (rank {dist.get_rank()} stops too) — see that "
+                             "rank's error")
     if error is not None:
         raise error
 
@@ -118,7 +118,7 @@ def builds_caches_first(shared_storage: bool) -> bool:
 
 
 def rank_zero_first(work: Callable[[], T], shared_storage: bool = True, *, others: bool = True,
-                    synchronize: bool = True) -> Optional[T]:
+                    synchronize: bool = True, what: str = "data: preparing the datasets") -> Optional[T]:
     """Runs `work` on the cache-building rank(s) (`builds_caches_first(shared_storage)`: global rank 0, or each
     node's local rank 0 without shared storage) first; then a `barrier` that hands a failure there to every
     rank; then, when `others`, runs `work` on the remaining ranks (which now find what the first one wrote).
@@ -134,7 +134,7 @@ def rank_zero_first(work: Callable[[], T], shared_storage: bool = True, *, other
         except Exception as exc:  # reaches the waiting ranks through the barrier
             error = exc
     if synchronize:
-        barrier(error)
+        barrier(error, what)
     elif error is not None:
         raise error
     if not first and others:
