@@ -10,7 +10,7 @@ fields that several flags determine together (the pretraining stage). Derived va
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 HANDLERS: Dict[str, Tuple[str, Callable]] = {}
 
@@ -172,57 +172,6 @@ def _cp_algo(ctx, value):
     ctx.set("parallel.cp_type", _CP_ALGO.get(value, "ring"))
     if value not in _CP_ALGO and ctx.get("context_parallel_size", 1) > 1:
         ctx.warn(f"--context-parallel-algo {value}: computed as ring attention (the same attention result)")
-
-
-# --- recomputation --------------------------------------------------------------------------------------------
-_SELECTIVE = {"core_attn": ["model.layers.{*}.self_attn"], "mla_up_proj": ["model.layers.{*}.self_attn"],
-              "mlp": ["model.layers.{*}.mlp"], "moe": ["model.layers.{*}.mlp"],
-              "moe_act": ["model.layers.{*}.mlp.experts"], "shared_experts": ["model.layers.{*}.mlp.shared_expert"],
-              "layernorm": ["model.layers.{*}.input_layernorm", "model.layers.{*}.post_attention_layernorm"]}
-
-
-def _granularity(ctx) -> Any:
-    if ctx.get("checkpoint_activations"):
-        return "full"  # Megatron's deprecated spelling of full/uniform
-    if ctx.get("recompute_activations"):
-        return "selective"
-    return ctx.get("recompute_granularity")
-
-
-@handles("recompute_granularity", "parallel.recompute + parallel.recompute_modules")
-def _recompute(ctx, value):
-    granularity = _granularity(ctx)
-    if granularity is None:
-        return
-    ctx.set("parallel.recompute", True)
-    if granularity == "selective":
-        modules: List[str] = []
-        for name in ctx.get("recompute_modules") or ["core_attn"]:
-            if name not in _SELECTIVE:
-                ctx.decline("recompute_modules", f"unknown module '{name}' — use {', '.join(_SELECTIVE)}")
-                continue
-            modules += [m for m in _SELECTIVE[name] if m not in modules]
-        ctx.set("parallel.recompute_modules", modules)
-        return
-    ctx.set("parallel.recompute_modules", _full_recompute_modules(ctx))
-
-
-def _full_recompute_modules(ctx) -> List[str]:
-    """uniform: every layer (chunks of N layers hold the same math); block: the first N layers of each stage."""
-    method, n = ctx.get("recompute_method") or "uniform", ctx.get("recompute_num_layers") or 1
-    layers, stages = ctx.get("num_layers"), ctx.get("pipeline_model_parallel_size") or 1
-    if method != "block" or not layers:
-        return ["model.layers.{*}"]
-    per_stage = max(layers // stages, 1)
-    return [f"model.layers.{i}" for i in range(layers) if i % per_stage < n]
-
-
-for _dest in ("recompute_method", "recompute_num_layers", "recompute_modules", "recompute_activations",
-              "checkpoint_activations"):
-    @handles(_dest, "parallel.recompute_modules")
-    def _recompute_detail(ctx, value, _dest=_dest):
-        if _dest in ctx.active and _granularity(ctx) is None:
-            ctx.record(_dest, "no_effect", "Megatron reads it only with --recompute-granularity")
 
 
 # --- model loading, saving, tokenizer ---------------------------------------------------------------------------
@@ -405,3 +354,8 @@ def _pretraining(ctx):
 
 # Steps that derive fields from several flags, run after every handler.
 DERIVED_STEPS = (_pretraining,)
+
+
+# Handlers that live in modules of their own register themselves on import.
+from megatron_compat import translate_recompute  # noqa: E402,F401
+

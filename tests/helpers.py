@@ -78,3 +78,17 @@ def run_pretrain(flags, save_dir, *extra, ranks: int = 1):
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-3000:]
     return {int(it): (int(consumed), loss) for it, consumed, loss in MEGATRON_LINE.findall(log)}, log
+
+
+class SaveRecorder:
+    """Stands for the job's Checkpointer during the loop: records its save points as (iteration, reason)."""
+
+    def __init__(self):
+        self.saves = []
+
+    def save(self, iteration, reason, train_iters=None):
+        self.saves.append((iteration, reason))
+
+    def close(self):
+        pass
+

@@ -8,7 +8,7 @@ import pytest
 from fsdp2_backend.config import Config
 from fsdp2_backend.config.validation import validate
 from usage_errors import UsageError
-from tests.helpers import run_distributed, tiny_model_dir
+from tests.helpers import SaveRecorder, run_distributed, tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -83,19 +83,6 @@ def test_sft_stage_is_declined():
     assert "data.data_manager_type: 'lf'" in str(declined.value)
 
 
-class _SaveRecorder:
-    """Stands for the job's Checkpointer during the loop: records its save points as (iteration, reason)."""
-
-    def __init__(self):
-        self.saves = []
-
-    def save(self, iteration, reason, train_iters=None):
-        self.saves.append((iteration, reason))
-
-    def close(self):
-        pass
-
-
 def test_resume_continues_from_the_restored_state(model_dir, tmp_path):
     """One in-process rank: the state restored from a checkpoint decides where training (and the data)
     continue. A run stopped by exit_interval at iteration 2, restarted with the same command, resumes from its
@@ -121,7 +108,7 @@ def test_resume_continues_from_the_restored_state(model_dir, tmp_path):
     assert io.newest_checkpoint(tmp_path / "run") == tmp_path / "run" / "iter_0000002"
 
     job = build(config_for(tmp_path / "run"))
-    recorder = _SaveRecorder()
+    recorder = SaveRecorder()
     try:
         assert (job.state.iteration, job.state.consumed_train_samples) == (2, 8)
         # the schedule continues at iteration 2 (not at the warmup's start, lr_warmup_init 0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fsdp2_backend.config import Config
-from tests.helpers import tiny_qwen3_config
+from tests.helpers import SaveRecorder, tiny_qwen3_config
 
 SEQ, MBS, VOCAB = 16, 2, 128
 
@@ -45,19 +45,6 @@ def parts(tmp_path):
     scheduler = ParamScheduler(optimizer, **scheduler_steps(config.training, MBS))
     yield config, ctx, model, optimizer, scheduler
     ctx.close()
-
-
-class _SaveRecorder:
-    """Stands for the job's Checkpointer: records the loop's save points as (iteration, reason)."""
-
-    def __init__(self):
-        self.saves = []
-
-    def save(self, iteration, reason, train_iters=None):
-        self.saves.append((iteration, reason))
-
-    def close(self):
-        pass
 
 
 def _trainer(config, ctx, model, optimizer, scheduler, **kw):
@@ -105,7 +92,7 @@ def test_loop_counts_exits_validates_and_saves_at_save_points(parts):
     config.training.exit_interval = 5
     from fsdp2_backend.training.logging import TrainLogger, parse_train_line
 
-    lines, calls, recorder = [], [], _SaveRecorder()
+    lines, calls, recorder = [], [], SaveRecorder()
     logger = TrainLogger(train_iters=6, log_interval=2, global_batch_size=MBS, world_size=1,
                          device=torch.device("cpu"), is_logging_rank=True, tokens_per_iteration=MBS * SEQ,
                          print_fn=lines.append)
@@ -178,7 +165,7 @@ def test_fp16_loss_scale_follows_megatron_rules():
 def test_exit_duration_stops_after_saving(parts):
     config, ctx, model, optimizer, scheduler = parts
     config.training.exit_duration_in_mins = 1e-9  # already over after the first iteration
-    recorder = _SaveRecorder()
+    recorder = SaveRecorder()
     trainer = _trainer(config, ctx, model, optimizer, scheduler, checkpointer=recorder)
     result = trainer.train()
     assert result.state.iteration == 1 and recorder.saves == [(1, "exit")]
@@ -205,7 +192,7 @@ def test_end_of_training_evaluates_validation_and_test_sets(parts):
 def test_save_epochs_saves_at_epoch_boundaries(parts):
     config, ctx, model, optimizer, scheduler = parts
     config.training.save_steps = 1000
-    recorder = _SaveRecorder()
+    recorder = SaveRecorder()
     trainer = _trainer(config, ctx, model, optimizer, scheduler, epoch_save_interval=2, checkpointer=recorder)
     trainer.train()
     assert recorder.saves == [(2, "interval"), (4, "interval"), (6, "interval"), (6, "final")]

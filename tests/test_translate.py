@@ -340,20 +340,6 @@ def test_a_model_from_scratch_needs_megatrons_required_flags(tmp_path):
         translate_megatron(argv + ["--load", str(tmp_path / "ckpt")])
 
 
-def test_load_of_a_checkpoint_directory_needs_no_architecture_flags(tmp_path):
-    """`--load X --save X`: X resumes (or starts fresh while empty); without architecture flags the checkpoint
-    defines the model, so no flag is demanded and no architecture is invented from Megatron's defaults."""
-    arch_flags = {"--num-layers", "--hidden-size", "--num-attention-heads", "--max-position-embeddings"}
-    arch_free = [a for i, a in enumerate(BASE) if a not in arch_flags and BASE[i - 1] not in arch_flags]
-    ckpt = str(tmp_path / "ckpt")
-    fields = translate_megatron(arch_free + ["--load", ckpt, "--save", ckpt]).fields
-    assert fields["training"]["resume_from_checkpoint"] == ckpt and fields["training"]["output_dir"] == ckpt
-    arch = fields["model"].get("architecture", {})
-    assert "model_type" not in arch and "num_hidden_layers" not in arch and "model_name_or_path" not in fields["model"]
-    with_flags = translate_megatron(BASE + ["--load", ckpt, "--use-checkpoint-args"]).fields
-    assert "model_type" not in with_flags["model"].get("architecture", {})  # --use-checkpoint-args: the checkpoint's
-
-
 def test_profiling_and_sequence_parallel_follow_megatron():
     fields = translate_megatron(BASE + "--profile --sequence-parallel".split()).fields
     profiling = {k: v for k, v in fields["profiling"].items() if k in ("profile", "profile_step_start",

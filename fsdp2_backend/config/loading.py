@@ -11,7 +11,7 @@ import difflib
 import json
 import typing
 from dataclasses import fields
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Tuple, Union
 
 import yaml
 

@@ -24,7 +24,6 @@ from typing import Any, Callable
 
 import torch
 
-from usage_errors import UsageError
 from fsdp2_backend.distributed.device import torch_npu_module
 
 _TORCH_LEVEL_OPTIONS = {"level_none": {}, "level0": {}, "level1": {"with_modules": True},

@@ -23,7 +23,6 @@ The trainer runs the loop over a `build.TrainJob` and nothing else: assembly (mo
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -37,7 +36,6 @@ from fsdp2_backend.training.grad_clip import clip_grad_norm
 from fsdp2_backend.training.loss import GlobalBatchLoss, masked_loss_sum
 from fsdp2_backend.training.logging import TrainLogger
 from fsdp2_backend.training.loss_scaler import LossScaler
-from fsdp2_backend.training.profiler import StepProfiler
 
 Batch = Dict[str, torch.Tensor]
 
