@@ -138,6 +138,15 @@ def test_mindspeed_spellings_validate(tmp_path):
     assert parallel_layout(config.parallel.__class__(fsdp_size=4, cp_size=2), 8).dp_replicate == 2  # HSDP
 
 
+def test_inline_dataset_keys_pretraining_does_not_read_are_reported():
+    config = _config(max_steps=2, output_dir="/tmp/x")
+    config.model.architecture = {"model_type": "qwen3"}
+    config.data.mock_data, config.data.dataset = False, {"file_name": "/d/t.parquet", "formatting": "alpaca"}
+    config, notices = validate_with_notices(config)
+    assert notices == ["data.dataset.formatting: no effect in pretraining (only file_name is read)"]
+    assert config.data.dataset == ["/d/t.parquet"]
+
+
 def test_a_dataset_string_is_one_path_unless_it_is_a_blend():
     from fsdp2_backend.config.validation import dataset_entries
 

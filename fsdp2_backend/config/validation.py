@@ -273,6 +273,9 @@ def _notices(config: Config) -> List[str]:
     if config.data.data_manager_type == "mg":
         notices += [f"data.{name}: no effect in pretraining (read by the SFT data path only)"
                     for name in SFT_ONLY_DATA_FIELDS if getattr(config.data, name) != getattr(defaults.data, name)]
+        if isinstance(config.data.dataset, dict):  # MindSpeed's inline dataset: pretraining reads file_name only
+            notices += [f"data.dataset.{key}: no effect in pretraining (only file_name is read)"
+                        for key in config.data.dataset if key != "file_name"]
     return notices
 
 
