@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 from fsdp2_backend.config import Config
@@ -42,7 +42,6 @@ class TrainJob:
     clip_fn: Optional[Callable] = None        # training.grad_clip.clip_grad_norm when None
     start_time: Optional[float] = None
     epoch_save_interval: Optional[int] = None  # save_epochs in iterations, when training by epochs
-    extras: dict = field(default_factory=dict)
 
     def close(self) -> None:
         """Releases the checkpointer (waits for an async save) and the process group this job created."""
@@ -126,18 +125,6 @@ def train_length(config: Config, global_batch_size: int, build_data: Callable):
     return iters, max(epoch_samples // global_batch_size, 1)
 
 
-def _log_options(training, hf_config, seq_length: int, tokens_per_iteration: int) -> dict:
-    """MindSpeed's log_throughput (Megatron's TFLOP/s per device) and log_cpu_memory, for the TrainLogger."""
-    options = {}
-    if training.log_throughput:
-        from fsdp2_backend.training.throughput import model_flops_per_token
-
-        options["flops_per_iteration"] = model_flops_per_token(hf_config, seq_length) * tokens_per_iteration
-    if training.log_cpu_memory:
-        options["log_cpu_memory"] = True
-    return options
-
-
 def build(config: Config) -> TrainJob:
     """Assembles the run on this process's rank (collective: every rank calls it). `config` is validated."""
     from usage_errors import UsageError
@@ -150,6 +137,7 @@ def build(config: Config) -> TrainJob:
     from fsdp2_backend.training.optimizer import build_optimizer
     from fsdp2_backend.training.profiler import StepProfiler
     from fsdp2_backend.training.scheduler import ParamScheduler, scheduler_steps
+    from fsdp2_backend.training.throughput import model_flops_per_token
     from fsdp2_backend.training.trainer import TrainState
 
     start_time = time.time()  # Megatron's --exit-duration-in-mins counts from the start of the run
@@ -157,6 +145,7 @@ def build(config: Config) -> TrainJob:
     resume = resume_point(training.output_dir if training.save_checkpoints else None,
                           training.resume_from_checkpoint, config.model.model_name_or_path, training.finetune)
     ctx = ParallelContext.create(config.parallel)
+    checkpointer = None
     try:
         if resume.reason:
             print_rank0(resume.reason)
@@ -189,7 +178,10 @@ def build(config: Config) -> TrainJob:
             train_iters=train_iters, log_interval=training.logging_steps, global_batch_size=gbs,
             world_size=ctx.world_size, device=ctx.device.torch_device, is_logging_rank=ctx.is_last_rank,
             tokens_per_iteration=tokens_per_iteration, tensorboard_dir=training.tensorboard_dir,
-            **_log_options(training, hf_config, config.data.cutoff_len, tokens_per_iteration))
+            # MindSpeed's log_throughput: Megatron's TFLOP/s per device (and MFU where the peak is known)
+            flops_per_iteration=(model_flops_per_token(hf_config, config.data.cutoff_len) * tokens_per_iteration
+                                 if training.log_throughput else None),
+            log_cpu_memory=training.log_cpu_memory)
         profiler = StepProfiler(config.profiling, rank=ctx.rank, device_type=ctx.device.type,
                                 first_iteration=state.iteration) if config.profiling.profile else None
         dataloader_type = config.data.dataloader_type
@@ -202,6 +194,8 @@ def build(config: Config) -> TrainJob:
                         start_time=start_time,
                         epoch_save_interval=epoch_iters * training.save_epochs if epoch_iters else None)
     except BaseException:
+        if checkpointer is not None:
+            checkpointer.close()
         ctx.close()
         raise
 

@@ -95,7 +95,8 @@ def test_a_yaml_plus_a_megatron_flag_keeps_the_yamls_model(tmp_path):
                         "tokenizer_type": "NullTokenizer", "vocab_size": 128},
               "data": {"mock_data": True, "cutoff_len": 32, "data_manager_type": "mg"},
               "training": {"stage": "pt", "max_steps": 2, "per_device_train_batch_size": 2,
-                           "output_dir": str(tmp_path / "out"), "logging_steps": 1}}
+                           "output_dir": str(tmp_path / "out"), "logging_steps": 1,
+                           "log_throughput": True, "log_cpu_memory": True}}  # MindSpeed's log fields
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -107,4 +108,6 @@ def test_a_yaml_plus_a_megatron_flag_keeps_the_yamls_model(tmp_path):
     assert printed["training"]["lr"] == 2e-3 and printed["model"]["architecture"]["num_hidden_layers"] == 2
     run = subprocess.run(entry, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    assert "iteration        2/       2" in run.stdout + run.stderr
+    log = run.stdout + run.stderr
+    assert "iteration        2/       2" in log
+    assert " throughput per GPU (TFLOP/s/GPU): " in log and " cpu memory (GiB): current " in log

@@ -50,11 +50,10 @@ class Checkpointer:
         if self.resume.checkpoint is None:
             return
         training = self.config.training
-        restored = load_checkpoint(self.resume.checkpoint, self.model, self.optimizer, self.scheduler, self.state,
-                                   no_load_optim=training.no_load_optim, no_load_rng=training.no_load_rng,
-                                   finetune=self.resume.finetune, extra_states=self._extra_states())
-        if restored is not self.state and self.state is not None:
-            self.state.load_state_dict(restored.state_dict() if hasattr(restored, "state_dict") else restored)
+        # the train state (a TrainState: load_state_dict) is restored in place
+        load_checkpoint(self.resume.checkpoint, self.model, self.optimizer, self.scheduler, self.state,
+                        no_load_optim=training.no_load_optim, no_load_rng=training.no_load_rng,
+                        finetune=self.resume.finetune, extra_states=self._extra_states())
 
     def save(self, iteration: int, reason: str, train_iters: Optional[int] = None) -> None:
         """Saves every state at `iteration` (collective); `reason` "exit" / "final" also waits for the write.
