@@ -291,7 +291,7 @@ def test_trains_three_steps_on_two_ranks(assets, tmp_path, commit, launcher, ent
              "--parallel.ep_size", _scaled_ep(entry), "--parallel.ep_fsdp_size", "1",
              "--training.max_steps", "3", "--data.cutoff_len", "64", "--training.per_device_train_batch_size", "1",
              "--training.gradient_accumulation_steps", "1", "--training.save_steps", "3",
-             "--training.output_dir", output, "--training.dataloader_num_workers", "0"]
+             "--training.output_dir", output]  # the YAML's own data loader workers
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), str(yaml_file), *args]
     result = _run(command, {}, timeout=600)
