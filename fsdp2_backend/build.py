@@ -130,7 +130,8 @@ def build(config: Config) -> TrainJob:
     from usage_errors import UsageError
     from fsdp2_backend.data.pretrain import build_pretrain_data, data_iterator
     from fsdp2_backend.distributed.context import ParallelContext
-    from fsdp2_backend.training.checkpoint_io import print_rank0, resume_point
+    from fsdp2_backend.config.model_facts import resume_checkpoint
+    from fsdp2_backend.training.checkpoint_io import print_rank0
     from fsdp2_backend.training.checkpointer import Checkpointer
     from fsdp2_backend.training.logging import TrainLogger
     from fsdp2_backend.training.loss_scaler import LossScaler
@@ -142,8 +143,7 @@ def build(config: Config) -> TrainJob:
 
     start_time = time.time()  # Megatron's --exit-duration-in-mins counts from the start of the run
     training = config.training
-    resume = resume_point(training.output_dir if training.save_checkpoints else None,
-                          training.resume_from_checkpoint, config.model.model_name_or_path, training.finetune)
+    resume = resume_checkpoint(config)  # the same decision validation read the model's facts from
     ctx = ParallelContext.create(config.parallel)
     checkpointer = None
     try:
