@@ -21,15 +21,20 @@ setup(
         "safetensors",
         "tiktoken",
         "sentencepiece",
+        "numba",  # the dataset index loops (megatron_compat/data/index_kernels.py), compiled from a wheel
     ],
     extras_require={
         # megatron-core is the reference implementation the tests compare against; never used at run time.
         # triton: the RMSNorm kernel's tests run it under the triton interpreter on CPU (~290 MB wheel).
-        "test": ["pytest", "megatron-core==0.16.1", "pyarrow", "nltk", "triton"],
+        "test": ["pytest", "megatron-core==0.16.1", "pyarrow", "nltk", "triton", "wandb", "tensorboard",
+                 "matplotlib", "datasets", "torchao"],
         "triton": ["triton"],
-        "quant": ["torchao"],
+        "quant": ["torchao"],  # model.quant_recipe_name mxfp8 (MX casts; MXFP8 GEMMs on MX hardware)
         "tensorboard": ["tensorboard"],
+        "wandb": ["wandb"],  # --wandb-project (training.wandb_project)
+        "plot": ["matplotlib"],  # tools/compare_runs.py --plot
         "data": ["pyarrow", "nltk"],  # .parquet input, --split-sentences
+        "sft": ["datasets"],  # stage sft / data_manager_type lf (HF datasets: files, mixing, streaming, caching)
         # Documented only; never installed by CI (torch_npu without the Ascend toolkit breaks `import torch`).
         "npu": ["torch_npu", "triton-ascend"],
     },

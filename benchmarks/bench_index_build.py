@@ -1,103 +1,168 @@
-"""GPTDataset index building: ours (numpy) against megatron-core 0.16.1 (its numpy document/shuffle index and
-C++ `build_sample_idx`), on 1M documents, sequence length 4096, 2M samples, measured in the same run; then the
-BlendedDataset blending index (ours: a Python loop; megatron-core: C++ `build_blending_indices`).
+"""Dataset index building at cluster scale: ours (megatron_compat.data.index_building: numpy shuffles, numba
+loops) against megatron-core 0.16.1 (its numpy document/shuffle index, its C++ `helpers.cpp` sample and
+blending index), time and peak memory, measured in the same run, on identical inputs, with identical results.
 
-Run: python benchmarks/bench_index_build.py [--docs 1000000] [--seq 4096] [--samples 2000000] [--repeats 3]
-         [--blend-samples 1000000] [--blend-datasets 3]
-Prints each stage's best-of-N time for both, the ratio ours / megatron-core, and checks the indices are equal.
+Run: python benchmarks/bench_index_build.py [--sizes 1000000,10000000,100000000] [--seq 4096]
+         [--blend-datasets 20] [--repeats 3]
+
+Per size S (samples): documents with lengths uniform in [1, 2 * seq) (mean ~ seq), S / 4 of them, so the
+document index spans ~4 epochs (~S entries); the sample index holds S samples; the shuffle index S; the
+blending index S picks among `--blend-datasets` datasets. Every (implementation, stage, size) runs in a
+fresh process: inputs are made (the same way for both), the numba kernels are compiled (or loaded from
+their cache) on a tiny input, freed heap is returned and the peak-RSS mark reset (/proc/self/clear_refs),
+then the stage runs once: peak = the process's high-water RSS above what it held before the stage, outputs
+included (the C++ helpers' allocations are invisible to tracemalloc, not to RSS). `--repeats` rounds
+alternate the two implementations (this machine is shared: both see the same load); the best time counts.
+Results are compared by a digest of their bytes, shape and dtype. Prints one table: seconds and MiB for
+both, and ours / megatron-core.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
 import time
 import warnings
 
 import numpy
 
-from megatron_compat.data import index_building
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+STAGES = ("document index", "sample index", "shuffle index", "blending index")
+SEED = 1234
 
 
-def _epochs(tokens_per_epoch: int, num_samples: int, seq: int) -> int:
-    return max(1, -(-(num_samples * seq + 1) // tokens_per_epoch))
-
-
-def ours(sizes, documents, seq, num_samples, seed):
+def _inputs(size: int, seq: int):
+    num_docs = max(size // 4, 1000)
+    sizes = numpy.random.default_rng(0).integers(1, 2 * seq, num_docs).astype(numpy.int32)
+    documents = numpy.arange(num_docs, dtype=numpy.int32)
     tokens = int(sizes.sum())
-    epochs = _epochs(tokens, num_samples, seq)
-    state = numpy.random.RandomState(seed)
-    t0 = time.perf_counter()
-    doc = index_building.build_document_index(documents, epochs, state, False)
-    t1 = time.perf_counter()
-    sample = index_building.build_sample_index(sizes, doc, seq, epochs, tokens, True, True)
-    t2 = time.perf_counter()
-    shuffle = index_building.build_shuffle_index(len(sample) - 1, len(sample) - 1, state)
-    t3 = time.perf_counter()
-    return (doc, sample, shuffle), (t1 - t0, t2 - t1, t3 - t2)
+    epochs = max(1, -(-(size * seq + 1) // tokens))
+    return sizes, documents, tokens, epochs
 
 
-def megatron(sizes, documents, seq, num_samples, seed):
-    from megatron.core.datasets import helpers
-    from megatron.core.datasets.gpt_dataset import _build_document_index, _build_shuffle_index
+def _kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
 
-    tokens = int(sizes.sum())
-    epochs = _epochs(tokens, num_samples, seq)
-    state = numpy.random.RandomState(seed)
-    t0 = time.perf_counter()
-    doc = _build_document_index(documents, epochs, state, False)
-    t1 = time.perf_counter()
-    sample = helpers.build_sample_idx(sizes, doc, seq, epochs, tokens, True, True)
-    t2 = time.perf_counter()
-    shuffle = _build_shuffle_index(len(sample) - 1, len(sample) - 1, state)
-    t3 = time.perf_counter()
-    return (doc, sample, shuffle), (t1 - t0, t2 - t1, t3 - t2)
+
+def _reset_peak() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap goes back: neither side reuses the other's setup memory
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+def _stage(impl: str, stage: str, size: int, seq: int, blend_datasets: int):
+    """(a callable running the stage once, a description of its output for the digest)."""
+    from megatron_compat.data import index_building as ib
+
+    sizes, documents, tokens, epochs = _inputs(size, seq)
+    weights = numpy.random.default_rng(1).random(blend_datasets) + 0.1
+    weights = (weights / weights.sum()).tolist()
+    # the same input for both (the document indices are identical), made the same way
+    document_index = (ib.build_document_index(documents, epochs, numpy.random.RandomState(SEED), False)
+                      if stage == "sample index" else None)
+    if impl == "ours":
+        # compile (or load from numba's cache) on a tiny input, outside the measurement
+        ib.build_sample_index(sizes[:100], documents[:100], 8, 1, int(sizes[:100].sum()), True, True)
+        ib.build_blending_indices(weights, 100)
+        run = {
+            "document index": lambda: ib.build_document_index(documents, epochs, numpy.random.RandomState(SEED),
+                                                              False),
+            "sample index": lambda: ib.build_sample_index(sizes, document_index, seq, epochs, tokens, True, True),
+            "shuffle index": lambda: ib.build_shuffle_index(size, size, numpy.random.RandomState(SEED)),
+            "blending index": lambda: ib.build_blending_indices(weights, size),
+        }[stage]
+    else:
+        from megatron.core.datasets import helpers
+        from megatron.core.datasets.gpt_dataset import _build_document_index, _build_shuffle_index
+
+        def blend():
+            out = (numpy.zeros(size, numpy.int16), numpy.zeros(size, numpy.int64))
+            helpers.build_blending_indices(*out, weights, blend_datasets, size, False)
+            return out
+
+        run = {
+            "document index": lambda: _build_document_index(documents, epochs, numpy.random.RandomState(SEED),
+                                                            False),
+            "sample index": lambda: helpers.build_sample_idx(sizes, document_index, seq, epochs, tokens, True,
+                                                             True),
+            "shuffle index": lambda: _build_shuffle_index(size, size, numpy.random.RandomState(SEED)),
+            "blending index": blend,
+        }[stage]
+    return run
+
+
+def _digest(result) -> str:
+    arrays = result if isinstance(result, tuple) else (result,)
+    h = hashlib.sha1()
+    for a in arrays:
+        h.update(str((a.dtype, a.shape)).encode())
+        h.update(memoryview(numpy.ascontiguousarray(a)).cast("B"))
+    return h.hexdigest()
+
+
+def child(impl: str, stage: str, size: int, seq: int, blend_datasets: int, digest: bool) -> None:
+    warnings.filterwarnings("ignore")
+    run = _stage(impl, stage, size, seq, blend_datasets)
+    _reset_peak()
+    before = _kib("VmRSS")
+    start = time.perf_counter()
+    result = run()
+    seconds = time.perf_counter() - start
+    peak_mib = (_kib("VmHWM") - before) / 1024
+    print(json.dumps({"seconds": seconds, "peak_mib": peak_mib, "digest": _digest(result) if digest else None}))
+
+
+def _measure(impl, stage, size, args, digest):
+    out = subprocess.run([sys.executable, __file__, "--child", impl, stage, str(size), "--seq", str(args.seq),
+                          "--blend-datasets", str(args.blend_datasets), *(["--digest"] if digest else [])],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _best_of(stage, size, args):
+    """Rounds alternate megatron-core and ours, each in a fresh process, so that both see the same machine
+    load (this machine is shared); the best time of each, the peak memory and digest of the first round."""
+    results = {"megatron-core": [], "ours": []}
+    for round_ in range(args.repeats):
+        for impl in results:
+            results[impl].append(_measure(impl, stage, size, args, digest=round_ == 0))
+    return [dict(runs[0], seconds=min(r["seconds"] for r in runs)) for runs in results.values()]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--docs", type=int, default=1_000_000)
+    parser.add_argument("--sizes", default="1000000,10000000,100000000", help="samples, comma-separated")
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--samples", type=int, default=2_000_000)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--blend-samples", type=int, default=1_000_000)
-    parser.add_argument("--blend-datasets", type=int, default=3)
+    parser.add_argument("--blend-datasets", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per measurement (best time)")
+    parser.add_argument("--digest", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, metavar=("IMPL", "STAGE", "SIZE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    sizes = numpy.random.default_rng(0).integers(1, 2048, args.docs).astype(numpy.int32)
-    documents = numpy.arange(args.docs, dtype=numpy.int32)
-    print(f"{args.docs} documents ({int(sizes.sum())} tokens), seq {args.seq}, {args.samples} samples, "
-          f"{_epochs(int(sizes.sum()), args.samples, args.seq)} epochs; best of {args.repeats}")
-    best = {}
-    for name, fn in (("megatron-core", megatron), ("ours", ours)):
-        runs = [fn(sizes, documents, args.seq, args.samples, 1234) for _ in range(args.repeats)]
-        best[name] = [min(r[1][i] for r in runs) for i in range(3)]
-        best[name + "-total"] = min(sum(r[1]) for r in runs)
-        best[name + "-arrays"] = runs[0][0]
-    for a, b in zip(best["megatron-core-arrays"], best["ours-arrays"]):
-        assert a.dtype == b.dtype and numpy.array_equal(a, b), "indices differ from megatron-core"
-    print(f"{'stage':<16}{'megatron-core s':>16}{'ours s':>10}{'ratio':>8}")
-    for i, stage in enumerate(("document index", "sample index", "shuffle index")):
-        m, o = best["megatron-core"][i], best["ours"][i]
-        print(f"{stage:<16}{m:>16.3f}{o:>10.3f}{o / m:>8.2f}")
-    m, o = best["megatron-core-total"], best["ours-total"]
-    print(f"{'total':<16}{m:>16.3f}{o:>10.3f}{o / m:>8.2f}   (ours / megatron-core; indices identical)")
-    blending(args.blend_samples, args.blend_datasets)
-
-
-def blending(size: int, num_datasets: int) -> None:
-    from megatron.core.datasets import helpers
-
-    weights = numpy.random.default_rng(1).random(num_datasets) + 0.1
-    weights = (weights / weights.sum()).tolist()
-    expected = (numpy.zeros(size, numpy.int16), numpy.zeros(size, numpy.int64))
-    t0 = time.perf_counter()
-    helpers.build_blending_indices(*expected, weights, num_datasets, size, False)
-    t1 = time.perf_counter()
-    got = index_building.build_blending_indices(weights, size)
-    t2 = time.perf_counter()
-    assert all(numpy.array_equal(e, g) for e, g in zip(expected, got)), "blending indices differ"
-    m, o = t1 - t0, t2 - t1
-    print(f"{'blending index':<16}{m:>16.3f}{o:>10.3f}{o / m:>8.1f}   ({num_datasets} datasets, {size} samples; "
-          "identical)")
+    if args.child:
+        impl, stage, size = args.child
+        child(impl, stage, int(size), args.seq, args.blend_datasets, args.digest)
+        return
+    print(f"seq {args.seq}; documents of 1..{2 * args.seq - 1} tokens, samples / 4 of them; blend of "
+          f"{args.blend_datasets} datasets; best of {args.repeats}; peak = RSS high-water above the inputs")
+    print(f"{'samples':>12} {'stage':<15}{'mcore s':>9}{'ours s':>9}{'time x':>8}{'mcore MiB':>11}"
+          f"{'ours MiB':>10}{'mem x':>7}  identical")
+    for size in (int(s) for s in args.sizes.split(",")):
+        for stage in STAGES:
+            m, o = _best_of(stage, size, args)
+            same = m["digest"] == o["digest"]
+            print(f"{size:>12} {stage:<15}{m['seconds']:>9.3f}{o['seconds']:>9.3f}"
+                  f"{o['seconds'] / m['seconds']:>8.2f}{m['peak_mib']:>11.1f}{o['peak_mib']:>10.1f}"
+                  f"{o['peak_mib'] / max(m['peak_mib'], 0.1):>7.2f}  {'yes' if same else 'NO'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ class TrainJob:
     clip_fn: Optional[Callable] = None        # training.grad_clip.clip_grad_norm when None
     start_time: Optional[float] = None
     epoch_save_interval: Optional[int] = None  # save_epochs in iterations, when training by epochs
+    evaluate: Optional[Callable] = None       # SFT: evaluate(trainer, final) → {set: loss}, logs a block per set
 
     def close(self) -> None:
         """Releases the checkpointer (waits for an async save) and the process group this job created."""
@@ -81,7 +82,7 @@ def build_model(config: Config, ctx, resume):
     """(tokenizer, parallelised model, its HF config): the tokenizer, then the HF config with its vocabulary sized
     for it, then the model through the fixed plan of `parallel.apply`."""
     from fsdp2_backend.models.loading import create_model, load_hf_config, weights_available
-    from fsdp2_backend.models.tokenizer import load_tokenizer, model_vocab_size, noise_init_rows
+    from fsdp2_backend.models.tokenizer import load_tokenizer, model_vocab_size, new_token_rows
     from fsdp2_backend.parallel.apply import apply_parallelism
 
     model_args = effective_model_args(config, resume)
@@ -102,7 +103,7 @@ def build_model(config: Config, ctx, resume):
                                             tp_size=ctx.layout.tp)
     model = create_model(model_args, hf_config, seed=config.training.seed, device=ctx.device.torch_device,
                          parallelize=lambda m: apply_parallelism(m, config, ctx),
-                         new_rows=noise_init_rows(config.training.seed))
+                         new_rows=new_token_rows(model_args, tokenizer, config.training.seed))
     return tokenizer, model, hf_config
 
 
@@ -125,6 +126,27 @@ def train_length(config: Config, global_batch_size: int, build_data: Callable):
     return iters, max(epoch_samples // global_batch_size, 1)
 
 
+def monitoring_options(config: Config, ctx, model, start_iteration: int,
+                       flops_per_iteration: Optional[float]) -> dict:
+    """TrainLogger's Megatron extras from the config: scalar intervals and extras, params norm, W&B, progress.txt."""
+    from fsdp2_backend.training.metrics_writers import ProgressLog, params_l2_norm
+    from fsdp2_backend.training.wandb_writer import wandb_dir
+
+    t = config.training
+    wandb_options = None
+    if t.wandb_project:
+        wandb_options = dict(project=t.wandb_project, exp_name=t.wandb_exp_name, entity=t.wandb_entity,
+                             save_dir=wandb_dir(t.wandb_save_dir, t.output_dir), config=dataclasses.asdict(config))
+    progress_log = None
+    if t.log_progress and t.save_checkpoints and t.output_dir:
+        progress_log = ProgressLog(t.output_dir, ctx.world_size, ctx.rank == 0, config.data.cutoff_len,
+                                   flops_per_iteration, start_iteration)
+    return dict(tensorboard_log_interval=t.tensorboard_log_interval,
+                params_norm_fn=(lambda: params_l2_norm(model)) if t.log_params_norm else None,
+                log_memory=t.log_memory_to_tensorboard, log_validation_ppl=t.log_validation_ppl_to_tensorboard,
+                log_timers=t.log_timers_to_tensorboard, wandb_options=wandb_options, progress_log=progress_log)
+
+
 def build(config: Config) -> TrainJob:
     """Assembles the run on this process's rank (collective: every rank calls it). `config` is validated."""
     from usage_errors import UsageError
@@ -133,6 +155,7 @@ def build(config: Config) -> TrainJob:
     from fsdp2_backend.config.model_facts import resume_checkpoint
     from fsdp2_backend.training.checkpoint_io import print_rank0
     from fsdp2_backend.training.checkpointer import Checkpointer
+    from fsdp2_backend.training.save_dir_guard import SaveDirGuard
     from fsdp2_backend.training.logging import TrainLogger
     from fsdp2_backend.training.loss_scaler import LossScaler
     from fsdp2_backend.training.optimizer import build_optimizer
@@ -145,8 +168,10 @@ def build(config: Config) -> TrainJob:
     training = config.training
     resume = resume_checkpoint(config)  # the same decision validation read the model's facts from
     ctx = ParallelContext.create(config.parallel)
-    checkpointer = None
+    checkpointer = guard = None
     try:
+        # one run per save directory (a lock, also the start-up write probe), before anything is read from it
+        guard = SaveDirGuard.acquire(config, ctx.rank, ctx.world_size)
         if resume.reason:
             print_rank0(resume.reason)
         seed_everything(training.seed)
@@ -159,6 +184,11 @@ def build(config: Config) -> TrainJob:
             return build_pretrain_data(config, tokenizer, ctx.dp_rank, ctx.dp_size, state.consumed_train_samples,
                                        gbs, mbs, iters, consumed_valid_samples=state.consumed_valid_samples)
 
+        if config.data.data_manager_type == "lf":  # the fine-tuning data path (data/sft)
+            from fsdp2_backend.data.sft.job_data import sft_data_builder
+
+            build_data = sft_data_builder(config, tokenizer, ctx, state)
+
         train_iters, epoch_iters = train_length(config, gbs, build_data)
         optimizer = build_optimizer(model, name=training.optimizer, lr=training.lr, weight_decay=training.weight_decay,
                                     betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_epsilon,
@@ -168,20 +198,22 @@ def build(config: Config) -> TrainJob:
         loss_scaler = LossScaler.for_dtype(config.parallel.param_dtype)
         checkpointer = Checkpointer(config, resume, model=model, optimizer=optimizer, scheduler=scheduler,
                                     state=state, loss_scaler=loss_scaler, tokenizer=tokenizer,
-                                    model_config=getattr(model, "config", hf_config))
+                                    model_config=getattr(model, "config", hf_config), guard=guard)
         checkpointer.load()
         data = build_data(train_iters)
         if data.train_loader is None:
             raise UsageError("data.dataset: the training split is empty — check data.split and the data paths")
         tokens_per_iteration = gbs * config.data.cutoff_len
+        flops_per_iteration = (model_flops_per_token(hf_config, config.data.cutoff_len) * tokens_per_iteration
+                               if training.log_throughput or training.log_progress else None)
         logger = TrainLogger(
             train_iters=train_iters, log_interval=training.logging_steps, global_batch_size=gbs,
             world_size=ctx.world_size, device=ctx.device.torch_device, is_logging_rank=ctx.is_last_rank,
             tokens_per_iteration=tokens_per_iteration, tensorboard_dir=training.tensorboard_dir,
             # MindSpeed's log_throughput: Megatron's TFLOP/s per device (and MFU where the peak is known)
-            flops_per_iteration=(model_flops_per_token(hf_config, config.data.cutoff_len) * tokens_per_iteration
-                                 if training.log_throughput else None),
-            log_cpu_memory=training.log_cpu_memory)
+            flops_per_iteration=flops_per_iteration if training.log_throughput else None,
+            log_cpu_memory=training.log_cpu_memory, **monitoring_options(config, ctx, model, state.iteration,
+                                                                         flops_per_iteration))
         profiler = StepProfiler(config.profiling, rank=ctx.rank, device_type=ctx.device.type,
                                 first_iteration=state.iteration) if config.profiling.profile else None
         dataloader_type = config.data.dataloader_type
@@ -191,11 +223,13 @@ def build(config: Config) -> TrainJob:
                         valid_batches=data_iterator(data.valid_loader, dataloader_type),
                         test_batches=data_iterator(data.test_loader, dataloader_type), state=state,
                         loss_scaler=loss_scaler, checkpointer=checkpointer, logger=logger, profiler=profiler,
-                        start_time=start_time,
+                        start_time=start_time, evaluate=getattr(data, "evaluate", None),
                         epoch_save_interval=epoch_iters * training.save_epochs if epoch_iters else None)
     except BaseException:
         if checkpointer is not None:
             checkpointer.close()
+        elif guard is not None:
+            guard.release()
         ctx.close()
         raise
 

@@ -22,6 +22,43 @@ from fsdp2_backend.config.validation import validate_with_notices
 from usage_errors import UsageError, exit_on_usage_error
 
 DRY_RUN_FLAG = "--dry-run"
+HELP_FLAGS_FLAG, HELP_CONFIG_FLAG = "--help-flags", "--help-config"
+
+USAGE_LINE = ("usage: [torchrun --nproc_per_node N] pretrain_fsdp2.py [CONFIG.yaml] [--group.field VALUE ...] "
+              "[Megatron/MindSpeed flags ...] [--dry-run]")
+USAGE = f"""{USAGE_LINE}
+
+Trains a model with Megatron-LM / MindSpeed-LLM flags (as pretrain_gpt.py takes them), a native YAML config, or both.
+
+  CONFIG.yaml           a native config: groups model, data, parallel, training, ... (docs/config_reference.md)
+  --group.field VALUE   sets one native field, e.g. --training.lr 3e-4 --parallel.tp_size 2 (overrides the YAML)
+  Megatron flags        e.g. --num-layers 24 --hidden-size 1024 --data-path ... --save DIR (docs/migration_table.md);
+                        each is mapped, accepted without effect (listed at start) or declined with the reason
+  --dry-run             checks everything without touching devices, data or model files and prints the config as
+                        YAML, the flag report as comments (WORLD_SIZE=N checks an N-rank layout)
+  --help-flags          lists every Megatron-LM / MindSpeed-LLM flag this parser knows
+  --help-config         lists every native field with its default
+
+examples:
+  WORLD_SIZE=8 python pretrain_fsdp2.py <Megatron flags> --dry-run > run.yaml
+  torchrun --nproc_per_node 8 pretrain_fsdp2.py run.yaml --training.max_steps 2000
+"""
+
+
+def _help(argv: List[str]) -> Optional[str]:
+    """The text asked for by -h / --help (the short usage), --help-flags or --help-config; None otherwise."""
+    if HELP_FLAGS_FLAG in argv:
+        from megatron_compat.arguments import build_parser
+
+        return build_parser().format_help()
+    if HELP_CONFIG_FLAG in argv:
+        from fsdp2_backend.config.loading import field_help
+
+        return "".join(f"--{group}.{name} ({kind}, default {default!r}): {text}\n"
+                       for group, name, kind, default, text in field_help())
+    if "-h" in argv or "--help" in argv:
+        return USAGE
+    return None
 
 
 def _conflicts(explicit: Dict[str, Dict[str, Any]], native: List[Tuple[str, Dict[str, Dict[str, Any]]]],
@@ -107,6 +144,16 @@ def world_size_from_env(default: Optional[int] = 1) -> Optional[int]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    text = _help(argv)
+    if text is not None:
+        if os.environ.get("RANK", "0") == "0":
+            sys.stdout.write(text)
+        return 0
+    if not argv:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{USAGE_LINE}\nerror: no arguments — give a YAML config, Megatron flags or both (pretrain_fsdp2.py "
+                  f"--help)", file=sys.stderr)
+        return 2
     with exit_on_usage_error():
         dry_run = DRY_RUN_FLAG in argv
         config, report = parse_command_line(argv, world_size_from_env(None if dry_run else 1))
@@ -118,8 +165,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     if os.environ.get("RANK", "0") == "0":  # one report per job, not one per rank
         for line in report:
             print(line, file=sys.stderr)
+    if config.training.exit_signal_handler:
+        # before the data loader forks its workers: they inherit the handler and survive a signal to the tree
+        from fsdp2_backend.training.exit_signal import install
+
+        install(config.training.exit_signal)
     from fsdp2_backend.build import run_training
 
-    with exit_on_usage_error():
+    with exit_on_usage_error():  # also a RunStopped (NaN loss, full disk): one line, exit code 1
         run_training(config)
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
+from megatron_compat import architecture_mamba
 from megatron_compat.architecture_flags import (ARCHITECTURE_DESTS, FAMILY_DESTS, HF_DEFINED_DESTS, HF_REASONS,
                                                 MLA_ONLY, MOE_ONLY)
 
@@ -22,8 +23,10 @@ _MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
 class Arch:
     """Collects the keys and the dispositions of the architecture flags for one translation."""
 
-    def __init__(self, ns, active, from_scratch: bool, record: Callable[[str, str, str], None]):
+    def __init__(self, ns, active, from_scratch: bool, record: Callable[[str, str, str], None],
+                 set_field: Optional[Callable[[str, str, Any], None]] = None):
         self.ns, self.active, self.from_scratch, self._record = ns, active, from_scratch, record
+        self._set_field = set_field
         self.keys: Dict[str, Any] = {}
         self.declined: Dict[str, str] = {}
         self.recorded: set = set()
@@ -45,6 +48,13 @@ class Arch:
             self.keys[key] = value
         if dest is not None:
             self.note(dest, "mapped", f"model.architecture.{key}")
+
+    def field(self, dest: str, target: str, value: Any) -> None:
+        """Sets a native config field (`group.name`) from flag `dest` (skipped when the value is None)."""
+        if value is None or self._set_field is None:
+            return
+        self._set_field(dest, target, value)
+        self.note(dest, "mapped", target)
 
     def decline(self, dest: str, why: str) -> None:
         self.declined.setdefault(dest, why)
@@ -202,22 +212,10 @@ def _moe_keys(a: Arch, family: str) -> None:
         a.put(ffn_dest, "intermediate_size", moe_ffn)
     else:
         a.put(ffn_dest, "moe_intermediate_size", moe_ffn)
-    balancing = g("moe_router_load_balancing_type")
-    balancing = balancing[0] if isinstance(balancing, list) else balancing
-    coeff = g("moe_aux_loss_coeff")
-    coeff = coeff[0] if isinstance(coeff, list) else coeff
-    if balancing not in ("aux_loss", "none"):
-        a.decline("moe_router_load_balancing_type", f"'{balancing}' load balancing is not implemented (only "
-                  "aux_loss and none) — use --moe-router-load-balancing-type aux_loss")
+    if family in ROUTER_FAMILIES:
+        _megatron_router(a)
     else:
-        a.put("moe_router_load_balancing_type", "output_router_logits", balancing == "aux_loss" and coeff > 0)
-    a.put("moe_aux_loss_coeff", "router_aux_loss_coef", 0.0 if balancing == "none" else coeff)
-    if g("moe_z_loss_coeff"):
-        a.decline("moe_z_loss_coeff", "the router z-loss is not implemented — drop --moe-z-loss-coeff")
-    elif "moe_z_loss_coeff" in a.active:
-        a.note("moe_z_loss_coeff", "no_effect", "a z-loss coefficient of 0 adds nothing")
-    if g("seq_aux"):
-        a.decline("seq_aux", "the sequence-level auxiliary loss is not implemented — drop --seq-aux")
+        _hf_router_keys(a, family)
     norm = g("norm_topk_prob") or not g("moe_router_pre_softmax")  # Megatron: top-k then softmax = normalised
     for dest in ("norm_topk_prob", "moe_router_pre_softmax"):
         a.put(dest, "norm_topk_prob", norm if family != "mixtral" else None)
@@ -237,9 +235,66 @@ def _moe_keys(a: Arch, family: str) -> None:
                       ("moe_router_group_topk", "topk_group"), ("topk_group", "topk_group"),
                       ("moe_router_topk_scaling_factor", "routed_scaling_factor"),
                       ("routed_scaling_factor", "routed_scaling_factor")):
-        if deepseek or not a.from_scratch:  # group-limited routing exists only in DeepSeek-V3-style models
-            a.put(dest, key, g(dest))
+        if family not in ROUTER_FAMILIES and (deepseek or not a.from_scratch):
+            a.put(dest, key, g(dest))  # group-limited routing exists only in DeepSeek-V3-style HF models
     _dense_layers(a, family)
+
+
+# Families whose model here is this project's (models/moe/router.py): Megatron's router flags are native fields.
+ROUTER_FAMILIES = ("qwen3_moe",)
+_ROUTER_FIELDS = (("moe_router_score_function", "moe_router_score_function"),
+                  ("moe_router_topk_scaling_factor", "moe_router_topk_scaling_factor"),
+                  ("routed_scaling_factor", "moe_router_topk_scaling_factor"),
+                  ("moe_router_num_groups", "moe_router_num_groups"), ("n_group", "moe_router_num_groups"),
+                  ("moe_router_group_topk", "moe_router_group_topk"), ("topk_group", "moe_router_group_topk"),
+                  ("moe_z_loss_coeff", "moe_z_loss_coeff"), ("moe_router_dtype", "moe_router_dtype"))
+
+
+def _megatron_router(a: Arch) -> None:
+    """Megatron's router flags → `model.moe_router_*` (megatron-core's routing and losses, exactly)."""
+    g = a.get
+    balancing, coeff = g("moe_router_load_balancing_type"), g("moe_aux_loss_coeff")
+    if g("seq_aux"):  # MindSpeed's --seq-aux: the sequence-level loss in place of the batch-level one
+        balancing = [("seq_aux_loss" if b == "aux_loss" else b) for b in balancing] \
+            if isinstance(balancing, list) else ("seq_aux_loss" if balancing == "aux_loss" else balancing)
+        a.field("seq_aux", "model.moe_router_load_balancing_type", balancing)
+    kinds = balancing if isinstance(balancing, list) else [balancing]
+    coeffs = coeff if isinstance(coeff, list) else [coeff] * len(kinds)
+    if "sinkhorn" in kinds or any(c for k, c in zip(kinds, coeffs) if k.endswith("aux_loss")):
+        a.field("moe_router_load_balancing_type", "model.moe_router_load_balancing_type", balancing)
+        a.field("moe_aux_loss_coeff", "model.moe_aux_loss_coeff", coeff)
+    else:  # Megatron adds no load-balancing loss: nor does the model (transformers' aux loss stays off)
+        for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "seq_aux"):
+            a.note(dest, "no_effect", "no load-balancing loss (its coefficient is 0), as in Megatron")
+    for dest, target in _ROUTER_FIELDS:
+        a.field(dest, f"model.{target}", g(dest))
+    if g("moe_router_enable_expert_bias"):
+        a.field("moe_router_enable_expert_bias", "model.moe_router_enable_expert_bias", True)
+        a.field("moe_router_bias_update_rate", "model.moe_router_bias_update_rate", g("moe_router_bias_update_rate"))
+    elif "moe_router_bias_update_rate" in a.active:
+        a.note("moe_router_bias_update_rate", "no_effect", "read only with --moe-router-enable-expert-bias")
+
+
+def _hf_router_keys(a: Arch, family: str) -> None:
+    """Other families run transformers' model: its router and aux loss, with Megatron's coefficient."""
+    g = a.get
+    balancing = g("moe_router_load_balancing_type")
+    balancing = balancing[0] if isinstance(balancing, list) else balancing
+    coeff = g("moe_aux_loss_coeff")
+    coeff = coeff[0] if isinstance(coeff, list) else coeff
+    if balancing not in ("aux_loss", "none"):
+        a.decline("moe_router_load_balancing_type", f"'{balancing}' load balancing is not implemented (only "
+                  "aux_loss and none) — use --moe-router-load-balancing-type aux_loss")
+    else:
+        a.put("moe_router_load_balancing_type", "output_router_logits", balancing == "aux_loss" and coeff > 0)
+    a.put("moe_aux_loss_coeff", "router_aux_loss_coef", 0.0 if balancing == "none" else coeff)
+    if g("moe_z_loss_coeff"):
+        a.decline("moe_z_loss_coeff", "the router z-loss is not implemented — drop --moe-z-loss-coeff")
+    elif "moe_z_loss_coeff" in a.active:
+        a.note("moe_z_loss_coeff", "no_effect", "a z-loss coefficient of 0 adds nothing")
+    if g("seq_aux"):
+        a.decline("seq_aux", "the sequence-level auxiliary loss needs this project's router (a qwen3_moe model) "
+                  "— drop --seq-aux")
 
 
 def _dense_layers(a: Arch, family: str) -> None:
@@ -271,12 +326,12 @@ def _dense_layers(a: Arch, family: str) -> None:
 
 def _routing(a: Arch, family: str) -> None:
     """Router scoring is the model type's own; Megatron's per-step expert-bias update is not implemented."""
-    if not a.get("num_experts"):
+    if not a.get("num_experts") or family in ROUTER_FAMILIES:  # those: _megatron_router
         return
     for dest in ("moe_router_enable_expert_bias", "moe_router_bias_update_rate"):
         if a.get("moe_router_enable_expert_bias"):
-            a.decline(dest, "aux-loss-free balancing (the expert bias updated every step) is not implemented; "
-                            "without it routing differs — drop --moe-router-enable-expert-bias")
+            a.decline(dest, f"aux-loss-free balancing (the expert bias updated every step) needs this project's "
+                            f"router, which {family} models lack — drop --moe-router-enable-expert-bias")
     score = a.get("moe_router_score_function")
     if not a.from_scratch:
         a.note("moe_router_score_function", "no_effect", "the HF model type in --load defines its router scores")
@@ -302,16 +357,23 @@ def _mla_keys(a: Arch) -> None:
 REQUIRED_FROM_SCRATCH = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")
 
 
-def missing_flags(ns, from_scratch: bool) -> List[str]:
+def missing_flags(ns, from_scratch: bool, active=()) -> List[str]:
     """The flags Megatron requires to build a model, when no HF directory defines it."""
     if not from_scratch:
         return []
-    return ["--" + dest.replace("_", "-") for dest in REQUIRED_FROM_SCRATCH if getattr(ns, dest) is None]
+    required = REQUIRED_FROM_SCRATCH
+    if architecture_mamba.selects_mamba3(ns, active):
+        required = architecture_mamba.REQUIRED
+    return ["--" + dest.replace("_", "-") for dest in required if getattr(ns, dest) is None]
 
 
-def apply(ns, active, from_scratch: bool, record: Callable[[str, str, str], None]) -> Dict[str, Any]:
-    """Fills the architecture keys and records a disposition for every active architecture flag."""
-    a = Arch(ns, active, from_scratch, record)
+def apply(ns, active, from_scratch: bool, record: Callable[[str, str, str], None],
+          set_field: Optional[Callable[[str, str, Any], None]] = None) -> Dict[str, Any]:
+    """Fills the architecture keys and records a disposition for every active architecture flag;
+    `set_field(dest, "group.name", value)` receives the native fields some flags map to (the MoE router)."""
+    a = Arch(ns, active, from_scratch, record, set_field)
+    if from_scratch and architecture_mamba.selects_mamba3(ns, active):  # a pure Mamba stack → mamba3
+        return architecture_mamba.apply(a)
     family = _family(a)
     if from_scratch:
         a.keys["model_type"] = family

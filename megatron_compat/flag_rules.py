@@ -98,7 +98,7 @@ _NO_EFFECT: Dict[str, str] = {
         moe_layer_recompute gtp_remat_opt_in_modules recompute_in_advance moe_adaptive_recompute_activation
         moe_without_activation no_clone_scatter_output_in_embedding mhc_recompute_layer_num
         use_precision_aware_optimizer mamba_training_ssm_states_dtype reuse_grad_buf_for_mxfp8_param_ag
-        keep_fp8_transpose_cache fp8_param_gather fp4_param_gather recompute_activation_function
+        keep_fp8_transpose_cache fp4_param_gather recompute_activation_function
         recompute_activation_function_num_layers recompute_norm recompute_norm_num_layers""",
     "a Megatron DDP / distributed-optimizer layout; FSDP2 shards parameters, gradients and optimizer state itself":
         """use_distributed_optimizer use_megatron_fsdp use_torch_fsdp2 data_parallel_sharding_strategy
@@ -146,11 +146,10 @@ _NO_EFFECT: Dict[str, str] = {
         enable_mg2hf_convert model_type_hf hf_cfg_dir load_checkpoint_loosely verify_integrity
         no_ckpt_fully_parallel_save replication replication_jump replication_factor""",
     "a logging or monitoring extra without a counterpart here (the Megatron log line is printed as usual)":
-        """log_params_norm log_progress timing_log_level timing_log_option tensorboard_log_interval
-        tensorboard_queue_size log_timers_to_tensorboard no_log_loss_scale_to_tensorboard
-        log_validation_ppl_to_tensorboard log_memory_to_tensorboard log_memory_interval
+        """timing_log_level timing_log_option
+        tensorboard_queue_size no_log_loss_scale_to_tensorboard log_memory_interval
         log_device_memory_used log_num_zeros_in_grad log_max_attention_logit no_barrier_with_level_1_timing
-        log_world_size_to_tensorboard wandb_project wandb_exp_name wandb_save_dir wandb_entity logging_level
+        log_world_size_to_tensorboard logging_level
         log_energy moe_per_layer_logging moe_routing_trace_path moe_routing_trace_max_training_iters
         moe_routing_trace_capture_logits moe_routing_trace_capture_hidden_states
         moe_routing_trace_dump_weights use_wandb config_logger_dir record_memory_history
@@ -162,8 +161,7 @@ _NO_EFFECT: Dict[str, str] = {
         flight_recorder_include_stack_trace no_flight_recorder_include_only_active
         no_flight_recorder_extra_dump_on_exec""",
     "a fault-tolerance, self-test or signal-handling setting; it does not change what is trained":
-        """exit_signal_handler exit_signal exit_signal_handler_for_dataloader exit_signal_handler_for_training
-        no_check_for_nan_in_loss_and_grad check_for_large_grads result_rejected_tracker_filename
+        """exit_signal_handler_for_dataloader exit_signal_handler_for_training check_for_large_grads result_rejected_tracker_filename
         check_for_spiky_loss rerun_mode error_injection_rate error_injection_type test_mode""",
     "a data-loading speed setting; the samples are the same":
         """num_dataset_builder_threads dataloader_fast_cache_load dataloader_defer_npy_index_mmap
@@ -191,9 +189,10 @@ _NO_EFFECT: Dict[str, str] = {
 # --- declined --------------------------------------------------------------------------------------------------
 
 _DECLINED: Dict[str, str] = {
-    "FP8/FP4 training (Transformer Engine) is not available and would change the numerics — drop the fp8/fp4 "
-    "flags to train in bf16 (quantised training comes as model.quant_recipe_name mxfp8)":
-        """fp8_format fp8_recipe fp8_quantizer_factory fp8_margin fp8_interval fp8_amax_history_len
+    "this FP8/FP4 training option (Transformer Engine) is not available and would change the numerics — drop it "
+    "(--fp8-format e4m3 --fp8-recipe mxfp8 is model.quant_recipe_name mxfp8), or drop the fp8/fp4 flags to train "
+    "in bf16":
+        """fp8_quantizer_factory fp8_margin fp8_interval fp8_amax_history_len
         fp8_amax_compute_algo no_fp8_wgrad fp8_output_proj first_last_layers_bf16
         num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp4_format fp4_recipe fp4_quantizer_factory
         te_precision_config_file moe_router_padding_for_quantization moe_router_padding_for_fp8
@@ -259,7 +258,7 @@ _DECLINED: Dict[str, str] = {
     "files, object storage) — prepare the data with tools/preprocess_data.py and pass --data-path":
         """fim_data fim_rate fim_spm_rate fim_split_sample fim_fragment_rate fim_no_prefix fim_prefix_token
         fim_middle_token fim_suffix_token fim_pad_token fim_eod_token phase_transition_iterations
-        data_args_path per_split_data_args_path object_storage_cache_path mid_level_dataset_surplus
+        data_args_path per_split_data_args_path object_storage_cache_path
         dataloader_inter_document_masking validation_set_names multiple_validation_sets full_validation
         eval_global_batch_size eval_micro_batch_size start_eval_at_iter""",
     "this Megatron tokenizer setting has no counterpart — convert the tokenizer to an HF tokenizer directory and "

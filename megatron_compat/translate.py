@@ -41,6 +41,8 @@ class Translation:
     # "group.field" → the flag that set it ("(Megatron default)" when Megatron's default did), so that a field
     # set both by a flag and by a native override can be reported naming both.
     sources: Dict[str, str] = field(default_factory=dict)
+    # Megatron's validate_args assertions the line fails (one message each); translate_megatron raises them.
+    errors: List[str] = field(default_factory=list)
 
 
 class Context:
@@ -75,6 +77,12 @@ class Context:
         flag = self.flag_names.get(self.current)
         if flag or target not in self.sources:
             self.sources[target] = flag or "(Megatron default)"
+
+    def set_from(self, dest: str, target: str, value: Any) -> None:
+        """`set`, naming flag `dest` as the field's source."""
+        current, self.current = self.current, dest
+        self.set(target, value)
+        self.current = current
 
     def record(self, dest: str, kind: str, text: str) -> None:
         """Gives a flag its disposition; a stronger one (declined > mapped > no effect) replaces a weaker one."""
@@ -133,6 +141,29 @@ def _check_positive(ns) -> None:
         raise UsageError(bad)
 
 
+def _megatron_asserts(ns) -> List[str]:
+    """Megatron's validate_args assertions on the model's shape, as one line each instead of a traceback later."""
+    bad = []
+    hidden, heads, groups = ns.hidden_size, ns.num_attention_heads, ns.num_query_groups
+    if hidden and heads and ns.kv_channels is None and hidden % heads:
+        bad.append(f"--hidden-size: {hidden} is not divisible by --num-attention-heads {heads} (Megatron asserts "
+                   f"hidden_size % num_attention_heads == 0 without --kv-channels) — change one, or give "
+                   f"--kv-channels")
+    if heads and groups and ns.group_query_attention and heads % groups:
+        bad.append(f"--num-query-groups: {groups} does not divide --num-attention-heads {heads} — use a divisor of "
+                   f"{heads}")
+    warmup = [flag for flag, dest in (("--lr-warmup-iters", "lr_warmup_iters"),
+                                      ("--lr-warmup-samples", "lr_warmup_samples")) if getattr(ns, dest)]
+    if ns.lr_warmup_fraction is not None and warmup:
+        bad.append(f"--lr-warmup-fraction: given with {warmup[0]} (Megatron accepts only one of them) — drop one")
+    seq, positions = ns.seq_length, ns.max_position_embeddings
+    if seq and positions and seq > positions:
+        bad.append(f"--seq-length: {seq} exceeds --max-position-embeddings {positions} (Megatron asserts "
+                   f"max_position_embeddings >= seq_length) — raise --max-position-embeddings or shorten "
+                   f"--seq-length")
+    return bad
+
+
 def _flags_define_model(ctx: Context, model_given: bool) -> bool:
     """Whether the architecture flags are the whole model (Megatron's defaults fill the rest, and the required
     ones must be given): not when an HF directory (--load, or the native config) defines it; with --load naming
@@ -169,7 +200,11 @@ def translate_report(argv: Sequence[str], world_size: int = 1, model_given: bool
     for step in DERIVED_STEPS:
         step(ctx)
     from_scratch = _flags_define_model(ctx, model_given)
-    arch = architecture.apply(ctx.ns, active, from_scratch, ctx.record)
+    arch = architecture.apply(ctx.ns, active, from_scratch, ctx.record, ctx.set_from)
+    if from_scratch and arch.get("model_type") != "gpt2" and "hidden_dropout" not in active and ctx.get("hidden_dropout"):
+        # Megatron's default 0.1 would apply dropout after attention and MLP; HF Llama-style models have none.
+        ctx.warn(f"--hidden-dropout: Megatron's default {ctx.get('hidden_dropout')} is not applied — HF "
+                 f"{arch.get('model_type')} models have no hidden dropout (give --hidden-dropout 0 to say so)")
     if arch and not (ctx.get("use_checkpoint_args") and loads_checkpoint(ctx)):  # the checkpoint's model wins
         ctx.set("model.architecture", arch)
         given = [ctx.flag_names[d] for d in sorted(active, key=ctx.order.__getitem__)
@@ -179,15 +214,16 @@ def translate_report(argv: Sequence[str], world_size: int = 1, model_given: bool
     report = _report(ctx)
     report.declined += [(flag, "required to build the model (no --load with an HF directory or a checkpoint, "
                                "no model in the YAML) — give it")
-                        for flag in architecture.missing_flags(ctx.ns, from_scratch)]
-    return Translation({g: v for g, v in ctx.fields.items() if v}, report, ctx.sources)
+                        for flag in architecture.missing_flags(ctx.ns, from_scratch, active)]
+    return Translation({g: v for g, v in ctx.fields.items() if v}, report, ctx.sources,
+                       _megatron_asserts(parsed.namespace))
 
 
 def translate_megatron(argv: Sequence[str], world_size: int = 1, model_given: bool = False) -> Translation:
     """Translates a Megatron/MindSpeed launch line; raises UsageError on bad input or any declined flag."""
     translation = translate_report(argv, world_size, model_given)
-    if translation.report.declined:
-        raise UsageError([f"{flag}: {why}" for flag, why in translation.report.declined])
+    if translation.report.declined or translation.errors:
+        raise UsageError([f"{flag}: {why}" for flag, why in translation.report.declined] + translation.errors)
     return translation
 
 

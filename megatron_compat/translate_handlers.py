@@ -37,6 +37,7 @@ for _dest, _target in {
     "seq_length": "data.cutoff_len", "data_cache_path": "data.data_cache_path", "mock_data": "data.mock_data",
     "reset_position_ids": "data.reset_position_ids", "eod_mask_loss": "data.eod_mask_loss",
     "mmap_bin_files": "data.mmap_bin_files", "workers": "data.preprocessing_num_workers",
+    "mid_level_dataset_surplus": "data.mid_level_dataset_surplus",
     "vocab_file": "model.vocab_file", "merge_file": "model.merge_file", "trust_remote_code": "model.trust_remote_code",
     "init_model_with_meta_device": "model.init_model_with_meta_device",
     "lr": "training.lr", "min_lr": "training.min_lr", "weight_decay": "training.weight_decay",
@@ -70,10 +71,16 @@ for _dest, _target in {
     "pytorch_profiler_collect_shapes": "profiling.profile_record_shapes",
     "record_shapes": "profiling.profile_record_shapes",
     "pytorch_profiler_collect_callstack": "profiling.profile_with_stack",
+    "tensorboard_log_interval": "training.tensorboard_log_interval", "log_params_norm": "training.log_params_norm",
+    "log_memory_to_tensorboard": "training.log_memory_to_tensorboard",
+    "log_validation_ppl_to_tensorboard": "training.log_validation_ppl_to_tensorboard",
+    "log_timers_to_tensorboard": "training.log_timers_to_tensorboard", "log_progress": "training.log_progress",
 }.items():
     _direct(_dest, _target)
 
 _direct("micro_batch_size", "training.per_device_train_batch_size")
+for _dest in ("wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity"):  # Megatron's default '' = unset
+    _direct(_dest, f"training.{_dest}", lambda v: v or None)
 _direct("batch_size", "training.per_device_train_batch_size")
 _direct("tokenizer_not_use_fast", "model.use_fast_tokenizer", lambda v: not v)
 _direct("mamba_chunk_size", "optimization.gdn_chunk_size")
@@ -83,6 +90,9 @@ def _mask_in_loader(ctx, value):
     if "create_attention_mask_in_dataloader" in ctx.active:  # a memory/speed choice: only when the script says
         ctx.set("data.create_attention_mask_in_dataloader", value)
 _direct("torch_fsdp2_reshard_after_forward", "parallel.reshard_after_forward")
+_direct("check_for_nan_in_loss_and_grad", "training.check_for_nan_in_loss_and_grad")  # on by default, as Megatron
+_direct("exit_signal_handler", "training.exit_signal_handler")
+_direct("exit_signal", "training.exit_signal", lambda v: str(v))
 _direct("tokenizer_hf_no_use_fast", "model.use_fast_tokenizer", lambda v: not v)
 
 
@@ -130,6 +140,38 @@ for _dest in ("grad_reduce_in_bf16", "o2_gradient"):  # Megatron's flag and Mind
     def _grad_reduce(ctx, value):
         if value:
             ctx.set("parallel.reduce_dtype", "bf16")
+
+
+@handles("fp8", "model.quant_recipe_name mxfp8 (with --fp8-recipe mxfp8)")
+def _fp8_format(ctx, value):
+    """--fp8-format (dest fp8). Only MXFP8 with E4M3 everywhere has an equivalent here (torchao's recipe: E4M3
+    activations, weights and gradients, E8M0 scales per 32); Transformer Engine's other scalings and hybrid's
+    E5M2 gradients do not."""
+    if value is None:
+        return
+    recipe = ctx.get("fp8_recipe")
+    if recipe != "mxfp8":
+        ctx.decline("fp8", f"--fp8-recipe {recipe}: Transformer Engine's {recipe} FP8 scaling is not available "
+                           "(it would change the numerics) — use --fp8-recipe mxfp8, or drop the fp8 flags to train "
+                           "in bf16")
+    elif value != "e4m3":
+        ctx.decline("fp8", f"--fp8-format {value}: E5M2 gradients are not available; MXFP8 here is E4M3 for "
+                           "activations, weights and gradients — use --fp8-format e4m3")
+    else:
+        ctx.set("model.quant_recipe_name", "mxfp8")
+        ctx.set("model.enable_fsdp_low_precision_all_gather", bool(ctx.get("fp8_param_gather")))
+
+
+@handles("fp8_recipe", "model.quant_recipe_name (with --fp8-format)")
+def _fp8_recipe(ctx, value):
+    if ctx.get("fp8") is None and "fp8_recipe" in ctx.active:
+        ctx.record("fp8_recipe", "no_effect", "Megatron reads it only with --fp8-format")
+
+
+@handles("fp8_param_gather", "model.enable_fsdp_low_precision_all_gather (with --fp8-format)")
+def _fp8_param_gather(ctx, value):
+    if value and ctx.get("fp8") is None:
+        ctx.record("fp8_param_gather", "no_effect", "without --fp8-format parameters are gathered in bf16")
 
 
 @handles("distributed_backend", "parallel.distributed_backend (nccl/hccl: by device)")

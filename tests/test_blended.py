@@ -89,3 +89,16 @@ def test_oversampled_blend_names_the_surplus(corpora, tmp_path):
     datasets = BlendedMegatronDatasetBuilder(GPTDataset, [100, 0, 0], lambda: True, config).build()[0].datasets
     with pytest.raises(IndexError, match="mid_level_dataset_surplus"):
         BlendedDataset(datasets, [0.5, 0.5], 10 * len(datasets[0]), config)
+
+
+def test_mid_level_dataset_surplus_flag_is_mapped():
+    """--mid-level-dataset-surplus reaches the dataset config (its effect on the indices is checked against
+    megatron-core in test_index_cache_compat.py)."""
+    from megatron_compat.translate import translate_megatron
+
+    base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+            "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --lr 1e-3 --mock-data "
+            "--tokenizer-type NullTokenizer --vocab-size 100").split()
+    translation = translate_megatron(base + ["--mid-level-dataset-surplus", "0.25"])
+    assert translation.report.declined == []
+    assert translation.fields["data"]["mid_level_dataset_surplus"] == 0.25

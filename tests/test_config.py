@@ -98,7 +98,8 @@ def test_valid_pretraining_config_passes():
     ({"data": {"interleave_probs": "0.5,0.5"}}, "data.interleave_probs: only used with mix_strategy interleave"),
     ({"profiling": {"profile_step_start": 5, "profile_step_end": 5}}, "profiling.profile_step_end: must be -1 or"),
     ({"model": {"model_id": "step35"}}, "model.model_id: 'step35' has no implementation yet — registered: "),
-    ({"training": {"stage": "sft"}}, "training.stage: 'sft' (the seed's default) is not available yet"),
+    ({"training": {"stage": "sft"}}, "training.stage: sft reads the fine-tuning data path — set "
+                                     "data.data_manager_type: lf"),
     ({"model": {"quant_recipe_name": "mxfp8"}}, "model.quant_recipe_name: quantised training"),
     ({"parallel": {"ep_dispatcher": "mc2"}}, "parallel.ep_dispatcher: mc2 needs Ascend NPUs"),
     ({"training": {"decoupled_min_lr": 1e-5}}, "training.decoupled_min_lr: only used with training.decoupled_lr"),

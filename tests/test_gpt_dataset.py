@@ -137,13 +137,11 @@ def test_mock_dataset_matches_megatron():
     assert_same_samples(ref, ours, indices=range(0, len(ref), 97))
 
 
-@pytest.mark.parametrize("seed,chunk", [(0, 1 << 18), (1, 7), (2, 64)])
-def test_sample_index_matches_cpp_helper_on_awkward_lengths(seed, chunk, monkeypatch):
-    """Zero-length documents, documents shorter than a sample, exact boundaries, kept partial samples; the
-    document index processed whole and in small chunks."""
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sample_index_matches_cpp_helper_on_awkward_lengths(seed):
+    """Zero-length documents, documents shorter than a sample, exact boundaries, kept partial samples."""
     from megatron.core.datasets import helpers
 
-    monkeypatch.setattr(index_building, "_CHUNK_DOCUMENTS", chunk)
     rng = numpy.random.default_rng(seed)
     sizes = rng.integers(0, 9, 400).astype(numpy.int32)
     sizes[rng.integers(0, 400, 20)] = 64
@@ -158,23 +156,40 @@ def test_sample_index_matches_cpp_helper_on_awkward_lengths(seed, chunk, monkeyp
                 assert got.dtype == expected.dtype and numpy.array_equal(got, expected), (seq_length, drop_last)
 
 
-def test_blending_indices_match_cpp_helper(monkeypatch):
+@pytest.mark.parametrize("num", [1, 2, 3, 7, 20, 97])
+def test_blending_indices_match_cpp_helper(num):
+    """Weighted and exhaustive blends of 1 to 97 datasets, incl. equal weights (ties) and tiny weights."""
     from megatron.core.datasets import helpers
     from megatron.core.datasets.utils import normalize
 
-    monkeypatch.setattr(index_building, "_BLEND_CHUNK", 333)  # several chunks
-    rng = numpy.random.default_rng(3)
-    for num in (1, 2, 3, 7):
-        weights = normalize(list(rng.random(num) + 0.01))
-        expected = (numpy.zeros(5000, numpy.int16), numpy.zeros(5000, numpy.int64))
-        helpers.build_blending_indices(*expected, weights, num, 5000, False)
-        got = index_building.build_blending_indices(weights, 5000)
-        assert all(numpy.array_equal(e, g) for e, g in zip(expected, got))
-        sizes = rng.integers(1, 300, num).astype(numpy.int64)
+    rng = numpy.random.default_rng(num)
+    for raw in (rng.random(num) + 0.01, numpy.ones(num), rng.random(num) ** 6 + 1e-6):
+        weights = normalize(list(raw))
+        size = 20000
+        expected = (numpy.zeros(size, numpy.int16), numpy.zeros(size, numpy.int64))
+        helpers.build_blending_indices(*expected, weights, num, size, False)
+        got = index_building.build_blending_indices(weights, size)
+        assert all(e.dtype == g.dtype and numpy.array_equal(e, g) for e, g in zip(expected, got))
+    for sizes in (rng.integers(1, 300, num), numpy.full(num, 50), rng.integers(1, 5, num)):
+        sizes = sizes.astype(numpy.int64)
         expected = (numpy.zeros(int(sizes.sum()), numpy.int16), numpy.zeros(int(sizes.sum()), numpy.int64))
         helpers.build_exhaustive_blending_indices(*expected, sizes, num)
         got = index_building.build_exhaustive_blending_indices(list(sizes))
-        assert all(numpy.array_equal(e, g) for e, g in zip(expected, got))
+        assert all(e.dtype == g.dtype and numpy.array_equal(e, g) for e, g in zip(expected, got))
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_document_and_shuffle_index_match_megatron(separate):
+    from megatron.core.datasets.gpt_dataset import _build_document_index, _build_shuffle_index
+
+    documents = numpy.arange(37, 1037, dtype=numpy.int32)
+    expected = _build_document_index(documents, 5, numpy.random.RandomState(7), separate)
+    got = index_building.build_document_index(documents, 5, numpy.random.RandomState(7), separate)
+    assert got.dtype == expected.dtype == numpy.int32 and numpy.array_equal(got, expected)
+    for first in (0, 700, 1000):
+        expected = _build_shuffle_index(first, 1000, numpy.random.RandomState(first))
+        got = index_building.build_shuffle_index(first, 1000, numpy.random.RandomState(first))
+        assert got.dtype == expected.dtype == numpy.uint32 and numpy.array_equal(got, expected)
 
 
 def test_unshuffled_samples_read_the_documents_in_order(corpus, tmp_path, monkeypatch):

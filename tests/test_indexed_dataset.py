@@ -213,3 +213,54 @@ def test_short_bin(good):
 def test_builder_refuses_unknown_dtype(tmp_path):
     with pytest.raises(UsageError, match="float16: not an indexed-dataset token dtype"):
         IndexedDatasetBuilder(str(tmp_path / "x.bin"), dtype=numpy.float16)
+
+
+def _single(tmp_path, name, docs, dtype=numpy.uint16):
+    prefix = str(tmp_path / name)
+    _build(mcore.IndexedDatasetBuilder, prefix, [[numpy.asarray(d, dtype=numpy.int64)] for d in docs], dtype)
+    return prefix
+
+
+def test_dtype_code_disagreeing_with_the_data_is_refused(tmp_path):
+    """uint16 tokens whose header says uint8 (code 1): caught by the byte pointers, and with a single
+    sequence (no pointer step to compare) by the .bin being larger than the index describes."""
+    many = _single(tmp_path, "many", [[1, 2, 3], [4, 5], [6, 7, 8, 9]])
+    _patch(get_idx_path(many), 17, struct.pack("<B", DType.uint8.value))
+    with pytest.raises(UsageError) as info:
+        IndexedDataset(many)
+    assert str(info.value) == (f"{get_idx_path(many)}: token dtype uint8 (1 bytes a token) disagrees with its "
+                               "sequence pointers (2 bytes a token) — the dtype code is wrong or the index is "
+                               "corrupt; re-run preprocessing")
+    one = _single(tmp_path, "one", [[1, 2, 3, 4]])
+    _patch(get_idx_path(one), 17, struct.pack("<B", DType.uint8.value))
+    with pytest.raises(UsageError) as info:
+        IndexedDataset(one)
+    assert str(info.value) == (f"{get_bin_path(one)}: data file is 8 bytes but its index ({get_idx_path(one)}, "
+                               "token dtype uint8) describes 4 — the dtype code is wrong or the files do not "
+                               "belong together; re-run preprocessing")
+    # the other way: uint16 data read as int32 (the .bin is then shorter than the index needs)
+    other = _single(tmp_path, "other", [[1, 2, 3, 4]])
+    _patch(get_idx_path(other), 17, struct.pack("<B", DType.int32.value))
+    with pytest.raises(UsageError, match=r"other\.bin: data file is 8 bytes but its index needs 16"):
+        IndexedDataset(other)
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_and_the_range_cached(tmp_path):
+    from megatron_compat.data.token_range import check_token_ids, token_range
+
+    prefix = _single(tmp_path, "ids", [[1, 2, 3], [4, 999], [0, 7]])
+    check_token_ids(prefix, 1000)
+    cache = prefix + ".token_range"
+    assert os.path.isfile(cache) and token_range(prefix) == (0, 999)
+    with pytest.raises(UsageError) as info:
+        check_token_ids(prefix, 500)
+    assert str(info.value) == (f"{get_bin_path(prefix)}: token id 999 is outside the tokenizer's vocabulary "
+                               "(size 500) — the data was tokenized with another tokenizer; preprocess it with "
+                               "this run's tokenizer or train with the one it was made with")
+    # the cache is used while the .bin is unchanged, recomputed when it changes
+    with open(cache, "w") as f:
+        f.write(f"{os.path.getsize(get_bin_path(prefix))} {os.stat(get_bin_path(prefix)).st_mtime_ns} 0 5\n")
+    assert token_range(prefix) == (0, 5)
+    _single(tmp_path, "ids", [[1, 2], [3]])
+    os.utime(get_bin_path(prefix), ns=(1, 1))
+    assert token_range(prefix) == (1, 3)

@@ -390,3 +390,17 @@ def test_usage_checks(tmp_path, hf_dir, corpus):
                          log_interval=0)
     assert len(info.value.messages) == 3
     assert output_prefix_for("p", "text", True) == "p_text_sentence"
+
+
+@pytest.mark.parametrize("content", ["", "\n\n"])
+def test_empty_input_is_refused_in_one_line(tmp_path, hf_dir, content):
+    """Megatron writes an empty dataset and exits 0; the tool refuses and writes nothing."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(content)
+    result = _run_tool("--input", empty, "--output-prefix", tmp_path / "out", "--tokenizer-type",
+                       "HuggingFaceTokenizer", "--tokenizer-model", hf_dir)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [  # Megatron's "Opening" line, then the one-line error
+        f"Opening {empty}",
+        f"error: --input: {empty}: no records to tokenize (empty input) — nothing was written; check the input file"]
+    assert not list(tmp_path.glob("out*"))

@@ -75,12 +75,12 @@ def test_two_rank_run_logs_like_megatron_and_profiles_the_chosen_window(model_di
     assert steps == {"ProfilerStep#1", "ProfilerStep#2"}
 
 
-def test_sft_stage_is_declined():
-    """Config validation (which every run passes before it is built) declines the seed's SFT defaults."""
+def test_sft_defaults_need_a_dataset():
+    """The seed's defaults (stage sft, data manager lf) are the fine-tuning path (tests/test_sft_*.py): config
+    validation, which every run passes before it is built, asks for its dataset."""
     with pytest.raises(UsageError) as declined:
         validate(Config())
-    assert "training.stage: 'sft'" in str(declined.value) and "not available yet" in str(declined.value)
-    assert "data.data_manager_type: 'lf'" in str(declined.value)
+    assert "data.dataset: fine-tuning needs a dataset" in str(declined.value)
 
 
 def test_resume_continues_from_the_restored_state(model_dir, tmp_path):

@@ -126,3 +126,39 @@ def test_module_is_torch_free():
             "t.model_flops_per_token({'hidden_size': 8, 'num_hidden_layers': 1, 'num_attention_heads': 2, "
             "'intermediate_size': 16, 'vocab_size': 10}, 4); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _counted_training_flops(hf_config, seq_length, batch=2):
+    """Forward + backward FLOPs of the transformers model counted by torch.utils.flop_counter, per token, with
+    the attention core halved: eager attention computes QK^T and AV as dense bmm's (the only bmm's in these
+    models) and masks half; Megatron's formula counts the causal half."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf_config._attn_implementation = "eager"
+    hf_config._experts_implementation = "eager"  # per-expert F.linear: matmuls the counter sees (not grouped_mm)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    ids = torch.randint(0, hf_config.vocab_size, (batch, seq_length))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    by_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    core = by_op.get("aten.bmm", 0)
+    assert core > 0, by_op  # the attention core was counted
+    return (counter.get_total_flops() - core / 2) / (batch * seq_length)
+
+
+def test_formula_matches_torch_flop_counter_on_tiny_qwen3_and_qwen3_moe():
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    dense = Qwen3Config(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=32, vocab_size=512)
+    # MoE: 8 experts, top-2, no dense layers; the router matmul (H x 8) is the only term the formula leaves out
+    moe = Qwen3MoeConfig(hidden_size=128, intermediate_size=384, moe_intermediate_size=192, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512, num_experts=8,
+                         num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
+    for config in (dense, moe):
+        counted = _counted_training_flops(config, seq_length=64)
+        formula = model_flops_per_token(config, 64)
+        assert abs(formula - counted) / counted < 0.05, (config.model_type, formula, counted)

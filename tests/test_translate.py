@@ -12,7 +12,8 @@ from megatron_compat.translate import report_lines, translate_megatron, translat
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
         "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --lr 1e-3 --mock-data "
         "--tokenizer-type NullTokenizer --vocab-size 100").split()
-LLAMA = BASE + "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear".split()
+LLAMA = BASE + ("--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
+               "--hidden-dropout 0").split()
 
 
 def _non_default_argv(action: argparse.Action):
@@ -239,14 +240,16 @@ def test_moe_flags_map_to_hf_keys():
     arch = translate_megatron(argv).fields["model"]["architecture"]
     assert arch["model_type"] == "qwen3_moe"
     assert (arch["num_experts"], arch["num_experts_per_tok"], arch["moe_intermediate_size"]) == (4, 2, 32)
-    assert arch["router_aux_loss_coef"] == 1e-2 and arch["output_router_logits"] is True
+    # Qwen3-MoE runs this project's router (models/moe/router.py): Megatron's loss, not transformers' aux loss
+    model = translate_megatron(argv).fields["model"]
+    assert (model["moe_router_load_balancing_type"], model["moe_aux_loss_coeff"]) == ("aux_loss", [1e-2])
+    assert "router_aux_loss_coef" not in arch and "output_router_logits" not in arch
     assert arch["norm_topk_prob"] is True
     fields = translate_megatron(argv + "--first-k-dense-replace 1 --moe-layer-freq 2".split()).fields
     arch = fields["model"]["architecture"]
     assert arch["mlp_only_layers"] == [0] and arch["decoder_sparse_step"] == 2
-    with pytest.raises(UsageError) as err:  # group-limited routing is DeepSeek-V3's, not Qwen3-MoE's
-        translate_megatron(argv + "--moe-router-num-groups 2 --moe-router-group-topk 1".split())
-    assert err.value.messages[0].startswith("--moe-router-num-groups: not representable in an HF qwen3_moe model")
+    model = translate_megatron(argv + "--moe-router-num-groups 2 --moe-router-group-topk 1".split()).fields["model"]
+    assert (model["moe_router_num_groups"], model["moe_router_group_topk"]) == (2, 1)
 
 
 def test_precision_save_load_and_megatron_defaults():
@@ -375,11 +378,14 @@ def test_sources_name_the_flag_behind_each_field():
     assert sources["model.architecture"].startswith("--num-layers, --hidden-size")
 
 
-def test_expert_bias_updates_are_declined():
-    argv = LLAMA + "--qk-layernorm --num-experts 4 --moe-router-enable-expert-bias --hidden-dropout 0".split()
-    with pytest.raises(UsageError) as err:
-        translate_megatron(argv)
-    assert err.value.messages[0].startswith("--moe-router-enable-expert-bias: aux-loss-free balancing")
+def test_expert_bias_maps_for_qwen3_moe_and_is_declined_elsewhere():
+    argv = LLAMA + "--qk-layernorm --num-experts 4 --moe-router-enable-expert-bias --moe-router-score-function " \
+                   "sigmoid --moe-router-bias-update-rate 0.01 --hidden-dropout 0".split()
+    model = translate_megatron(argv).fields["model"]
+    assert (model["moe_router_enable_expert_bias"], model["moe_router_bias_update_rate"]) == (True, 0.01)
+    with pytest.raises(UsageError) as err:  # without --qk-layernorm: a Mixtral, transformers' model and router
+        translate_megatron([a for a in argv if a != "--qk-layernorm"])
+    assert any(m.startswith("--moe-router-enable-expert-bias: aux-loss-free balancing") for m in err.value.messages)
 
 
 @pytest.mark.parametrize("flag", ["--tensor-model-parallel-size", "--micro-batch-size", "--num-attention-heads",

@@ -5,7 +5,9 @@
     torchrun --nproc_per_node N tools/generate.py ...    # every rank generates the same; rank 0 prints
 
 `--model.model_name_or_path` is an HF model directory or a checkpoint directory of a training run (an
-iter_* directory, or the save directory: its newest complete checkpoint). `--inference.max_new_tokens`
+iter_* directory, or the save directory: its newest complete checkpoint). Given a training YAML, it generates from
+the newest checkpoint in the YAML's `training.output_dir` (the trained model, not the base model the YAML starts
+from), unless `--model.model_name_or_path` says otherwise. `--inference.max_new_tokens`
 bounds each completion, `--inference.do_sample true` samples (seeded with `--training.seed`) instead of
 greedy decoding. Each completion is printed after a `=== N ===` line (N: the prompt's number).
 """
@@ -46,7 +48,30 @@ def parse_command_line(argv: List[str]) -> Tuple[object, List[str]]:
     if errors:
         raise UsageError(errors)
     layers = [(config_files[0], load_yaml(config_files[0]))] if config_files else []
-    return build_config(layers + [("command line", overrides)]), prompts
+    config = build_config(layers + [("command line", overrides)])
+    if config_files and "model_name_or_path" not in overrides.get("model", {}):
+        config = _from_the_runs_checkpoints(config)
+    return config, prompts
+
+
+def _from_the_runs_checkpoints(config):
+    """A training YAML names the base model in model_name_or_path and the run's checkpoints in output_dir: generate
+    from the newest of those (said on stderr), from the base model only while there are none."""
+    import dataclasses
+
+    from fsdp2_backend.training.checkpoint_io import resolve_checkpoint
+
+    output_dir = config.training.output_dir
+    checkpoint = resolve_checkpoint(output_dir) if output_dir else None
+    if checkpoint is None:
+        if output_dir and int(os.environ.get("RANK", "0")) == 0:
+            print(f"notice: training.output_dir {output_dir} holds no checkpoint yet: generating from "
+                  f"model.model_name_or_path {config.model.model_name_or_path} (the base model)", file=sys.stderr)
+        return config
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"notice: generating from {checkpoint}, the newest checkpoint of training.output_dir (give "
+              f"--model.model_name_or_path to choose another model)", file=sys.stderr)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, model_name_or_path=str(checkpoint)))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Iterable, Iterator
 
 USAGE_EXIT_CODE = 2
+RUN_STOPPED_EXIT_CODE = 1
 
 
 class UsageError(Exception):
@@ -22,20 +23,31 @@ class UsageError(Exception):
         super().__init__("\n".join(self.messages))
 
 
-def report_and_exit(messages: Iterable[str]) -> None:
+class RunStopped(Exception):
+    """A run that cannot go on for a reason outside the command line (a NaN loss, a full disk): reported the same
+    way, one `error:` line per message and no traceback, with exit code 1."""
+
+    def __init__(self, messages: str | Iterable[str]):
+        self.messages = [messages] if isinstance(messages, str) else list(messages)
+        super().__init__("\n".join(self.messages))
+
+
+def report_and_exit(messages: Iterable[str], code: int = USAGE_EXIT_CODE) -> None:
     """Prints `error: <message>` lines on stderr and exits with code 2. Under torchrun every rank meets the same
     input, so only rank 0 prints: the user reads each problem once."""
     if os.environ.get("RANK", "0") == "0":
         for message in messages:
             print(f"error: {message}", file=sys.stderr)
     sys.stderr.flush()
-    raise SystemExit(USAGE_EXIT_CODE)
+    raise SystemExit(code)
 
 
 @contextmanager
 def exit_on_usage_error() -> Iterator[None]:
-    """Turns a UsageError raised inside the block into `error:` lines and exit code 2."""
+    """Turns a UsageError raised inside the block into `error:` lines and exit code 2 (a RunStopped: exit 1)."""
     try:
         yield
     except UsageError as exc:
         report_and_exit(exc.messages)
+    except RunStopped as exc:
+        report_and_exit(exc.messages, RUN_STOPPED_EXIT_CODE)

@@ -6,7 +6,8 @@
   (ring) equal chunks, no packed documents (reset_attention_mask / reset_position_ids), only full-attention
   layers;
 - sequence parallel: the sequence divisible by tp;
-- expert parallel: an MoE model whose experts divide by ep, and no tp with it.
+- expert parallel: an MoE model whose experts divide by ep, and no tp with it;
+- model_id mamba3: no tp, no cp (declined with the reason).
 Facts the model does not state (None) are not checked; the runtime stages then assert.
 """
 from __future__ import annotations
@@ -27,6 +28,12 @@ def _prefixed(problems: List[str]) -> List[str]:
 
 def check_model_layout(config: Config, facts: ModelFacts, world_size: int, errors: List[str]) -> None:
     p, d = config.parallel, config.data
+    if config.model.model_id == "mamba3" and (p.tp_size > 1 or p.cp_size > 1):
+        # the Mamba-3 mixer is not split by heads (TP) and its scan does not pass states between cp ranks (CP)
+        which = "tp_size" if p.tp_size > 1 else "cp_size"
+        errors.append(f"parallel.{which}: model_id mamba3 runs with FSDP only — tensor and context parallel are "
+                      f"not built for its scan; use tp_size 1 and cp_size 1")
+        return
     heads, kv_heads = facts.num_heads, facts.num_kv_heads
     if p.tp_size > 1 and heads:
         errors += _prefixed(tensor_parallel_problems(heads, kv_heads or heads, p.tp_size))

@@ -71,6 +71,26 @@ class ModelArguments:
     vocab_size: Optional[int] = _field(None, "(Megatron) --vocab-size for the NullTokenizer.")
     make_vocab_size_divisible_by: int = _field(1, "(Megatron) Pad the embedding rows to a multiple of this "
                                                   "(Megatron's default is 128).")
+    # Megatron's MoE router (megatron-core's TopKRouter); unset fields keep the model's own routing
+    moe_router_score_function: Optional[Literal["softmax", "sigmoid"]] = _field(
+        None, "(Megatron) Router score function; unset: the model's own.")
+    moe_router_pre_softmax: Optional[bool] = _field(
+        None, "(Megatron) Softmax over all experts before the top-k (no renormalisation); unset: the model's own.")
+    moe_router_topk_scaling_factor: Optional[float] = _field(None, "(Megatron) Scale of the top-k routing weights.")
+    moe_router_num_groups: Optional[int] = _field(None, "(Megatron) Expert groups of group-limited routing.")
+    moe_router_group_topk: Optional[int] = _field(None, "(Megatron) Groups each token may route to.")
+    moe_router_enable_expert_bias: bool = _field(
+        False, "(Megatron) Aux-loss-free balancing: a per-expert selection bias updated after every step from the "
+               "global token counts (saved in checkpoints).")
+    moe_router_bias_update_rate: float = _field(1e-3, "(Megatron) Expert-bias update rate.")
+    moe_router_load_balancing_type: Optional[Union[str, List[str]]] = _field(
+        None, "(Megatron) aux_loss, seq_aux_loss, global_aux_loss, sinkhorn or none (or a list): Megatron's "
+              "losses replace the model's own aux loss; unset: the HF model's own (router_aux_loss_coef).")
+    moe_aux_loss_coeff: Union[float, List[float]] = _field(
+        0.0, "(Megatron) Coefficient of each load-balancing loss (one per type when a list).")
+    moe_z_loss_coeff: Optional[float] = _field(None, "(Megatron) Router z-loss coefficient.")
+    moe_router_dtype: Optional[Literal["fp32", "fp64"]] = _field(
+        None, "(Megatron) Dtype of the router GEMM and routing; unset: the compute dtype.")
 
 
 @dataclass
@@ -127,6 +147,8 @@ class DataArguments:
     valid_data_path: Optional[List[str]] = _field(None, "(Megatron) Validation split data (blend syntax kept).")
     test_data_path: Optional[List[str]] = _field(None, "(Megatron) Test split data (blend syntax kept).")
     mmap_bin_files: bool = _field(True, "(Megatron) Memory-map the .bin files.")
+    mid_level_dataset_surplus: float = _field(0.005, "(Megatron) Extra fraction of samples each dataset of a "
+                                                     "weighted blend builds beyond its share.")
 
 
 @dataclass
@@ -234,6 +256,22 @@ class TrainingArguments:
     no_save_rng: bool = _field(False, "(Megatron) Do not save the RNG state.")
     finetune: bool = _field(False, "(Megatron) Load model weights only; restart iteration and samples at 0.")
     tensorboard_dir: Optional[str] = _field(None, "(Megatron) Write TensorBoard scalars here.")
+    tensorboard_log_interval: int = _field(1, "(Megatron) Write the TensorBoard / W&B scalars every this many steps.")
+    log_params_norm: bool = _field(False, "(Megatron) Show the parameters' L2 norm in the log line ('params norm') "
+                                          "and as the params-norm scalar.")
+    log_memory_to_tensorboard: bool = _field(False, "(Megatron) Write the device memory scalars (mem-allocated-bytes, "
+                                                    "...; CPU: the process's RSS).")
+    log_validation_ppl_to_tensorboard: bool = _field(False, "(Megatron) Write the validation perplexity scalars.")
+    log_timers_to_tensorboard: bool = _field(False, "(Megatron) Write iteration-time, throughput and the phase "
+                                                    "timers (forward-backward-time, optimizer-time) as scalars.")
+    log_progress: bool = _field(False, "(Megatron) Append job starts and checkpoint saves, with throughput, to "
+                                       "output_dir/progress.txt.")
+    wandb_project: Optional[str] = _field(None, "(Megatron) Log the run to this Weights & Biases project (needs the "
+                                                "wandb package; WANDB_MODE=offline works).")
+    wandb_exp_name: Optional[str] = _field(None, "(Megatron) The W&B run's name; required with wandb_project.")
+    wandb_save_dir: Optional[str] = _field(None, "(Megatron) Where W&B writes (default output_dir/wandb); it keeps "
+                                                 "the run id, so a resumed run continues the same W&B run.")
+    wandb_entity: Optional[str] = _field(None, "(Megatron) The W&B entity (team or user).")
     decoupled_lr: Optional[float] = _field(None, "(Megatron) Peak learning rate of the input embedding and output "
                                                  "layer weights (same schedule shape); unset: lr.")
     decoupled_min_lr: Optional[float] = _field(None, "(Megatron) Minimum learning rate of those weights; unset: "
@@ -255,6 +293,15 @@ class TrainingArguments:
     exit_duration_in_mins: Optional[float] = _field(None, "(Megatron) Stop (after saving) once training has run "
                                                           "this many minutes; every rank stops at the same "
                                                           "iteration.")
+    check_for_nan_in_loss_and_grad: bool = _field(True, "(Megatron) Stop the run with an error at the first "
+                                                        "iteration whose loss or gradient norm is NaN/Inf (nothing "
+                                                        "saved or exported after it); false skips such iterations "
+                                                        "(--no-check-for-nan-in-loss-and-grad).")
+    exit_signal_handler: bool = _field(False, "(Megatron) On exit_signal (SIGTERM by default: a scheduler's "
+                                              "preemption), save a checkpoint at the next iteration boundary and "
+                                              "exit (--exit-signal-handler).")
+    exit_signal: str = _field("SIGTERM", "(Megatron) The signal exit_signal_handler catches (a name such as SIGTERM "
+                                         "or SIGUSR1, or its number).")
 
 
 @dataclass

@@ -15,9 +15,12 @@ import re
 from dataclasses import replace
 from typing import List, Tuple
 
+from fsdp2_backend.config.fault_rules import canonical_config, canonical_key, check_run_inputs
 from fsdp2_backend.config.layout_rules import check_model_layout
 from fsdp2_backend.config.model_facts import ModelFacts, model_facts
+from fsdp2_backend.config.quant_rules import check_quantization, quant_notices
 from fsdp2_backend.config.schema import Config, parallel_layout
+from fsdp2_backend.config.sft_rules import check_sft, normalise_sft, sft_notices
 from usage_errors import UsageError
 
 # Data fields that only the SFT data path (data_manager_type lf) reads: with pretraining they have no effect, and
@@ -27,14 +30,8 @@ SFT_ONLY_DATA_FIELDS = ("template", "eval_dataset", "train_on_prompt", "mask_his
                         "neat_packing", "tool_format", "default_system", "enable_thinking", "dataset_dir",
                         "buffer_size", "ignore_pad_token_for_loss")
 
-# Model fields that only a quantisation recipe reads.
-QUANT_ONLY_MODEL_FIELDS = ("quant_apply_modules", "quant_ignored_modules", "quant_converters",
-                           "enable_fsdp_low_precision_all_gather", "fsdp_low_precision_all_gather_mode")
-
 # Fields whose features are not built yet: (group, field, why).
 NOT_YET = (
-    ("model", "quant_recipe_name", "quantised training (mxfp8) is not implemented yet"),
-    ("model", "new_special_tokens_config", "semantic initialisation of special tokens comes with the SFT work"),
     ("model", "ms_hub_token", "downloads from ModelScope are not supported; download the model and pass its "
                               "local directory"),
     ("model", "om_hub_token", "downloads from Modelers are not supported; download the model and pass its "
@@ -116,6 +113,7 @@ def _check_seed_rules(config: Config, errors: List[str]) -> None:
     if prof.profile and prof.profile_export_type == "db" and importlib.util.find_spec("torch_npu") is None:
         errors.append("profiling.profile_export_type: db is torch_npu's format and this machine has no torch_npu "
                       "(Ascend) — use text (a Chrome trace)")
+    errors.extend(_router_errors(m))
     if m.model_id is not None:
         known = registered_model_ids()
         if m.model_id not in known:
@@ -160,6 +158,20 @@ def _check_seed_rules(config: Config, errors: List[str]) -> None:
                       "pretraining — give the raw .jsonl/.parquet file")
 
 
+def _check_monitoring(config: Config, errors: List[str]) -> None:
+    """W&B (Megatron's rule: a project needs an experiment name; the package must be installed) and intervals."""
+    t = config.training
+    if t.wandb_project:
+        if not t.wandb_exp_name:
+            errors.append("training.wandb_exp_name: required with wandb_project (Megatron --wandb-exp-name) — "
+                          "name the W&B run")
+        if importlib.util.find_spec("wandb") is None:
+            errors.append("training.wandb_project: the wandb package is not installed — pip install wandb (or "
+                          "megatron-fsdp2[wandb]), or drop wandb_project (--wandb-project)")
+    if t.tensorboard_log_interval < 1:
+        errors.append(f"training.tensorboard_log_interval: must be at least 1, got {t.tensorboard_log_interval}")
+
+
 def _check_optimizer_schedule(config: Config, errors: List[str]) -> None:
     """Megatron's rules for the decoupled lr, the weight-decay increment and the time-based exit."""
     t = config.training
@@ -181,9 +193,9 @@ def _check_optimizer_schedule(config: Config, errors: List[str]) -> None:
         elif t.start_weight_decay > t.end_weight_decay:
             errors.append(f"training.start_weight_decay: {t.start_weight_decay} exceeds end_weight_decay "
                           f"{t.end_weight_decay} — weight decay can only increase (Megatron's rule)")
-    if not 0.0 <= t.min_lr <= t.lr:
+    if t.lr >= 0 and not 0.0 <= t.min_lr <= t.lr:  # a negative lr is reported once, by fault_rules
         errors.append(f"training.min_lr: {t.min_lr} must lie in [0, lr={t.lr}] — lower min_lr (Megatron --min-lr)")
-    if t.lr_warmup_init > t.lr:
+    if t.lr >= 0 and t.lr_warmup_init > t.lr:
         errors.append(f"training.lr_warmup_init: {t.lr_warmup_init} exceeds lr={t.lr} — lower lr_warmup_init")
     decay = t.lr_decay_iters or (t.max_steps if t.max_steps > 0 else None)
     if decay and t.lr_warmup_iters and t.lr_warmup_iters >= decay:
@@ -199,17 +211,8 @@ def _check_not_yet(config: Config, errors: List[str]) -> None:
     for group, name, why in NOT_YET:
         if getattr(getattr(config, group), name) != getattr(getattr(defaults, group), name):
             errors.append(f"{group}.{name}: {why} — unset it")
-    if config.model.init_special_tokens != "noise_init":
-        errors.append("model.init_special_tokens: desc_init variants come with the SFT work — use noise_init")
-    if config.training.stage == "sft":
-        errors.append("training.stage: 'sft' (the seed's default) is not available yet — to pretrain, set "
-                      "training.stage: pt and data.data_manager_type: mg (see the README's minimal YAML)")
-    if config.data.data_manager_type == "lf":
-        errors.append("data.data_manager_type: 'lf' (the fine-tuning data path, the seed's default) is not "
-                      "available yet — set data.data_manager_type: mg (Megatron pretraining data)")
-    for name in QUANT_ONLY_MODEL_FIELDS:
-        if getattr(config.model, name) != getattr(defaults.model, name) and config.model.quant_recipe_name is None:
-            errors.append(f"model.{name}: only used with model.quant_recipe_name — unset it")
+    check_sft(config, errors)  # stage sft / data_manager_type lf (sft_rules)
+    check_quantization(config, errors)  # quant_recipe_name and its fields (quant_rules)
     if config.parallel.ep_dispatcher == "mc2":
         errors.append("parallel.ep_dispatcher: mc2 needs Ascend NPUs (torch_npu MC2 kernels) — use eager or fused")
 
@@ -217,17 +220,31 @@ def _check_not_yet(config: Config, errors: List[str]) -> None:
 def _check_architecture(config: Config, facts: ModelFacts, errors: List[str]) -> None:
     """Architecture flags given together with an HF directory or a checkpoint must agree with its config.json
     (a larger vocabulary is a padding or a resize, not a disagreement)."""
-    arch, hf = config.model.architecture or {}, facts.config_json
+    arch, hf = config.model.architecture or {}, canonical_config(facts.config_json)
     if not hf:
         return
     where = config.model.model_name_or_path if facts.source == "hf directory" else "the checkpoint's"
     for key, value in arch.items():
-        if value is None or key not in hf or hf[key] == value:
+        name = canonical_key(key)  # GPT-style flags write n_layer; a Qwen3 config.json says num_hidden_layers
+        if value is None or hf.get(name) is None or hf[name] == value:
             continue
-        if key == "vocab_size" and isinstance(value, int) and hf[key] >= value:
+        if name == "vocab_size" and isinstance(value, int) and hf[name] >= value:
+            continue
+        if facts.source == "checkpoint" and name in _MEGATRON_CHECKPOINT_WORDING:
+            errors.append(f"model.architecture.{key}: {_MEGATRON_CHECKPOINT_WORDING[name]} value from checkpoint "
+                          f"({hf[name]!r}) is not equal to the input {_MEGATRON_CHECKPOINT_WORDING[name]} value "
+                          f"({value!r}) — drop the flag, fix it, or add --use-checkpoint-args")
             continue
         errors.append(f"model.architecture.{key}: the flags say {value!r} but {where} config.json says "
-                      f"{hf[key]!r} — fix the flag, or drop the architecture flags (the model is defined there)")
+                      f"{hf[name]!r} — fix the flag, or drop the architecture flags (the model is defined there)")
+
+
+# Megatron's words for a resumed run's shape mismatch ("hidden_size value from checkpoint (64) is not equal to
+# the input hidden_size value (96)"), by HF key.
+_MEGATRON_CHECKPOINT_WORDING = {"hidden_size": "hidden_size", "num_hidden_layers": "num_layers",
+                                "num_attention_heads": "num_attention_heads", "intermediate_size": "ffn_hidden_size",
+                                "num_key_value_heads": "num_query_groups", "head_dim": "kv_channels",
+                                "max_position_embeddings": "max_position_embeddings"}
 
 
 def _check_model_defined(config: Config, facts: ModelFacts, errors: List[str]) -> None:
@@ -249,11 +266,14 @@ def validate_with_notices(config: Config, world_size: int = 1) -> Tuple[Config, 
     errors: List[str] = []
     _check_seed_rules(config, errors)
     _check_optimizer_schedule(config, errors)
+    _check_monitoring(config, errors)
     _check_not_yet(config, errors)
     _check_sizes(config, world_size, errors)
     facts = model_facts(config, errors)
     _check_model_defined(config, facts, errors)
     _check_architecture(config, facts, errors)
+    _check_router_model(config, facts, errors)
+    check_run_inputs(config, facts, world_size, errors)
     if not errors:
         check_model_layout(config, facts, world_size, errors)
     if errors:
@@ -276,6 +296,17 @@ def _notices(config: Config) -> List[str]:
         if isinstance(config.data.dataset, dict):  # MindSpeed's inline dataset: pretraining reads file_name only
             notices += [f"data.dataset.{key}: no effect in pretraining (only file_name is read)"
                         for key in config.data.dataset if key != "file_name"]
+    notices += sft_notices(config)
+    notices += quant_notices(config)
+    t = config.training
+    if not (t.tensorboard_dir or t.wandb_project):  # Megatron's scalar extras need somewhere to go
+        notices += [f"training.{name}: no effect without training.tensorboard_dir or training.wandb_project"
+                    for name in ("log_memory_to_tensorboard", "log_validation_ppl_to_tensorboard",
+                                 "log_timers_to_tensorboard", "tensorboard_log_interval")
+                    if getattr(t, name) != getattr(defaults.training, name)]
+    if t.log_progress and not t.save_checkpoints:
+        notices.append("training.log_progress: no effect without checkpoints (progress.txt lives in the save "
+                       "directory, Megatron --save)")
     return notices
 
 
@@ -296,15 +327,59 @@ def dataset_entries(dataset) -> List[str]:
     return words if len(words) > 1 else [dataset]
 
 
+_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+
+
+def megatron_router_set(m) -> bool:
+    """True when a `model.moe_router_*` / `moe_*_loss_coeff` field asks for Megatron's router."""
+    return any(getattr(m, name) is not None for name in (
+        "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+        "moe_router_num_groups", "moe_router_group_topk", "moe_router_load_balancing_type", "moe_z_loss_coeff",
+        "moe_router_dtype")) or m.moe_router_enable_expert_bias
+
+
+def _router_errors(m) -> List[str]:
+    """The Megatron router fields (models/moe/router.py), as megatron-core checks them."""
+    errors: List[str] = []
+    kinds = m.moe_router_load_balancing_type
+    kinds = [] if kinds is None else [kinds] if isinstance(kinds, str) else list(kinds)
+    for kind in kinds:
+        if kind not in _BALANCING:
+            errors.append(f"model.moe_router_load_balancing_type: '{kind}' is not one of {', '.join(_BALANCING)}")
+    coeffs = m.moe_aux_loss_coeff
+    if isinstance(coeffs, (list, tuple)) and len(coeffs) != len(kinds):
+        errors.append(f"model.moe_aux_loss_coeff: {len(coeffs)} coefficients for {len(kinds)} load-balancing types "
+                      f"— give one per type")
+    if "sinkhorn" in kinds and any(c for c in (coeffs if isinstance(coeffs, (list, tuple)) else [coeffs])):
+        errors.append("model.moe_aux_loss_coeff: Sinkhorn routing takes no aux loss (megatron-core asserts it) — "
+                      "set it to 0")
+    if (m.moe_router_num_groups is None) != (m.moe_router_group_topk is None):
+        errors.append("model.moe_router_num_groups / model.moe_router_group_topk: group-limited routing needs both")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid" and \
+            m.model_id not in (None, "minimax_m27", "step35"):
+        errors.append("model.moe_router_enable_expert_bias: the expert bias applies to sigmoid scores (megatron-core "
+                      "asserts it) — set model.moe_router_score_function: sigmoid")
+    return errors
+
+
+def _check_router_model(config: Config, facts: ModelFacts, errors: List[str]) -> None:
+    """Megatron's router lives in this project's MoE models: a transformers model without a model id has none."""
+    m = config.model
+    if megatron_router_set(m) and m.model_id is None and facts.model_type not in (None, "qwen3_moe"):
+        errors.append(f"model.moe_router_*: Megatron's router options need this project's model implementation — "
+                      f"set model.model_id for this {facts.model_type} model, or drop them")
+
+
 def normalise(config: Config, world_size: int, facts: ModelFacts = None) -> Config:
     """Fills derived values, once: packing implied by neat_packing, gradient accumulation from the global batch,
     the pretraining dataset as a list, and the stacked-expert Qwen3-MoE (model_id qwen3_moe) when expert parallel
     or MoE kernels ask for it."""
     data, training, model = config.data, config.training, config.model
     wants_moe_model = (config.parallel.ep_size > 1 or config.optimization.moe_grouped_gemm
-                       or config.optimization.fix_router)
+                       or config.optimization.fix_router or megatron_router_set(model))
     model_type = facts.model_type if facts is not None else (model.architecture or {}).get("model_type")
-    if model.model_id is None and wants_moe_model and model_type == "qwen3_moe":
+    recorded_router = facts is not None and bool((facts.config_json or {}).get("moe_router"))  # models/moe/router.py
+    if model.model_id is None and (wants_moe_model or recorded_router) and model_type == "qwen3_moe":
         model = replace(model, model_id="qwen3_moe")
     if data.neat_packing and not data.packing:
         data = replace(data, packing=True)
@@ -314,4 +389,4 @@ def normalise(config: Config, world_size: int, facts: ModelFacts = None) -> Conf
         dp = parallel_layout(config.parallel, world_size).dp
         training = replace(training, gradient_accumulation_steps=training.global_batch_size
                            // (training.per_device_train_batch_size * dp))
-    return replace(config, model=model, data=data, training=training)
+    return normalise_sft(replace(config, model=model, data=data, training=training))

@@ -29,7 +29,8 @@ from fsdp2_backend.data.sampler import MegatronPretrainingRandomSampler, Megatro
 from usage_errors import UsageError
 from megatron_compat.data.builder import BlendedMegatronDatasetBuilder
 from megatron_compat.data.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron_compat.data.utils import get_blend_from_list, rank_zero_first
+from megatron_compat.data.token_range import check_token_ids
+from megatron_compat.data.utils import get_blend_from_list, progress_lines, rank_zero_first
 
 RAW_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 
@@ -70,9 +71,11 @@ def build_pretrain_data(config, tokenizer, dp_rank: int, dp_size: int, consumed_
         mmap_bin_files=data.mmap_bin_files, tokenizer=dataset_tokenizer(tokenizer),
         reset_position_ids=data.reset_position_ids, reset_attention_mask=bool(data.reset_attention_mask),
         eod_mask_loss=data.eod_mask_loss, create_attention_mask=bool(data.create_attention_mask_in_dataloader),
-        shared_storage=not data.no_shared_storage, shuffle=not training.disable_shuffling)
+        shared_storage=not data.no_shared_storage, shuffle=not training.disable_shuffling,
+        mid_level_dataset_surplus=data.mid_level_dataset_surplus)
     cls = MockGPTDataset if dataset_config.mock else GPTDataset
-    datasets = BlendedMegatronDatasetBuilder(cls, list(counts), lambda: True, dataset_config).build()
+    with progress_lines(dataset_config.shared_storage):  # Megatron's lines, once, from the building rank
+        datasets = BlendedMegatronDatasetBuilder(cls, list(counts), lambda: True, dataset_config).build()
     if data.max_samples:
         datasets = [None if d is None else Subset(d, range(min(len(d), data.max_samples))) for d in datasets]
     consumed = (consumed_samples, consumed_valid_samples, 0)
@@ -116,8 +119,11 @@ def _loader(dataset, consumed: int, micro_batch_size: int, dp_rank: int, dp_size
         extra["persistent_workers"] = training.dataloader_persistent_workers
         if training.dataloader_prefetch_factor is not None:
             extra["prefetch_factor"] = training.dataloader_prefetch_factor
+    # A generator of its own: starting an iterator draws a seed from it, not from the global RNG that dropout uses
+    # (that draw came after a resumed run's RNG restore, so dropout masks differed from the straight run's).
     return DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
-                      pin_memory=training.dataloader_pin_memory and torch.cuda.is_available(), **extra)
+                      pin_memory=training.dataloader_pin_memory and torch.cuda.is_available(),
+                      generator=torch.Generator().manual_seed(training.seed), **extra)
 
 
 def dataset_tokenizer(tokenizer):
@@ -151,6 +157,9 @@ def _resolve(blend, data, tokenizer):
     if missing:
         raise UsageError(f"dataset: {missing[0]}.bin/.idx not found — give the prefix of files written by "
                          "preprocess_data.py, or a raw .jsonl/.jsonl.gz/.parquet file")
+    # ids beyond the tokenizer's vocabulary, found now rather than as an embedding IndexError; the building
+    # rank scans (and caches the range beside the .idx), the others then read its cache
+    rank_zero_first(lambda: [check_token_ids(p, tokenizer.vocab_size) for p in prefixes], not data.no_shared_storage)
     return prefixes, weights
 
 

@@ -35,6 +35,8 @@ def load_hf_config(model_args: ModelArguments):
     from transformers import AutoConfig
 
     arch = dict(model_args.architecture or {})
+    if model_args.model_id and model_spec(model_args.model_id).register_hf:  # e.g. model_type "mamba3"
+        model_spec(model_args.model_id).register_hf()
     if model_args.model_name_or_path:
         path = model_args.model_name_or_path
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
@@ -241,6 +243,13 @@ def create_model(model_args: ModelArguments, hf_config, *, seed: int, device: to
     if load and not model_args.model_id and _checkpoint_vocab(model_args) == hf_config.vocab_size:
         from transformers import AutoModelForCausalLM
 
+        from fsdp2_backend.config.weight_files import shape_mismatches
+
+        # shapes against the config before transformers reports a mismatch as a table and a traceback
+        expected = {n: tuple(p.shape) for n, p in build_model(model_args, hf_config, on_meta=True).named_parameters()}
+        problems = shape_mismatches(expected, model_args.model_name_or_path)
+        if problems:
+            raise UsageError(problems)
         model = AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path, config=hf_config, dtype=torch.float32,
             trust_remote_code=model_args.trust_remote_code, cache_dir=model_args.cache_dir,

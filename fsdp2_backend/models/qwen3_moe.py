@@ -5,15 +5,17 @@ The model is transformers' `Qwen3MoeForCausalLM` (attention, norms, rotary, the 
 - `mlp.experts` → `GroupedExperts` (stacked weights, same names and shapes as transformers' in-memory
   `Qwen3MoeExperts`: `gate_up_proj` (E, 2I, H), `down_proj` (E, H, I)), computed by a grouped GEMM and open
   to an expert-parallel dispatcher;
-- `mlp.gate` → `Qwen3MoeRouter`, transformers' top-k router (softmax, top-k, `norm_topk_prob`
-  renormalisation) plus `fix_router`.
+- `mlp.gate` → `Qwen3MoeRouter`, the project's router (`models.moe.router`): transformers' routing by default
+  (softmax, top-k, `norm_topk_prob` renormalisation), Megatron's router options from `model.moe_router_*`,
+  plus `fix_router`.
 State dicts therefore equal transformers' in-memory ones, and transformers' `from_pretrained` /
 `save_pretrained` convert to and from the on-disk layout, which holds one tensor per expert
 (`mlp.experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`). Outside transformers, `checkpoint_keys` /
 `param_from_checkpoint` / `param_to_checkpoint` convert one parameter at a time (for streaming loaders and
 exporters), `to_hf_checkpoint` / `from_hf_checkpoint` whole state dicts.
 
-The auxiliary load-balancing loss is transformers': with the config's `output_router_logits` (the Megatron
+The auxiliary load-balancing loss is transformers' unless `model.moe_router_load_balancing_type` (or a z-loss)
+asks for Megatron's: then `outputs.aux_loss` is the sum of Megatron's weighted losses. transformers': with the config's `output_router_logits` (the Megatron
 translation sets it from --moe-aux-loss-coeff) `outputs.aux_loss` holds it unscaled and `outputs.loss`, when labels are given,
 already includes `router_aux_loss_coef * aux_loss`. A trainer that computes its own loss adds
 `model.router_aux_loss_coef * outputs.aux_loss`.
@@ -24,40 +26,39 @@ import re
 from typing import Dict, List, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeExperts, Qwen3MoeForCausalLM,
                                                               Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter)
 
 from fsdp2_backend.models.moe.experts import GroupedExperts
-from fsdp2_backend.models.moe.routing import balanced_assignment
+from fsdp2_backend.models.moe.router import (ROUTER_CONFIG_KEY, RouterSettings, TopKRouter, collect_aux_loss,
+                                            router_fields)
 
 _STACKED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<name>gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<name>gate_proj|up_proj|down_proj)"
                          r"\.weight$")
 
 
-class Qwen3MoeRouter(Qwen3MoeTopKRouter):
-    """transformers' Qwen3-MoE top-k router; with `fixed` (fix_router) the experts come from
-    `balanced_assignment` instead of the top-k — balanced load for performance tuning, different results.
-    The weights of the fixed experts are still the router's softmax probabilities (renormalised when
-    `norm_topk_prob`), so the router keeps receiving gradients."""
+class Qwen3MoeRouter(TopKRouter, Qwen3MoeTopKRouter):
+    """The router of `models.moe.router` (Megatron's options; by default transformers' Qwen3-MoE routing:
+    softmax, top-k, renormalised when `norm_topk_prob`) that transformers still recognises as its Qwen3-MoE
+    router (its `router_logits` recorder hooks that class)."""
 
     def __init__(self, config, fixed: bool = False):
-        super().__init__(config)
+        TopKRouter.__init__(self, RouterSettings.from_hf(config), config.hidden_size)
+        self.norm_topk_prob = config.norm_topk_prob
         self.fixed = fixed
 
-    def forward(self, hidden_states):
-        if not self.fixed:
-            return super().forward(hidden_states)
-        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        router_logits = F.linear(hidden_states, self.weight)
-        probs = torch.softmax(router_logits, dtype=torch.float, dim=-1)
-        index = balanced_assignment(probs.shape[0], self.top_k, self.num_experts, device=probs.device)
-        scores = probs.gather(1, index)
-        if self.norm_topk_prob:
-            scores = scores / scores.sum(dim=-1, keepdim=True)
-        return router_logits, scores.to(router_logits.dtype), index
+
+class Qwen3MoeGroupedBlock(Qwen3MoeSparseMoeBlock):
+    """transformers' sparse block, handing the router the (batch, seq, hidden) input so that the
+    sequence-level aux loss can tell the sequences apart."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        _, routing_weights, selected_experts = self.gate(hidden_states)
+        out = self.experts(hidden_states.reshape(-1, hidden_dim), selected_experts, routing_weights)
+        return out.reshape(batch_size, sequence_length, hidden_dim)
 
 
 def _grouped_experts(config, hf_experts: Qwen3MoeExperts) -> GroupedExperts:
@@ -72,6 +73,8 @@ def _router(config, hf_router: Qwen3MoeTopKRouter) -> Qwen3MoeRouter:
     with torch.device("meta"):
         router = Qwen3MoeRouter(config)
     router.weight = hf_router.weight
+    for name, buf in router.named_buffers():  # routing buffers (expert bias): zeros where the weight lives
+        setattr(router, name, torch.zeros_like(buf, device=router.weight.device))
     return router
 
 
@@ -84,6 +87,18 @@ class Qwen3MoeGroupedForCausalLM(Qwen3MoeForCausalLM):
             if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock):
                 layer.mlp.experts = _grouped_experts(config, layer.mlp.experts)
                 layer.mlp.gate = _router(config, layer.mlp.gate)
+                layer.mlp.__class__ = Qwen3MoeGroupedBlock
+
+    def forward(self, *args, **kwargs):
+        """transformers' forward; with Megatron's losses on, `aux_loss` is their weighted sum over the layers
+        (and `router_aux_loss_coef` is 1: the coefficients are already in)."""
+        out = super().forward(*args, **kwargs)
+        aux = collect_aux_loss(self)
+        if aux is not None:
+            out.aux_loss = aux
+            if out.loss is not None:
+                out.loss = out.loss + aux
+        return out
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -92,6 +107,8 @@ class Qwen3MoeGroupedForCausalLM(Qwen3MoeForCausalLM):
 
             init.normal_(module.gate_up_proj, mean=0.0, std=self.config.initializer_range)
             init.normal_(module.down_proj, mean=0.0, std=self.config.initializer_range)
+        if isinstance(module, TopKRouter):  # Megatron's expert bias starts at 0
+            module.reset_buffers()
 
     def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
         """transformers' save (it writes the per-expert layout), naming transformers' own class in config.json
@@ -108,13 +125,25 @@ def build_qwen3_moe(hf_config) -> Qwen3MoeGroupedForCausalLM:
     return Qwen3MoeGroupedForCausalLM(hf_config)
 
 
-def configure_moe(model: nn.Module, *, moe_grouped_gemm: bool, fix_router: bool) -> None:
-    """Applies the `optimization.moe_grouped_gemm` and `optimization.fix_router` switches to every MoE block."""
+def configure_moe(model: nn.Module, *, moe_grouped_gemm: bool, fix_router: bool, model_args=None) -> None:
+    """Applies the `optimization.moe_grouped_gemm` and `optimization.fix_router` switches and the
+    `model.moe_router_*` fields (Megatron's router; unset fields keep the model's own routing) to every MoE
+    block."""
+    megatron_losses = False
+    fields = router_fields(model_args) if model_args is not None else {}
+    if fields:  # recorded in the config (checkpoints, export): the run continues with this router, flags or not
+        setattr(model.config, ROUTER_CONFIG_KEY, fields)
     for module in model.modules():
         if isinstance(module, GroupedExperts):
             module.use_grouped_gemm = moe_grouped_gemm
-        elif isinstance(module, Qwen3MoeRouter):
+        elif isinstance(module, TopKRouter):
             module.fixed = fix_router
+            if model_args is not None:
+                module.apply_settings(module.settings.with_model_fields(model_args))
+                megatron_losses |= module.settings.megatron_losses
+    if megatron_losses:  # Megatron's losses replace transformers' aux loss, their coefficients applied
+        model.config.output_router_logits = False
+        model.router_aux_loss_coef = 1.0
 
 
 def checkpoint_keys(param_name: str, num_experts: int) -> List[str]:

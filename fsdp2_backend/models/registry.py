@@ -29,6 +29,8 @@ class ModelSpec:
     checkpoint_keys: Optional[Callable[[str, object], List[str]]] = None
     from_checkpoint: Optional[Callable[[str, Mapping[str, "torch.Tensor"], object], "torch.Tensor"]] = None
     configure: Optional[Callable[["nn.Module", object], None]] = None
+    # registers the model's own config class with transformers' AutoConfig before a config.json is read
+    register_hf: Optional[Callable[[], None]] = None
 
 
 def _build_qwen3(hf_config) -> nn.Module:
@@ -59,13 +61,47 @@ def _configure_qwen3_moe(model: nn.Module, config) -> None:
     from fsdp2_backend.models.qwen3_moe import configure_moe
 
     configure_moe(model, moe_grouped_gemm=config.optimization.moe_grouped_gemm,
-                  fix_router=config.optimization.fix_router)
+                  fix_router=config.optimization.fix_router, model_args=config.model)
+
+
+def _build_qwen3_next(hf_config) -> nn.Module:
+    from fsdp2_backend.models.qwen3_next import build_qwen3_next
+
+    return build_qwen3_next(hf_config)
+
+
+def _configure_qwen3_next(model: nn.Module, config) -> None:
+    from fsdp2_backend.distributed.device import detect_device_type
+    from fsdp2_backend.models.qwen3_next import configure_qwen3_next
+    from kernels.gated_delta_rule import gdn_implementation
+
+    o = config.optimization
+    configure_qwen3_next(model, moe_grouped_gemm=o.moe_grouped_gemm, fix_router=o.fix_router,
+                         gdn_chunk_size=o.gdn_chunk_size,
+                         gdn_implementation=gdn_implementation(detect_device_type(), use_triton_gdn=o.use_triton_gdn,
+                                                               use_flash_gdn=o.use_flash_gdn),
+                         fused_gated_norm=o.use_triton_rmsnormgated, model_args=config.model)
+
+
+def _build_mamba3(hf_config) -> nn.Module:
+    from fsdp2_backend.models.mamba3 import build_mamba3
+
+    return build_mamba3(hf_config)
+
+
+def _register_mamba3() -> None:
+    from fsdp2_backend.models.mamba3 import register_with_transformers
+
+    register_with_transformers()
 
 
 _SPECS: Mapping[str, ModelSpec] = MappingProxyType({
     "qwen3": ModelSpec(build=_build_qwen3),
     "qwen3_moe": ModelSpec(build=_build_qwen3_moe, checkpoint_keys=_qwen3_moe_keys,
                            from_checkpoint=_qwen3_moe_param, configure=_configure_qwen3_moe),
+    "qwen3_next": ModelSpec(build=_build_qwen3_next, checkpoint_keys=_qwen3_moe_keys,  # same per-expert keys
+                            from_checkpoint=_qwen3_moe_param, configure=_configure_qwen3_next),
+    "mamba3": ModelSpec(build=_build_mamba3, register_hf=_register_mamba3),
 })
 
 

@@ -9,7 +9,11 @@
   `resize_vocab`; from scratch, the tokenizer's padded like Megatron (`make_vocab_size_divisible_by` x TP, the
   multiple taken once, here).
 - New rows (a resized vocabulary) are `noise_init`: the mean of the existing rows plus Gaussian noise of
-  std 1/sqrt(hidden). `desc_init` variants are declined until the SFT work brings descriptions.
+  std 1/sqrt(hidden). `new_special_tokens_config` (a YAML {token: description}) adds its tokens as special tokens
+  (instead of `add_special_tokens`); with `init_special_tokens` desc_init a new token's row (embedding and lm
+  head alike) is the mean of the existing rows of its description's tokens, desc_init_w_noise adds the same
+  Gaussian noise (LLaMA-Factory's semantics). Only rows the resize creates are written: a described token that
+  already has a row in the checkpoint keeps it.
 """
 from __future__ import annotations
 
@@ -45,7 +49,15 @@ def load_tokenizer(model_args: ModelArguments):
     else:
         tokenizer = HuggingFaceTokenizer.from_hf(_load_hf_tokenizer(model_args))
     hf = getattr(tokenizer, "hf", None)
-    if model_args.add_tokens or model_args.add_special_tokens:
+    descriptions = special_token_descriptions(model_args)
+    if descriptions:
+        if hf is None:
+            raise UsageError(f"model.new_special_tokens_config: the {model_args.tokenizer_type} tokenizer cannot "
+                             f"take new tokens — use an HF tokenizer")
+        hf.add_tokens(_split(model_args.add_tokens))
+        hf.add_special_tokens({"additional_special_tokens": list(descriptions)}, replace_extra_special_tokens=False)
+        tokenizer.vocab_size = len(hf)
+    elif model_args.add_tokens or model_args.add_special_tokens:
         if hf is None:
             raise UsageError(f"model.add_tokens / add_special_tokens: the {model_args.tokenizer_type} tokenizer "
                              f"cannot take new tokens — use an HF tokenizer")
@@ -108,5 +120,42 @@ def noise_init_rows(seed: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
         mean = old.float().mean(dim=0, keepdim=True)
         noise = torch.randn(count, old.shape[1], generator=generator) / math.sqrt(old.shape[1])
         return (mean + noise).to(old.dtype)
+
+    return new_rows
+
+
+def special_token_descriptions(model_args: ModelArguments) -> dict:
+    """{token: description} of `new_special_tokens_config` ({} when unset); validation checked the file."""
+    if not model_args.new_special_tokens_config:
+        return {}
+    import yaml
+
+    with open(model_args.new_special_tokens_config, encoding="utf-8") as f:
+        return {str(k): str(v) for k, v in (yaml.safe_load(f) or {}).items()}
+
+
+def new_token_rows(model_args: ModelArguments, tokenizer, seed: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """`new_rows(old, n)` for a resized embedding / lm head by `init_special_tokens` (see the module docstring)."""
+    noise = noise_init_rows(seed)
+    descriptions = special_token_descriptions(model_args)
+    if model_args.init_special_tokens == "noise_init" or not descriptions:
+        return noise
+    hf = tokenizer.hf
+    with_noise = model_args.init_special_tokens == "desc_init_w_noise"
+    generator = torch.Generator().manual_seed(seed + 1)
+    described = {hf.convert_tokens_to_ids(token): text for token, text in descriptions.items()}
+
+    def new_rows(old: torch.Tensor, count: int) -> torch.Tensor:
+        rows = noise(old, count).float()
+        first = old.shape[0]
+        for token_id, text in described.items():
+            if token_id is None or not first <= token_id < first + count:
+                continue  # a row the checkpoint already has
+            ids = [i for i in hf(text, add_special_tokens=False)["input_ids"] if i < first]
+            base = old[ids].float().mean(dim=0) if ids else old.float().mean(dim=0)
+            if with_noise:
+                base = base + torch.randn(old.shape[1], generator=generator) / math.sqrt(old.shape[1])
+            rows[token_id - first] = base
+        return rows.to(old.dtype)
 
     return new_rows

@@ -1,12 +1,13 @@
 """The one place where a built model is made ready to train in parallel, in one fixed order:
 
-    kernel swaps → model switches → TP → EP → CP → recompute → FSDP → gradient policy
+    quantize → kernel swaps → model switches → TP → EP → CP → recompute → FSDP → gradient policy
 
 Each stage is one function in its own module (`kernel_swaps`, the model's registry `configure`,
 `tensor_parallel`, `expert_parallel`, `context_parallel`, `recompute`, `fsdp`), skipped when its size is 1 or
 its feature off. A stage returns the parameters it reduces itself (expert units), which FSDP must then ignore.
-Kernel swaps come first: context parallel wraps the attention chosen there. Quantisation, when it lands,
-comes before the kernel swaps. The gradient policy comes last, once every FSDP unit exists.
+Quantisation comes first (`quantize`: MXFP8 linears and experts; after FSDP it settles each weight's
+all-gather), then kernel swaps: context parallel wraps the attention chosen there. The gradient policy comes
+last, once every FSDP unit exists.
 
 The config was validated before any of this runs (`fsdp2_backend.config.validation`): stages assert what
 they rely on, they do not validate.
@@ -43,8 +44,12 @@ def _expert_parallel(model: nn.Module, config: Config, ctx: ParallelContext) -> 
 
 def _context_parallel(model: nn.Module, config: Config, ctx: ParallelContext) -> Set[nn.Parameter]:
     from fsdp2_backend.parallel.context_parallel.attention import enable_context_parallel
+    from fsdp2_backend.parallel.context_parallel.linear_attention import enable_linear_attention_context_parallel
 
-    enable_context_parallel(model, ctx.cp_mesh, config.parallel.cp_type, tp_size=config.parallel.tp_size)
+    # Gated DeltaNet layers (qwen3_next model id) go head-parallel first; the attention layers then use Ulysses/ring.
+    linear = enable_linear_attention_context_parallel(model, ctx.cp_mesh, config.parallel.cp_type)
+    enable_context_parallel(model, ctx.cp_mesh, config.parallel.cp_type, tp_size=config.parallel.tp_size,
+                            handled_layer_types=("linear_attention",) if linear else ())
     return set()
 
 
@@ -71,7 +76,16 @@ def set_gradient_policy(model: nn.Module) -> None:
 def apply_parallelism(model: nn.Module, config: Config, ctx: ParallelContext) -> nn.Module:
     """Applies every configured stage to `model` in the fixed order; returns the FSDP root."""
     parallel = config.parallel
+    quantized = config.model.quant_recipe_name is not None
+    if quantized:
+        from fsdp2_backend.parallel.quantize import apply_quantization
+
+        apply_quantization(model, config)
     apply_fused_ops(model, config.optimization, ctx.device.type)
+    if config.data.neat_packing and config.data.data_manager_type == "lf":  # packed rows: varlen attention
+        from fsdp2_backend.models.packed_attention import enable_packed_attention
+
+        enable_packed_attention(model)
     _model_switches(model, config)
     fsdp_ignored: Set[nn.Parameter] = set()
     if parallel.tp_size > 1:
@@ -83,5 +97,9 @@ def apply_parallelism(model: nn.Module, config: Config, ctx: ParallelContext) ->
     if parallel.recompute:
         apply_recompute(model, parallel.recompute_modules)
     model = apply_fsdp(model, parallel, ctx.fsdp_mesh, extra_ignored=fsdp_ignored)
+    if quantized:
+        from fsdp2_backend.parallel.quantize import finish_after_fsdp
+
+        finish_after_fsdp(model, recompute=parallel.recompute)
     set_gradient_policy(model)
     return model

@@ -12,13 +12,18 @@ logs one line per flag that is set, saying which implementation runs (or that th
   attention module of THIS model gets an instance-level copy of its class's `forward` whose globals map
   `apply_rotary_pos_emb` to `kernels.rotary.apply_rotary_pos_emb`; decorators made with functools.wraps are
   rebuilt around the copy. Reversible per module (`del module.forward`); the class and the file are untouched.
+  Only a file whose `apply_rotary_pos_emb` computes the reference RoPE exactly (probed with full- and
+  half-width cos/sin tables) is patched: partial rotary (Qwen3-Next) and gpt_oss's half-table RoPE (with
+  YaRN) keep their own, named in the flag's one log line.
 - `use_flash_attn`: CUDA → transformers' "flash_attention_2" when flash_attn is installed, else "sdpa" (whose
   CUDA backend picks the flash kernel itself for fp16/bf16); NPU → the npu_fusion_attention path is not built
   yet, "sdpa" runs; CPU → the model's attention stays as it is (SDPA is the reference there). Context parallel,
   applied later, switches the model to its own attention and keeps this choice as its inner attention.
 - GDN flags (`use_triton_gdn`, `use_flash_gdn`, `use_triton_rmsnormgated`, a non-default `gdn_chunk_size`):
-  no model here has Gated DeltaNet layers; the line says the flag has no effect (or, for a native transformers
-  model that has them, that transformers' own implementation runs).
+  the `qwen3_next` model id's GDN layers take them (its registry `configure` sets them; the line says what
+  runs); a native transformers model with GDN layers runs transformers' own GDN and the line says the flag has
+  no effect there, as it does for a model without GDN layers. `use_triton_rmsnormgated` also switches the
+  gated RMSNorms that offer `kernels.rmsnorm_gated` behind a `use_kernel` attribute (the `mamba3` model id).
 """
 from __future__ import annotations
 
@@ -33,8 +38,10 @@ from torch import nn
 
 from fsdp2_backend.config import OptimizationArguments
 from kernels.dispatch import describe_choice
+from kernels.gated_delta_rule import fla_importable
+from kernels.rmsnorm_gated import rms_norm_gated_implementation
 from kernels.rmsnorm import rms_norm, rms_norm_implementation, rms_norm_reference
-from kernels.rotary import apply_rotary_pos_emb, rotary_implementation
+from kernels.rotary import apply_rotary_pos_emb, apply_rotary_pos_emb_reference, rotary_implementation
 
 ROTARY_GLOBAL = "apply_rotary_pos_emb"
 GDN_FLAGS = ("use_triton_gdn", "use_flash_gdn", "use_triton_rmsnormgated")
@@ -122,20 +129,68 @@ def _calls_global(fn: Callable, name: str) -> bool:
     return False
 
 
+def _called_rotary(fn: Callable) -> Optional[Callable]:
+    """The `apply_rotary_pos_emb` that `fn` (or the function it wraps) calls: its modeling file's global."""
+    while fn is not None:
+        if ROTARY_GLOBAL in fn.__code__.co_names:
+            return fn.__globals__.get(ROTARY_GLOBAL)
+        fn = getattr(fn, "__wrapped__", None)
+    return None
+
+
+def _rotary_is_reference(rope: Optional[Callable]) -> bool:
+    """True when `rope` computes the reference RoPE exactly, probed with full-width cos/sin and with half-width
+    ones (partial rotary, or gpt_oss-style half tables): a function that treats either differently (partial
+    rotary passes the other half through; gpt_oss rotates halves with half tables) is not the reference."""
+    if rope is None:
+        return False
+    if rope is apply_rotary_pos_emb_reference or rope is apply_rotary_pos_emb:
+        return True
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen)
+    for width in (8, 4):
+        cos, sin = torch.randn(2, 5, width, generator=gen), torch.randn(2, 5, width, generator=gen)
+        try:
+            want = apply_rotary_pos_emb_reference(q, k, cos, sin)
+        except RuntimeError:
+            want = None
+        try:
+            got = rope(q, k, cos, sin)
+        except Exception:  # noqa: BLE001 — any failure on a probe the reference handles means other math
+            got = None
+        if (want is None) != (got is None):
+            return False
+        if want is not None and not (isinstance(got, tuple) and len(got) == 2
+                                     and all(torch.equal(a, b) for a, b in zip(got, want))):
+            return False
+    return True
+
+
 def _use_fused_rotary(model: nn.Module, device_type: str) -> str:
     patched = {}  # attention class → its forward seeing our RoPE (one copy per class)
+    skipped = set()  # classes whose RoPE is other math (partial rotary, gpt_oss's half tables): left alone
     for module in model.modules():
         cls = type(module)
         forward = getattr(cls, "forward", None)
-        if cls not in patched and forward is not None and _calls_global(forward, ROTARY_GLOBAL):
-            patched[cls] = _with_global(forward, ROTARY_GLOBAL, apply_rotary_pos_emb)
+        if cls not in patched and cls not in skipped and forward is not None and _calls_global(forward,
+                                                                                             ROTARY_GLOBAL):
+            if _rotary_is_reference(_called_rotary(forward)):
+                patched[cls] = _with_global(forward, ROTARY_GLOBAL, apply_rotary_pos_emb)
+            else:
+                skipped.add(cls)
         if cls in patched:
             module.forward = types.MethodType(patched[cls], module)
+    left = (f"; {', '.join(sorted(c.__name__ for c in skipped))} apply another RoPE (partial rotary or other "
+            "tables) and keep their own") if skipped else ""
     if not patched:
+        if skipped:
+            return (f"use_fused_rotary_pos_emb: {', '.join(sorted(c.__name__ for c in skipped))} of "
+                    f"{type(model).__name__} apply another RoPE (partial rotary or other tables) than the fused "
+                    "kernel computes — left alone, no effect")
         return f"use_fused_rotary_pos_emb: {type(model).__name__} calls no {ROTARY_GLOBAL} — no effect"
     names = ", ".join(sorted(c.__name__ for c in patched))
     return describe_choice("use_fused_rotary_pos_emb", device_type, rotary_implementation(device_type),
-                           f"in {names}; no triton RoPE kernel" if device_type == "cuda" else f"in {names}")
+                           (f"in {names}; no triton RoPE kernel" if device_type == "cuda" else f"in {names}") + left)
 
 
 # --- attention ---------------------------------------------------------------------------------------------------
@@ -160,20 +215,49 @@ def _use_flash_attn(model: nn.Module, device_type: str) -> str:
 
 # --- Gated DeltaNet ----------------------------------------------------------------------------------------------
 
-def _gdn_lines(model: nn.Module, optimization_args) -> list:
+def _gdn_lines(model: nn.Module, optimization_args, device_type: str) -> list:
     set_flags = [flag for flag in GDN_FLAGS if getattr(optimization_args, flag)]
     default_chunk = next(f.default for f in dataclasses.fields(OptimizationArguments) if f.name == "gdn_chunk_size")
     if optimization_args.gdn_chunk_size != default_chunk:  # only a changed value was asked for
         set_flags.append(f"gdn_chunk_size={optimization_args.gdn_chunk_size}")
     if not set_flags:
         return []
-    gdn_layers = sum(1 for m in model.modules() if "GatedDeltaNet" in type(m).__name__)
-    if gdn_layers:
-        why = (f"{type(model).__name__} has {gdn_layers} Gated DeltaNet layers, which run transformers' own "
-               "implementation; this project's GDN kernels are not built yet — no effect")
-    else:
-        why = f"{type(model).__name__} has no Gated DeltaNet layers — no effect"
-    return [f"{flag}: {why}" for flag in set_flags]
+    gdn = [m for m in model.modules() if "GatedDeltaNet" in type(m).__name__]
+    ours = [m for m in gdn if hasattr(m, "implementation")]  # models.qwen3_next.GatedDeltaNet (model_id set)
+    if not gdn:
+        return [f"{flag}: {type(model).__name__} has no Gated DeltaNet layers — no effect" for flag in set_flags]
+    if not ours:
+        why = (f"{type(model).__name__} has {len(gdn)} Gated DeltaNet layers, which run transformers' own "
+               "implementation (model.model_id unset) — set model.model_id qwen3_next for this project's GDN "
+               "kernels; no effect")
+        return [f"{flag}: {why}" for flag in set_flags]
+    lines = []
+    for flag in set_flags:
+        if flag == "use_triton_gdn":
+            backend = ("flash-linear-attention's chunk_gated_delta_rule" if device_type == "cuda" and fla_importable()
+                       else "kernels.gated_delta_rule_triton")
+            lines.append(f"use_triton_gdn: triton Gated DeltaNet ({backend}) in {len(ours)} layers on {device_type}")
+        elif flag == "use_flash_gdn":
+            lines.append(f"use_flash_gdn: torch_npu's AscendC Gated DeltaNet op in {len(ours)} layers on "
+                         f"{device_type}")
+        elif flag == "use_triton_rmsnormgated":
+            lines.append(describe_choice(flag, device_type, rms_norm_gated_implementation(device_type),
+                                         f"the output norm of {len(ours)} Gated DeltaNet layers"))
+        else:
+            lines.append(f"{flag}: chunk size of the {len(ours)} Gated DeltaNet layers")
+    return lines
+
+
+def _gated_norm_kernel_modules(model: nn.Module) -> list:
+    """Gated RMSNorms that offer the `kernels.rmsnorm_gated` op behind a `use_kernel` switch (Mamba-3's)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("RMSNormGated") and hasattr(m, "use_kernel")]
+
+
+def _use_gated_norm_kernel(model: nn.Module, norms: list, device_type: str) -> str:
+    for module in norms:
+        module.use_kernel = True
+    return describe_choice("use_triton_rmsnormgated", device_type, rms_norm_gated_implementation(device_type),
+                           f"{len(norms)} gated RMSNorm modules of {type(model).__name__}")
 
 
 def apply_fused_ops(model: nn.Module, optimization_args, device_type: str,
@@ -190,6 +274,10 @@ def apply_fused_ops(model: nn.Module, optimization_args, device_type: str,
         log(_use_fused_rotary(model, device_type))
     if optimization_args.use_flash_attn:
         log(_use_flash_attn(model, device_type))
-    for line in _gdn_lines(model, optimization_args):
+    gated_norms = _gated_norm_kernel_modules(model) if optimization_args.use_triton_rmsnormgated else []
+    if gated_norms:  # a model without GDN layers whose gated norms take the flag (mamba3)
+        log(_use_gated_norm_kernel(model, gated_norms, device_type))
+        optimization_args = dataclasses.replace(optimization_args, use_triton_rmsnormgated=False)
+    for line in _gdn_lines(model, optimization_args, device_type):
         log(line)
     return model

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -34,10 +35,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from usage_errors import UsageError
+from usage_errors import RunStopped, UsageError
 from fsdp2_backend.training import checkpoint_io as io
 from fsdp2_backend.training import rng_state
 from fsdp2_backend.training.hf_export import save_tokenizer
@@ -56,6 +58,17 @@ def _world_size() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _agree_failed(failed: bool) -> bool:
+    """Whether any rank failed (collective; a barrier too): every rank then stops at the same point."""
+    if not dist.is_initialized():
+        return failed
+    backend = dist.get_backend()
+    device = "cpu" if backend == "gloo" else torch.accelerator.current_accelerator()
+    flag = torch.tensor([int(failed)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def train_state_to_dict(train_state: Any) -> dict:
@@ -101,6 +114,7 @@ class CheckpointManager:
         self._pending: Optional[Future] = None
         self._pending_iteration: Optional[int] = None
         self._last_saved: Optional[int] = None
+        self._pending_tmp: Optional[Path] = None
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit") \
             if async_save and _rank() == 0 else None
         # A group of our own for the background save's collectives (gloo: DCP's async path needs CPU).
@@ -116,6 +130,24 @@ class CheckpointManager:
         return cls(training.output_dir, save_total_limit=training.save_total_limit,
                    async_save=training.save_async, save_only_model=training.save_only_model,
                    no_save_optim=training.no_save_optim, no_save_rng=training.no_save_rng)
+
+    @property
+    def last_saved(self) -> Optional[int]:
+        """The iteration of the newest checkpoint this manager has committed, or None."""
+        return self._last_saved
+
+    def _stop(self, iteration: int, tmp_dir: Path, error: Optional[OSError]) -> None:
+        """A save that failed for want of space or permission: drop its partial directory, keep every complete
+        checkpoint (the commit never happened), and stop the run with one line."""
+        if _rank() == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        previous = io.newest_checkpoint(self.save_dir)
+        kept = (f"the previous checkpoint {previous.name} is intact" if previous is not None
+                else "no earlier checkpoint exists there")
+        why = f"{error.strerror or error}" if error is not None else "a write failed on another rank"
+        raise RunStopped(f"training.output_dir (--save): saving the checkpoint of iteration {iteration} to "
+                         f"{self.save_dir} failed ({why}) — {kept}; free space or fix permissions there, then rerun "
+                         f"the same command to resume")
 
     # ----------------------------------------------------------------------------------------- saving
     def save(self, iteration: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -139,14 +171,20 @@ class CheckpointManager:
         final_dir = self.save_dir / io.iter_dir_name(iteration)
         tmp_dir = io.tmp_dir_for(final_dir)
         rank = _rank()
-        tmp_dir.mkdir(parents=True, exist_ok=True)  # every rank: no barrier needed before writing
-        if self.save_rng:
-            rng_state.rng_file(tmp_dir, rank).parent.mkdir(exist_ok=True)
-            torch.save(rng_state.capture_rng_state(), rng_state.rng_file(tmp_dir, rank))
         with_optim = optimizer is not None and self.save_optim
-        if rank == 0:
-            self._write_rank0_files(tmp_dir, iteration, model, with_optim, scheduler, train_state, tokenizer,
-                                    model_config, extra_states, run_config)
+        error: Optional[OSError] = None
+        try:  # this rank's own files; a failure is shared with the others only after DCP's collectives
+            tmp_dir.mkdir(parents=True, exist_ok=True)  # every rank: no barrier needed before writing
+            if self.save_rng:
+                rng_state.rng_file(tmp_dir, rank).parent.mkdir(exist_ok=True)
+                torch.save(rng_state.capture_rng_state(), rng_state.rng_file(tmp_dir, rank))
+            if rank == 0:
+                self._write_rank0_files(tmp_dir, iteration, model, with_optim, scheduler, train_state, tokenizer,
+                                        model_config, extra_states, run_config)
+        except Exception as exc:  # torch.save wraps the OSError in a RuntimeError
+            error = io.storage_error(exc, self.save_dir)
+            if error is None:
+                raise
         if with_optim:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}
@@ -154,20 +192,32 @@ class CheckpointManager:
             state = {"model": get_model_state_dict(model)}
 
         if self.async_save:
+            if _agree_failed(error is not None):
+                self._stop(iteration, tmp_dir, error)
             future = dcp.async_save(state, checkpoint_id=str(tmp_dir), process_group=self._async_group)
             upload = getattr(future, "upload_completion", future)  # AsyncSaveResponse in newer torch
             self._pending = self._committer.submit(self._finish, upload, tmp_dir, final_dir, iteration) \
                 if rank == 0 else upload
             self._pending_iteration = iteration
-            logger.info("checkpoint %s: staged in %.2fs, writing in the background",
-                        final_dir.name, time.perf_counter() - started)
+            self._pending_tmp = tmp_dir
+            io.print_rank0(f"  checkpoint {final_dir.name}: staged in {time.perf_counter() - started:.2f}s, "
+                           "writing in the background")
         else:
-            dcp.save(state, checkpoint_id=str(tmp_dir))
-            if rank == 0:
-                self._commit(tmp_dir, final_dir, iteration)
-            _barrier()
+            try:
+                dcp.save(state, checkpoint_id=str(tmp_dir))  # every rank, even after a local failure
+            except (Exception, CheckpointException) as exc:  # DCP raises on every rank when any writer failed
+                error = error or io.storage_error(exc, self.save_dir)
+                if error is None:
+                    raise
+            if rank == 0 and error is None:
+                try:
+                    self._commit(tmp_dir, final_dir, iteration)
+                except OSError as exc:
+                    error = exc
+            if _agree_failed(error is not None):  # the barrier after the commit
+                self._stop(iteration, tmp_dir, error)
             self._last_saved = iteration
-            logger.info("checkpoint %s saved in %.2fs", final_dir, time.perf_counter() - started)
+            io.print_rank0(f"  checkpoint {final_dir.name} saved in {time.perf_counter() - started:.2f}s")
         return final_dir
 
     def _finish(self, upload: Future, tmp_dir: Path, final_dir: Path, iteration: int) -> None:
@@ -206,8 +256,15 @@ class CheckpointManager:
             return
         pending, self._pending = self._pending, None
         iteration, self._pending_iteration = self._pending_iteration, None
-        pending.result()
-        _barrier()
+        error = None
+        try:
+            pending.result()
+        except (Exception, CheckpointException) as exc:
+            error = io.storage_error(exc, self.save_dir)
+            if error is None:
+                raise
+        if _agree_failed(error is not None):
+            self._stop(iteration, self._pending_tmp, error)
         self._last_saved = iteration
 
     def finalize(self) -> None:
@@ -249,6 +306,7 @@ def load_checkpoint(checkpoint: str | os.PathLike, model: torch.nn.Module,
         raise UsageError(f"{checkpoint}: checkpoint format {meta.get('format')!r}, expected {io.FORMAT!r} — "
                          f"load it with the version that wrote it, or convert it to HF and start from that")
     io.print_rank0(f" loading checkpoint from {checkpoint.parent} at iteration {meta['iteration']}")
+    started = time.perf_counter()
     load_optim = optimizer is not None and not (no_load_optim or finetune)
     if load_optim and not meta["has_optimizer"]:
         logger.warning("%s holds no optimizer state: the optimizer starts fresh", checkpoint)
@@ -281,8 +339,9 @@ def load_checkpoint(checkpoint: str | os.PathLike, model: torch.nn.Module,
     if not (no_load_rng or finetune):
         _load_rng(checkpoint, meta)
 
-    logger.info("loaded %s (iteration %s, saved by %s ranks, loaded by %s)%s", checkpoint, meta["iteration"],
-                meta["world_size"], _world_size(), " for finetuning: iteration reset to 0" if finetune else "")
+    io.print_rank0(f"  loaded {checkpoint.name} in {time.perf_counter() - started:.2f}s (saved by "
+                   f"{meta['world_size']} ranks, loaded by {_world_size()})"
+                   + (" for finetuning: iteration reset to 0" if finetune else ""))
     io.print_rank0(f"  successfully loaded checkpoint from {checkpoint.parent} at iteration "
                  f"{0 if finetune else meta['iteration']}")
     if finetune:

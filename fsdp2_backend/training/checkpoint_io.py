@@ -1,5 +1,6 @@
 """On-disk layout of our checkpoints: naming, atomic visibility, discovery, rotation. Torch-free
 (config validation reads a checkpoint's model config through it); the per-rank RNG files are `rng_state`'s.
+`storage_error` finds what made a save fail (a full disk, a lost permission) for the one-line report.
 
 A save directory looks like Megatron's::
 
@@ -26,6 +27,7 @@ rename and marker therefore resumes from the checkpoint before, which is complet
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -272,3 +274,69 @@ def write_json(path: Path, data: dict) -> None:
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+# ------------------------------------------------------------------------------------------ failed saves
+_SHORT_WRITE = re.compile(r"unexpected pos|write.*fail|fail.*writ", re.IGNORECASE)
+
+
+def storage_error(exc: BaseException, directory: Optional[Path] = None) -> Optional[OSError]:
+    """The OSError (a full disk, a lost permission, a read-only file system) behind a failed save, or None: DCP
+    wraps the writers' exceptions (CheckpointException: {rank: failure}) and chains them. torch.save's zip writer
+    reports a short write without the errno ("unexpected pos 704 vs 598"): then a probe write into `directory`
+    finds the cause (ENOSPC, EFBIG, ...)."""
+    found = _chained_os_error(exc)
+    if found is not None or directory is None or not _SHORT_WRITE.search(_messages(exc)):
+        return found
+    probe = Path(directory) / f".write_probe_{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * (4 * 2**20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as probe_error:
+        return probe_error
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+    return OSError(errno.ENOSPC, "a write was cut short: no space left on the device, or a file-size limit")
+
+
+def _messages(exc: BaseException) -> str:
+    text, todo, seen = [], [exc], set()
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        text.append(str(current))
+        todo += [current.__cause__, current.__context__, getattr(current, "exception", None)]
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            todo += [_failure(f) for f in failures.values()]
+    return "\n".join(text)
+
+
+def _chained_os_error(exc: BaseException) -> Optional[OSError]:
+    seen, todo = set(), [exc]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        todo += [current.__cause__, current.__context__, getattr(current, "exception", None)]
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            todo += [_failure(f) for f in failures.values()]
+    return None
+
+
+def _failure(wrapped) -> Optional[BaseException]:
+    """One rank's failure in DCP's CheckpointException: (exception, stack summary), or an exception."""
+    if isinstance(wrapped, tuple) and wrapped and isinstance(wrapped[0], BaseException):
+        return wrapped[0]
+    return wrapped if isinstance(wrapped, BaseException) else getattr(wrapped, "exception", None)

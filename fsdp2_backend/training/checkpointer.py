@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from fsdp2_backend.training.checkpoint import CheckpointManager, load_checkpoint
 from fsdp2_backend.training.checkpoint_io import ResumePoint
-from fsdp2_backend.training.hf_export import export_hf
+from fsdp2_backend.training.hf_export import align_special_tokens, export_hf
 
 HF_EXPORT_SUBDIR = "hf"
 
@@ -29,17 +29,27 @@ class Checkpointer:
     """Loads and saves one run's states; construct it on every rank."""
 
     def __init__(self, config, resume: ResumePoint, *, model, optimizer=None, scheduler=None, state: Any = None,
-                 loss_scaler: Any = None, tokenizer: Any = None, model_config: Any = None):
+                 loss_scaler: Any = None, tokenizer: Any = None, model_config: Any = None, guard: Any = None):
         self.config, self.resume = config, resume
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.state, self.loss_scaler = state, loss_scaler
         self.hf_tokenizer = getattr(tokenizer, "hf", None)  # the run's tokenizer type; None: not saveable as HF
         self.model_config = model_config
+        if not config.model.model_name_or_path and (config.model.architecture or {}).get("model_type"):
+            # built from flags: special token ids from the tokenizer, not the model type's defaults
+            align_special_tokens(model_config, tokenizer, getattr(model, "generation_config", None))
+        self.guard = guard  # save_dir_guard.SaveDirGuard: the save directory's lock, released by close()
         training = config.training
         self.manager: Optional[CheckpointManager] = CheckpointManager(
             training.output_dir, save_total_limit=training.save_total_limit, async_save=training.save_async,
             save_only_model=training.save_only_model, no_save_optim=training.no_save_optim,
             no_save_rng=training.no_save_rng) if training.save_checkpoints else None
+        self._exported_iteration: Optional[int] = None
+
+    @property
+    def last_saved(self) -> Optional[int]:
+        """The iteration of the newest checkpoint this run has saved, or None."""
+        return self.manager.last_saved if self.manager is not None else None
 
     def _extra_states(self) -> dict:
         return {"loss_scaler": self.loss_scaler} if self.loss_scaler is not None else {}
@@ -66,11 +76,18 @@ class Checkpointer:
         if reason in ("exit", "final"):
             self.manager.wait()
         finished = reason == "final" or (train_iters is not None and iteration >= train_iters)
-        if finished and self.config.training.save_hf_weights:
+        # The last iteration may also be a save interval: then "interval" already exported, and "final" must not
+        # gather and write the same weights again.
+        if finished and self.config.training.save_hf_weights and self._exported_iteration != iteration:
+            self._exported_iteration = iteration
             export_hf(self.model, Path(self.config.training.output_dir) / HF_EXPORT_SUBDIR, self.hf_tokenizer)
 
     def close(self) -> None:
         """Waits for a pending async save and releases the manager's resources (every rank)."""
-        if self.manager is not None:
-            self.manager.finalize()
-            self.manager = None
+        try:
+            if self.manager is not None:
+                self.manager.finalize()
+                self.manager = None
+        finally:
+            if self.guard is not None:
+                self.guard.release()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -32,10 +33,15 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".dist
 
 def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, tokenizer: Any = None) -> Path:
     """Writes ``model`` (sharded or not; an HF PreTrainedModel) as an HF directory (collective)."""
-    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from fsdp2_backend.training.checkpoint_io import print_rank0
+
+    started = time.perf_counter()
     out_dir = Path(out_dir)
+    print_rank0(f"exporting HF weights to {out_dir} (gathering the full state dict)")
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     # rank 0 writes; a failure there reaches every rank instead of leaving them waiting
     rank_zero_first(lambda: write_hf_dir(model, state_dict, out_dir, tokenizer), others=False, what="HF export")
+    print_rank0(f"  exported HF weights to {out_dir} in {time.perf_counter() - started:.2f}s")
     return out_dir
 
 
@@ -53,6 +59,24 @@ def write_hf_dir(model: torch.nn.Module, state_dict: dict, out_dir: Path, tokeni
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
+
+
+def align_special_tokens(model_config: Any, tokenizer: Any, generation_config: Any = None) -> None:
+    """A model built from Megatron flags has its model type's default special tokens (Llama's eos 2, whatever token
+    that is in this tokenizer): give its config (and generation config) the tokenizer's instead, so that the export
+    stops generating at the end of a document. eos = the tokenizer's end-of-document (Megatron's eod), bos = its
+    bos (None when it has none), pad = its pad, else eos."""
+    eod = getattr(tokenizer, "eod", None)
+    if eod is None or model_config is None:
+        return
+    bos = getattr(tokenizer, "bos", None)
+    pad = getattr(tokenizer, "pad", None)
+    ids = {"eos_token_id": int(eod), "bos_token_id": None if bos is None else int(bos),
+           "pad_token_id": int(eod) if pad is None else int(pad)}
+    for target in (model_config, generation_config):
+        if target is not None:
+            for key, value in ids.items():
+                setattr(target, key, value)
 
 
 def save_tokenizer(tokenizer: Any, out_dir: Path) -> None:

@@ -11,6 +11,10 @@ Optional fields (off by default; the line is unchanged without them): Megatron's
 model FLOPs of one iteration, with ` model flops utilization (%): X.XX |` appended when the device's peak is
 known too; and ` cpu memory (GiB): current X.XX, peak Y.YY |` (MindSpeed `training.log_cpu_memory`): this
 process's resident set size now and its peak.
+
+Megatron's monitoring extras (--log-params-norm, --tensorboard-log-interval, --log-memory-to-tensorboard,
+--log-validation-ppl-to-tensorboard, --log-timers-to-tensorboard, --wandb-*, --log-progress) are TrainLogger
+options; the writers behind them (TensorBoard + W&B, timers, memory, progress.txt) live in `metrics_writers`.
 """
 from __future__ import annotations
 
@@ -20,11 +24,14 @@ import re
 import resource
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import datetime
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+
+from fsdp2_backend.training.metrics_writers import (IntervalTimers, ScalarWriters, memory_scalars,  # noqa: F401
+                                                     open_tensorboard)
 
 # One entry per loss key (` lm loss: 1.234567E+00 |`); Megatron prints the keys in the order they arrive.
 MegatronLogLine = re.compile(
@@ -166,38 +173,35 @@ def cpu_memory_bytes() -> Tuple[int, int]:
     return current, max(peak, current)
 
 
-def open_tensorboard(log_dir: Optional[str], print_fn: Callable[[str], None] = print):
-    """A SummaryWriter for `log_dir`, or None (with a one-line notice when tensorboard is not installed)."""
-    if not log_dir:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        print_fn(f"notice: tensorboard is not installed; no scalars are written to {log_dir} "
-                 "(pip install tensorboard to get them)")
-        return None
-    return SummaryWriter(log_dir=log_dir, max_queue=1000)
-
-
 class TrainLogger:
     """Accumulates iterations and prints Megatron's line every `log_interval` iterations on the logging rank.
 
-    All ranks may call it; only `is_logging_rank` (Megatron: the last rank) prints and writes TensorBoard.
-    Values passed in must already be global (loss reduced over data-parallel ranks, global grad norm).
-    `tokens_per_iteration` is the global batch's token count; tokens/s per device divides by `world_size`.
+    All ranks call it (`params_norm_fn` is collective); only `is_logging_rank` (Megatron: the last rank) prints
+    and writes TensorBoard / W&B. Values passed in must already be global (loss reduced over data-parallel
+    ranks, global grad norm). `tokens_per_iteration` is the global batch's token count; tokens/s per device
+    divides by `world_size`.
 
     `flops_per_iteration` (the model FLOPs of one global iteration, e.g. `throughput.model_flops_per_token(hf_config,
     seq_length) * tokens_per_iteration`) adds Megatron's `throughput per GPU (TFLOP/s/GPU)` = flops_per_iteration /
     time per iteration / world_size / 1e12, and model FLOPs utilisation against `peak_flops_per_device` (looked up
     from the device's name when not given; not shown when unknown, e.g. on CPU). `log_cpu_memory` adds this
     process's current and peak CPU memory (RSS).
+
+    Megatron's extras: `params_norm_fn` (--log-params-norm: ` params norm:` in the line and `params-norm`),
+    `tensorboard_log_interval` (scalars every N iterations), `log_memory` (--log-memory-to-tensorboard),
+    `log_validation_ppl` (--log-validation-ppl-to-tensorboard), `log_timers` (--log-timers-to-tensorboard:
+    `iteration-time`, `throughput` and the `timer(name)` phases as `<name>-time`), `wandb_options` (the
+    `wandb_writer.open_wandb` arguments: the same scalars to W&B) and `progress_log` (--log-progress).
     """
 
     def __init__(self, *, train_iters: int, log_interval: int, global_batch_size: int, world_size: int,
                  device: torch.device, is_logging_rank: bool, tokens_per_iteration: int,
                  tensorboard_dir: Optional[str] = None, print_fn: Callable[[str], None] = print,
                  flops_per_iteration: Optional[float] = None, peak_flops_per_device: Optional[float] = None,
-                 log_cpu_memory: bool = False):
+                 log_cpu_memory: bool = False, tensorboard_log_interval: int = 1,
+                 params_norm_fn: Optional[Callable[[], float]] = None, log_memory: bool = False,
+                 log_validation_ppl: bool = False, log_timers: bool = False,
+                 wandb_options: Optional[Dict[str, Any]] = None, progress_log: Any = None):
         self.train_iters, self.log_interval = train_iters, max(1, log_interval)
         self.global_batch_size, self.world_size = global_batch_size, world_size
         self.device, self.is_logging_rank = device, is_logging_rank
@@ -209,7 +213,21 @@ class TrainLogger:
             peak_flops_per_device = peak_device_flops(device)
         self.peak_flops_per_device = peak_flops_per_device
         self.print_fn = print_fn
+        self.tensorboard_log_interval = max(1, tensorboard_log_interval)
+        self.params_norm_fn, self.log_memory = params_norm_fn, log_memory
+        self.log_validation_ppl, self.log_timers = log_validation_ppl, log_timers
+        self.timers = IntervalTimers(device)
         self.writer = open_tensorboard(tensorboard_dir, print_fn) if is_logging_rank else None
+        self.wandb = None
+        if wandb_options and is_logging_rank:
+            from fsdp2_backend.training.wandb_writer import open_wandb
+
+            self.wandb = open_wandb(print_fn=print_fn, **wandb_options)
+        self.writers = ScalarWriters([self.writer, self.wandb])
+        self.progress_log = progress_log
+        if progress_log is not None:
+            progress_log.start()
+        self._consumed_samples: Optional[int] = None
         self._reset()
         self._interval_start = time.perf_counter()
 
@@ -227,20 +245,43 @@ class TrainLogger:
         finally:
             self._interval_start += time.perf_counter() - start
 
+    def timer(self, name: str):
+        """Times a phase of the iteration (e.g. "forward-backward", "optimizer") for --log-timers-to-tensorboard;
+        a no-op (no device synchronisation) without it."""
+        return self.timers.time(name) if self.log_timers else nullcontext()
+
+    def start_timer(self, name: str) -> None:
+        """`timer` as two calls, for a phase that is not one block."""
+        if self.log_timers:
+            self.timers.start(name)
+
+    def stop_timer(self, name: str) -> None:
+        if self.log_timers:
+            self.timers.stop(name)
+
     def record(self, iteration: int, *, losses: Dict[str, float], skipped: bool, learning_rate: float,
-               grad_norm: Optional[float], consumed_samples: int, loss_scale: float = 1.0) -> Optional[str]:
-        """Adds one iteration; returns (and prints, on the logging rank) the line when one is due."""
+               grad_norm: Optional[float], consumed_samples: int, loss_scale: float = 1.0,
+               got_nan: Optional[bool] = None) -> Optional[str]:
+        """Adds one iteration; returns (and prints, on the logging rank) the line when one is due. `got_nan`: the
+        trainer's verdict (a NaN gradient counts too); None: a skipped iteration whose loss is not finite."""
+        self._consumed_samples = consumed_samples
         if skipped:
             self.skipped += 1
             # Megatron counts a skipped iteration as a nan iteration when its loss is not finite.
-            self.nan += int(any(not math.isfinite(v) for v in losses.values()))
+            self.nan += int(any(not math.isfinite(v) for v in losses.values()) if got_nan is None else got_nan)
         else:
             self.advanced += 1
             for key, value in losses.items():
                 self.loss_sums[key] = self.loss_sums.get(key, 0.0) + value
-        if self.writer is not None:
-            self._write_scalars(iteration, losses, learning_rate, grad_norm, consumed_samples, loss_scale)
-        if iteration % self.log_interval != 0:
+        line_due = iteration % self.log_interval == 0
+        scalars_due = iteration % self.tensorboard_log_interval == 0
+        # every rank takes part in the norm's reduction, on iterations every rank knows to be due
+        params_norm = (self.params_norm_fn() if self.params_norm_fn is not None and
+                       (line_due or (scalars_due and self.writers)) else None)
+        if self.writers and scalars_due:
+            self._write_scalars(iteration, losses, learning_rate, grad_norm, consumed_samples, loss_scale,
+                                params_norm)
+        if not line_due:
             return None
         if self.device.type != "cpu":
             getattr(torch, self.device.type).synchronize()
@@ -260,13 +301,17 @@ class TrainLogger:
             elapsed_ms=elapsed * 1000.0, learning_rate=learning_rate, global_batch_size=self.global_batch_size,
             losses={k: v / max(1, self.advanced) for k, v in self.loss_sums.items()}, loss_scale=loss_scale,
             grad_norm=grad_norm, skipped_iterations=self.skipped, nan_iterations=self.nan,
+            params_norm=params_norm,
             tokens_per_sec_per_device=self.tokens_per_iteration / elapsed / self.world_size if elapsed else 0.0,
             peak_memory_gib=peak_memory_bytes(self.device) / 2**30, tflops_per_device=tflops, mfu_percent=mfu,
             cpu_memory_gib=cpu_now, cpu_memory_peak_gib=cpu_peak)
-        if self.writer is not None:
-            self.writer.add_scalar("iteration-time", elapsed, iteration)
+        if self.writers and self.log_timers:  # Megatron writes these at the log interval, with its timers
+            self.writers.add_scalar("iteration-time", elapsed, iteration)
             if tflops is not None:
-                self.writer.add_scalar("throughput", tflops, iteration)  # Megatron's scalar name
+                self.writers.add_scalar("throughput", tflops, iteration)
+            for name, total in self.timers.pop().items():
+                self.writers.add_scalar(f"{name}-time", total / max(iterations, 1), iteration)
+        self.timers.pop()
         if self.is_logging_rank:
             self.print_fn(line)
         self._reset()
@@ -275,21 +320,34 @@ class TrainLogger:
 
     def validation(self, iteration: int, losses: Dict[str, float], consumed_samples: int,
                    split: str = "") -> List[str]:
-        """Prints Megatron's validation block (logging rank) and writes its TensorBoard scalars."""
+        """Prints Megatron's validation block (logging rank) and writes its scalars. Their "vs samples" x is
+        the consumed training samples, as Megatron's (`consumed_samples` only before any iteration is recorded)."""
         lines = format_validation_lines(iteration, losses, split)
         if self.is_logging_rank:
             for line in lines:
                 self.print_fn(line)
-        if self.writer is not None:
+        samples = self._consumed_samples if self._consumed_samples is not None else consumed_samples
+        if self.writers:
             for key, value in losses.items():
-                self.writer.add_scalar(f"{key} validation", value, iteration)
-                self.writer.add_scalar(f"{key} validation vs samples", value, consumed_samples)
-                self.writer.add_scalar(f"{key} validation ppl", math.exp(min(20.0, value)), iteration)
+                self.writers.add_scalar(f"{key} validation", value, iteration)
+                self.writers.add_scalar(f"{key} validation vs samples", value, samples)
+                if self.log_validation_ppl:
+                    ppl = math.exp(min(20.0, value))
+                    self.writers.add_scalar(f"{key} validation ppl", ppl, iteration)
+                    self.writers.add_scalar(f"{key} validation ppl vs samples", ppl, samples)
         return lines
 
-    def _write_scalars(self, iteration, losses, learning_rate, grad_norm, consumed_samples, loss_scale) -> None:
-        # Megatron's scalar names, written every iteration (its default --tensorboard-log-interval 1).
-        w = self.writer
+    def checkpoint_saved(self, iteration: int) -> None:
+        """After a checkpoint save: Megatron's progress.txt line (--log-progress)."""
+        if self.progress_log is not None:
+            self.progress_log.saved_checkpoint(iteration, self._consumed_samples or 0)
+
+    def _write_scalars(self, iteration, losses, learning_rate, grad_norm, consumed_samples, loss_scale,
+                       params_norm) -> None:
+        # Megatron's scalar names (training.py training_log), every tensorboard_log_interval iterations.
+        w = self.writers
+        if self.wandb is not None:
+            self.wandb.add_scalar("samples vs steps", consumed_samples, iteration)
         w.add_scalar("learning-rate", learning_rate, iteration)
         w.add_scalar("learning-rate vs samples", learning_rate, consumed_samples)
         w.add_scalar("batch-size", self.global_batch_size, iteration)
@@ -298,10 +356,16 @@ class TrainLogger:
             w.add_scalar(key, value, iteration)
             w.add_scalar(f"{key} vs samples", value, consumed_samples)
         w.add_scalar("loss-scale", loss_scale, iteration)
+        w.add_scalar("loss-scale vs samples", loss_scale, consumed_samples)
         if grad_norm is not None:
             w.add_scalar("grad-norm", grad_norm, iteration)
             w.add_scalar("grad-norm vs samples", grad_norm, consumed_samples)
+        if params_norm is not None:
+            w.add_scalar("params-norm", params_norm, iteration)
+            w.add_scalar("params-norm vs samples", params_norm, consumed_samples)
+        if self.log_memory:
+            for tag, value in memory_scalars(self.device).items():
+                w.add_scalar(tag, value, iteration)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        self.writers.close()

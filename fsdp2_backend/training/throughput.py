@@ -25,8 +25,10 @@ Where this differs from Megatron:
   - The layer pattern of an MoE model comes from the HF config (`decoder_sparse_step` / `mlp_only_layers`
     for Qwen MoE, `first_k_dense_replace` / `moe_layer_freq` for DeepSeek) instead of `--moe-layer-freq`.
   - Not modelled, as in Megatron: the router (gate) matmul, norms, rotary embeddings, softmax, the
-    embedding lookup. Not modelled unlike Megatron: MTP layers, Mamba / linear-attention layers, the
-    attention output gate. Sliding-window attention is counted as full causal attention (Megatron too).
+    embedding lookup. Not modelled unlike Megatron: MTP layers, the attention output gate. Sliding-window
+    attention is counted as full causal attention (Megatron too).
+  - Gated DeltaNet layers (HF `layer_types` "linear_attention", Qwen3-Next) and Mamba-2 layers take
+    Megatron's `gdn_layer_flops` / `mamba_layer_flops` terms in place of the attention terms.
   - Packed / variable-length sequences: the core-attention term assumes every sample is `seq_length` long
     (Megatron's BSHD default), which overcounts packed documents under a per-document mask.
 
@@ -86,7 +88,9 @@ def model_flops_per_token(hf_config: Any, seq_length: int, *, gated_mlp: bool = 
     config = _text_config(hf_config)
     hidden = _require(config, "hidden_size")
     layers = _require(config, "num_hidden_layers")
-    heads = _require(config, "num_attention_heads")
+    # a pure Mamba model has no attention heads (its attention terms are then unused)
+    heads = int(_get(config, "num_attention_heads", 1)) if str(_get(config, "model_type", "")).startswith("mamba") \
+        else _require(config, "num_attention_heads")
     vocab = _require(config, "vocab_size")
     kv_heads = int(_get(config, "num_key_value_heads", heads))
     head_dim = int(_get(config, "head_dim", hidden // heads))
@@ -105,6 +109,8 @@ def model_flops_per_token(hf_config: Any, seq_length: int, *, gated_mlp: bool = 
     else:
         top_k = moe_layers = expert_ffn = shared_ffn = 0
     dense_layers = layers - moe_layers
+    if str(_get(config, "model_type", "")).startswith("mamba"):
+        dense_layers = 0  # a Mamba block has no MLP
     dense_ffn = int(_get(config, "intermediate_size", 0)) if dense_layers else 0
     if dense_layers and not dense_ffn:
         raise ValueError("model_flops_per_token: the model config has no 'intermediate_size'")
@@ -126,10 +132,49 @@ def model_flops_per_token(hf_config: Any, seq_length: int, *, gated_mlp: bool = 
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         attn_linear = fwd_bwd_fma * (hidden * (q_size + 2 * kv_size) + q_size * hidden)
         attn_core = fwd_bwd_fma * q_size / 2 * 2  # causal mask halves QK^T and AV; two matmuls
-    attention = layers * (attn_linear + attn_core * seq_length)
+    attention_layers, gdn_layers, mamba_layers = _mixer_layers(config, layers)
+    attention = attention_layers * (attn_linear + attn_core * seq_length)
+    attention += gdn_layers * _gdn_flops(config, hidden) + mamba_layers * _mamba_flops(config, hidden)
 
     logits = fwd_bwd_fma * hidden * vocab
     return float(mlp + attention + logits)
+
+
+def _mixer_layers(config: Any, layers: int):
+    """(softmax attention, Gated DeltaNet, Mamba) layer counts: HF `layer_types` ("full_attention" /
+    "linear_attention", Qwen3-Next), `layers_block_type` ("attention" / "mamba", hybrid models), or all Mamba for
+    a Mamba model."""
+    if str(_get(config, "model_type", "")).startswith("mamba"):
+        return 0, 0, layers
+    kinds = list(_get(config, "layer_types", None) or _get(config, "layers_block_type", None) or [])
+    if not kinds:
+        return layers, 0, 0
+    return (sum(k in ("full_attention", "attention", "sliding_attention") for k in kinds),
+            sum(k == "linear_attention" for k in kinds), sum(k == "mamba" for k in kinds))
+
+
+def _gdn_flops(config: Any, hidden: int) -> float:
+    """Training FLOPs per token of one Gated DeltaNet layer (Megatron's `gdn_layer_flops`, x3 for fwd+bwd): the
+    in-projection to q, k, v, z and the b, a gates, the short convolution over q, k, v, the delta rule's state
+    updates (4 x heads x v_head_dim^2 multiply-adds) and the out-projection."""
+    qk_heads, qk_dim = int(_get(config, "linear_num_key_heads", 16)), int(_get(config, "linear_key_head_dim", 128))
+    v_heads, v_dim = int(_get(config, "linear_num_value_heads", 32)), int(_get(config, "linear_value_head_dim", 128))
+    conv = int(_get(config, "linear_conv_kernel_dim", 4))
+    qk, v = qk_heads * qk_dim, v_heads * v_dim
+    per_token = (hidden * (2 * qk + 2 * v + 2 * v_heads) + conv * (2 * qk + v) + v_heads * v_dim ** 2 * 4
+                 + hidden * v)
+    return 3 * 2 * per_token
+
+
+def _mamba_flops(config: Any, hidden: int) -> float:
+    """Training FLOPs per token of one Mamba-2 layer (Megatron's `mamba_layer_flops`, x3 for fwd+bwd): the
+    in-projection (x, z, B, C, dt), the selective scan (7 x d_inner x state FLOPs, Megatron's estimate) and the
+    out-projection; d_inner = expand x hidden from the config (Megatron assumes expand 2)."""
+    d_inner = int(_get(config, "expand", 2)) * hidden
+    state, groups = int(_get(config, "state_size", 128)), int(_get(config, "n_groups", 1))
+    heads = int(_get(config, "num_heads", 0)) or d_inner // int(_get(config, "head_dim", 64))
+    forward = 2 * hidden * (2 * d_inner + 2 * groups * state + heads) + 7 * d_inner * state + 2 * d_inner * hidden
+    return 3 * forward
 
 
 # Dense (no sparsity) BF16 tensor-core peak per device, FLOP/s; the first pattern that matches the name wins.
@@ -140,6 +185,9 @@ _PEAK_BF16_FLOPS = (
     (r"A100", 312e12), (r"A800", 312e12),
     (r"L40S", 362e12), (r"L40", 181e12), (r"L20\b", 119.5e12), (r"\bL4\b", 121e12),
     (r"910B", 354e12),  # Ascend 910B, MindSpeed-LLM's figure
+    # Ascend A3 (910C): torch_npu shows each of the package's two dies as a device ("Ascend910_93xx"); an
+    # estimate, half of the ~752 TFLOP/s FP16 reported for the package.
+    (r"910_93", 376e12),
 )
 
 

@@ -13,8 +13,12 @@ sequence. MoE: the model's weighted aux loss joins the backward loss (not the re
 inside the model's forward (`chunked_forward`), with the same sums and counts as the full-logits loss.
 
 An iteration whose loss or gradient norm is not finite is skipped (no update, no scheduler advance) and
-counted in "number of skipped iterations" (and in "number of nan iterations" when the loss is not finite),
-as Megatron counts them. fp16 uses Megatron's dynamic loss scale (`loss_scaler`).
+counted in "number of skipped iterations", and in "number of nan iterations" when the loss, or (without fp16's
+dynamic loss scale, whose overflows are expected) the gradient norm, is not finite. With
+`check_for_nan_in_loss_and_grad` (Megatron's default) such an iteration stops the run (`RunStopped`: one line, exit 1)
+after its log line: nothing is saved or exported after it. fp16 uses Megatron's dynamic loss scale
+(`loss_scaler`). `exit_signal_handler`: after the iteration in which the signal arrived, save and exit
+(`exit_signal`).
 
 The trainer runs the loop over a `build.TrainJob` and nothing else: assembly (model, data, resume) is
 `fsdp2_backend.build`'s. Checkpoints: the job's checkpointer saves at `save_steps` multiples (0: none), at
@@ -30,8 +34,11 @@ import torch
 import torch.distributed as dist
 
 from fsdp2_backend.distributed.dtensor import local_tensor
+from fsdp2_backend.models.moe.router import finish_router_step
 from fsdp2_backend.training.chunked_forward import check_chunked_loss_model, chunked_loss_forward
 from fsdp2_backend.training.exit_conditions import ExitTimer
+from fsdp2_backend.training.exit_signal import ExitSignal
+from usage_errors import RunStopped
 from fsdp2_backend.training.grad_clip import clip_grad_norm
 from fsdp2_backend.training.loss import GlobalBatchLoss, masked_loss_sum
 from fsdp2_backend.training.logging import TrainLogger
@@ -68,6 +75,7 @@ class StepResult:
     tokens: int
     skipped: bool
     got_nan: bool
+    moe_losses: Dict[str, float] = field(default_factory=dict)  # Megatron's names (load_balancing_loss, z_loss)
 
 
 @dataclass
@@ -105,6 +113,8 @@ class Trainer:
             tensorboard_dir=config.training.tensorboard_dir)
         self.device = ctx.device.torch_device
         self.exit_timer = ExitTimer(config.training.exit_duration_in_mins, start=job.start_time, device=self.device)
+        self.exit_signal = ExitSignal(config.training.exit_signal_handler, config.training.exit_signal,
+                                      device=self.device)
         self.loss_group = ctx.loss_mesh.get_group()
         self.cp_size = ctx.cp_mesh.size()
         self.chunk_loss_size = config.optimization.chunk_loss_size  # when set, `loss_fn` is not used
@@ -146,11 +156,14 @@ class Trainer:
                                      dp_group=self.loss_group, cp_size=self.cp_size,
                                      cp_group=self.ctx.cp_mesh.get_group())
         tokens = 0
+        self.logger.start_timer("forward-backward")  # Megatron's timer names (--log-timers-to-tensorboard)
         for _ in range(self.micro_batches):
             batch = next(self.train_batches)
             tokens += batch["tokens"].numel()
             loss_sum, count, aux = self._forward_loss(batch)
             (accounting.backward_loss(loss_sum, count, aux) * self.loss_scaler.scale).backward()
+        self.logger.stop_timer("forward-backward")
+        self.logger.start_timer("optimizer")
         params = [p for p in self.model.parameters() if p.grad is not None]
         loss = accounting.finish(params)
         grad_norm = self._unscale_and_clip(params)
@@ -160,10 +173,14 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step(self.global_batch_size)
         self.optimizer.zero_grad(set_to_none=True)
-        # Megatron: a skipped iteration is a nan iteration when its loss is not finite (an fp16 overflow in
-        # the gradients alone is skipped but not nan).
-        return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, skipped=non_finite,
-                          got_nan=not math.isfinite(loss))
+        # MoE: expert biases moved by the step's global token counts; the step's router losses for the log line
+        moe_losses = finish_router_step(self.model, self.micro_batches, self.loss_group)
+        self.logger.stop_timer("optimizer")
+        # A nan iteration: its loss is not finite, or its gradients are without fp16's dynamic loss scale (an fp16
+        # overflow in the gradients alone is skipped but not nan: the scale backs off).
+        got_nan = not math.isfinite(loss) or (not self.loss_scaler.dynamic and not math.isfinite(grad_norm))
+        return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, skipped=non_finite, got_nan=got_nan,
+                          moe_losses=moe_losses)
 
     def _unscale_and_clip(self, params) -> float:
         if self.loss_scaler.scale != 1.0:
@@ -203,21 +220,35 @@ class Trainer:
             result.grad_norms.append(step.grad_norm)
             result.learning_rates.append(lr)
             result.skipped.append(step.skipped)
-            self.logger.record(iteration, losses={"lm loss": step.loss}, skipped=step.skipped, learning_rate=lr,
+            self.logger.record(iteration, losses={"lm loss": step.loss, **step.moe_losses}, skipped=step.skipped, learning_rate=lr,
                                grad_norm=step.grad_norm, consumed_samples=self.state.consumed_train_samples,
-                               loss_scale=self.loss_scaler.scale)
+                               loss_scale=self.loss_scaler.scale, got_nan=step.got_nan)
+            if step.got_nan and training.check_for_nan_in_loss_and_grad:
+                self._stop_on_nan(iteration, step)
             if self.profiler is not None:
                 self.profiler.step(iteration)
             if training.eval_interval and iteration % training.eval_interval == 0 and self.valid_batches:
                 result.valid_losses.append((iteration, self._validate(iteration)))
+            sft_evaluate = getattr(self.job, "evaluate", None)  # SFT evaluation sets (data/sft/job_data.py)
+            if sft_evaluate and training.eval_interval and iteration % training.eval_interval == 0:
+                result.valid_losses += [(iteration, loss) for loss in sft_evaluate(self).values()]
             if self._save_due(iteration):
                 self._save("interval")
             if self.exit_timer.should_exit() or (training.exit_interval and iteration % training.exit_interval == 0):
                 self._save("exit")
                 exited = True
                 break
+            if self.exit_signal.should_exit():  # Megatron's --exit-signal-handler: save, then leave
+                self._save("exit")
+                if self.ctx.rank == 0:
+                    print(f"exiting program after receiving {self.exit_signal.signal.name} (checkpoint of "
+                          f"iteration {iteration} saved).", flush=True)
+                exited = True
+                break
         if not exited:
             self._save("final")
+            if getattr(self.job, "evaluate", None):  # SFT: every evaluation set once more at the end
+                result.valid_losses += [(self.state.iteration, loss) for loss in self.job.evaluate(self, True).values()]
             # Megatron's end of training: one more evaluation on the validation set, then on the test set.
             if training.eval_interval and training.eval_iters > 0:
                 if self.valid_batches:
@@ -229,6 +260,20 @@ class Trainer:
             self.profiler.close()
         self.logger.close()
         return result
+
+    def _stop_on_nan(self, iteration: int, step: StepResult) -> None:
+        """Megatron's --check-for-nan-in-loss-and-grad: the run ends here, before any save or export."""
+        if self.profiler is not None:
+            self.profiler.close()
+        self.logger.close()
+        what = (f"the loss is {step.loss}" if not math.isfinite(step.loss)
+                else f"the gradient norm is {step.grad_norm}")
+        last = getattr(self.checkpointer, "last_saved", None)
+        kept = (f"the last checkpoint (iteration {last}) is kept" if last is not None
+                else "no checkpoint was saved by this run")
+        raise RunStopped(f"training.check_for_nan_in_loss_and_grad: iteration {iteration}: {what} — training "
+                              f"stopped without saving or exporting ({kept}); lower the learning rate or check the "
+                              f"data, or pass --no-check-for-nan-in-loss-and-grad to skip such iterations instead")
 
     def _save_due(self, iteration: int) -> bool:
         """Every save_steps iterations (0: no periodic saves, MindSpeed's meaning), and every save_epochs epochs
@@ -246,3 +291,4 @@ class Trainer:
         if self.checkpointer is not None:
             with self.logger.paused():
                 self.checkpointer.save(self.state.iteration, reason, self.train_iters)
+            self.logger.checkpoint_saved(self.state.iteration)  # --log-progress

@@ -65,10 +65,12 @@ class BlendedDataset(torch.utils.data.Dataset):
     def _build_indices(self) -> Tuple[numpy.ndarray, numpy.ndarray]:
         base = f"{self.unique_description_hash}-{type(self).__name__}-{self.split.name}"
         arrays = cached_arrays(self.config.path_to_cache, base, self.unique_description,
-                               ["dataset_index", "dataset_sample_index"], self._build, self.config.shared_storage)
+                               ["dataset_index", "dataset_sample_index"], self._build, self.config.shared_storage,
+                               type(self).__name__)
         return arrays["dataset_index"], arrays["dataset_sample_index"]
 
     def _build(self) -> Dict[str, numpy.ndarray]:
+        logger.info("\tBuild and save the dataset and dataset sample indexes")
         if self.size is not None:
             dataset_index, sample_index = index_building.build_blending_indices(self.weights, self.size)
         else:

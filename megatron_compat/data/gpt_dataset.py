@@ -12,6 +12,9 @@ with no tokens raises a UsageError (megatron-core loops forever there), and the 
 (megatron-core has none; training.disable_shuffling / MindSpeed's --no-shuffle set it False): without shuffling
 the document index is the split's documents in order, epoch after epoch, and the shuffle index is the identity,
 so the samples read the documents sequentially. The default (True) is megatron-core's behaviour exactly.
+Caches: megatron-core's names and descriptions (megatron_dataset.cached_arrays), so either side reuses the
+other's; `shuffle`, `add_extra_token_to_sequence` and `drop_last_partial_validation_sequence` join the
+description only when off their defaults (megatron-core leaves them out, so such caches never collide).
 """
 from __future__ import annotations
 
@@ -86,11 +89,14 @@ class GPTDataset(MegatronDataset):
         return IndexedDataset(dataset_path, multimodal=False, mmap=config.mmap_bin_files)
 
     @staticmethod
-    def _key_config_attributes() -> list:
-        # Ours adds the fields that change the indices but that megatron-core leaves out of (or lacks for) the
-        # cache key, so that, e.g., shuffled and unshuffled caches never collide.
-        return MegatronDataset._key_config_attributes() + ["add_extra_token_to_sequence",
-                                                            "drop_last_partial_validation_sequence", "shuffle"]
+    def _extension_identifiers(config: GPTDatasetConfig) -> Dict[str, Any]:
+        # Fields that change the indices but that megatron-core leaves out of (or lacks for) the cache key, only
+        # when not at megatron-core's defaults: e.g. shuffled and unshuffled caches never collide, and a default
+        # run's caches keep megatron-core's names.
+        defaults = {"add_extra_token_to_sequence": True, "drop_last_partial_validation_sequence": True,
+                    "shuffle": True}
+        return {name: getattr(config, name) for name, default in defaults.items()
+                if getattr(config, name) != default}
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
@@ -152,9 +158,8 @@ class GPTDataset(MegatronDataset):
         base = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
         arrays = cached_arrays(path_to_cache, base, self.unique_description,
                                ["document_index", "sample_index", "shuffle_index"], self._build_indices,
-                               self.config.shared_storage)
-        logger.info("> %s %s: %d samples", type(self).__name__, self.index_split.name,
-                    arrays["sample_index"].shape[0] - 1)
+                               self.config.shared_storage, f"{type(self).__name__} {self.index_split.name}")
+        logger.info("> total number of samples: %d", arrays["sample_index"].shape[0] - 1)
         return arrays["document_index"], arrays["sample_index"], arrays["shuffle_index"]
 
     def _build_indices(self) -> Dict[str, numpy.ndarray]:
@@ -192,6 +197,7 @@ class GPTDataset(MegatronDataset):
         total = sample_index.shape[0] - 1
         shuffle_index = index_building.build_shuffle_index(sans_final if separate_final_epoch else total, total,
                                                            random_state)
+        logger.info("> total number of epochs: %d", num_epochs)
         return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
     def _get_num_tokens_per_epoch(self) -> int:

@@ -1,10 +1,11 @@
-"""The index arrays behind GPTDataset and BlendedDataset, built with numpy instead of megatron-core's C++
-helpers (`helpers.cpp`), with identical results.
+"""The index arrays behind GPTDataset and BlendedDataset, identical to megatron-core 0.16.1's (its numpy
+document and shuffle indices, its C++ `helpers.cpp` sample and blending indices), in megatron-core's dtypes.
 
-Why our own: megatron-core compiles a C++ extension for these loops; a drop-in must not need a compiler or
-megatron-core at run time. The GPT indices vectorise (per cache-sized chunk of the document index, a
-cumulative token count and one `searchsorted` replace the per-document walk); the blending indices are an inherently sequential greedy choice and run as a
-tight Python loop over Python floats, which round exactly like the C++ doubles.
+Why our own: megatron-core compiles a C++ extension for the loops; a drop-in must not need a compiler or
+megatron-core at run time. The document and shuffle indices are numpy shuffles (the same `RandomState`
+draws as megatron-core's), built in one array each and shuffled in place by part (megatron-core builds the
+parts and concatenates them, and its document index goes through an int64 grid first). The sequential
+loops (sample index, blending) are the numba kernels of `index_kernels` filling preallocated arrays.
 
 Facts reproduced (megatron-core 0.16.1, gpt_dataset.py / helpers.cpp / blended_dataset.py):
 - document index: the split's document ids repeated once per epoch, cast to int32 and shuffled in place with
@@ -25,7 +26,7 @@ documents in order, epoch after epoch, and the identity shuffle index, with no r
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy
 
@@ -35,15 +36,16 @@ def build_document_index(documents: numpy.ndarray, num_epochs: int,
                          ) -> numpy.ndarray:
     """The shuffled int32 document ids, `num_epochs` times over (see the module docstring for the order);
     in their given order when `random_state` is None."""
-    if separate_final_epoch and num_epochs > 1 and random_state is not None:
-        first = build_document_index(documents, num_epochs - 1, random_state, False)
-        last = build_document_index(documents, 1, random_state, False)
-        return numpy.concatenate((first, last))
-    # The shuffle's random draws depend only on the length, so shuffling int32 ids equals megatron's
-    # shuffle of its int32 copy of an int64 grid.
+    # One int32 array; a shuffle's draws depend only on the length, so shuffling its first (epochs - 1)
+    # epochs and then its final epoch in place equals megatron-core's two shuffled copies concatenated.
     document_index = numpy.tile(numpy.asarray(documents).astype(numpy.int32, copy=False), num_epochs)
     if random_state is not None:
-        random_state.shuffle(document_index)
+        if separate_final_epoch and num_epochs > 1:
+            split_at = (num_epochs - 1) * len(documents)
+            random_state.shuffle(document_index[:split_at])
+            random_state.shuffle(document_index[split_at:])
+        else:
+            random_state.shuffle(document_index)
     return document_index
 
 
@@ -56,107 +58,52 @@ def num_samples_in(num_epochs: int, tokens_per_epoch: int, seq_length: int, drop
     return int(math.ceil(numpy.float32(usable) / numpy.float32(seq_length)))
 
 
-_CHUNK_DOCUMENTS = 1 << 18  # documents per pass: keeps each pass's arrays in cache (2-3x faster than whole)
-
-
 def build_sample_index(sizes: numpy.ndarray, document_index: numpy.ndarray, seq_length: int, num_epochs: int,
                        tokens_per_epoch: int, drop_last_partial_sequence: bool = True,
                        add_extra_token_to_sequence: bool = True) -> numpy.ndarray:
-    """The (num_samples + 1, 2) sample index: per boundary, a position in `document_index` and an offset."""
+    """The (num_samples + 1, 2) sample index: per boundary, a position in `document_index` and an offset;
+    int32 unless a position or a document length needs int64 (megatron-core's rule)."""
+    from megatron_compat.data.index_kernels import fill_sample_index
+
     extra = 1 if add_extra_token_to_sequence else 0
     num_samples = num_samples_in(num_epochs, tokens_per_epoch, seq_length, drop_last_partial_sequence, extra)
     max_value = max(len(document_index), int(sizes.max()) if len(sizes) else 0)
     dtype = numpy.int32 if max_value <= numpy.iinfo(numpy.int32).max else numpy.int64
-    sample_index = numpy.zeros((num_samples + 1, 2), dtype=dtype)
-    filled, tokens_before = 0, 0
-    for first in range(0, len(document_index), _CHUNK_DOCUMENTS):
-        lengths = sizes[document_index[first:first + _CHUNK_DOCUMENTS]]
-        doc_ends = numpy.cumsum(lengths, dtype=numpy.int64)  # tokens up to and including each document
-        doc_ends += tokens_before
-        tokens_before = int(doc_ends[-1])
-        # Boundaries k * seq_length whose (k * seq_length + extra)-th token falls in this chunk.
-        last_k = min(num_samples, (tokens_before - extra) // seq_length)
-        if last_k > filled:
-            starts = numpy.arange(filled + 1, last_k + 1, dtype=numpy.int64) * seq_length
-            position = numpy.searchsorted(doc_ends, starts + extra, side="left")
-            sample_index[filled + 1:last_k + 1, 0] = position + first
-            sample_index[filled + 1:last_k + 1, 1] = starts - (doc_ends[position] - lengths[position])
-            filled = last_k
-    if filled < num_samples:  # the kept partial sample ends past the documents: helpers.cpp's end row
-        last = len(document_index) - 1
-        sample_index[filled + 1:, 0] = last
-        sample_index[filled + 1:, 1] = int(sizes[document_index[last]]) - extra
+    sample_index = numpy.empty((num_samples + 1, 2), dtype=dtype)
+    fill_sample_index(numpy.asarray(sizes), numpy.asarray(document_index), int(seq_length), extra, sample_index)
     return sample_index
 
 
 def build_shuffle_index(num_samples: int, total_size: int, random_state: Optional[numpy.random.RandomState]
                         ) -> numpy.ndarray:
-    """arange(total_size) with [0, num_samples) and [num_samples, total_size) shuffled separately; the
-    identity when `random_state` is None."""
+    """arange(total_size) (uint32, int64 when huge) with [0, num_samples) and [num_samples, total_size)
+    shuffled separately, in place; the identity when `random_state` is None."""
     dtype = numpy.uint32 if total_size < numpy.iinfo(numpy.uint32).max - 1 else numpy.int64
-    if random_state is None:
-        return numpy.arange(total_size, dtype=dtype)
-    first = numpy.arange(num_samples, dtype=dtype)
-    random_state.shuffle(first)
-    if num_samples == total_size:
-        return first
-    last = numpy.arange(num_samples, total_size, dtype=dtype)
-    random_state.shuffle(last)
-    return numpy.concatenate((first, last))
-
-
-_BLEND_CHUNK = 1 << 16  # steps collected in Python lists before they move into the arrays (flat memory)
+    shuffle_index = numpy.arange(total_size, dtype=dtype)
+    if random_state is not None:
+        random_state.shuffle(shuffle_index[:num_samples])
+        if num_samples < total_size:
+            random_state.shuffle(shuffle_index[num_samples:])
+    return shuffle_index
 
 
 def build_blending_indices(weights: Sequence[float], size: int) -> Tuple[numpy.ndarray, numpy.ndarray]:
     """(dataset_index int16, dataset_sample_index int64) of `size` greedy picks in proportion to `weights`."""
-    w = [float(x) for x in weights]
-    others = range(1, len(w))
-    taken = [0] * len(w)
+    from megatron_compat.data.index_kernels import fill_blending_indices
+
     dataset_index = numpy.empty(size, dtype=numpy.int16)
     dataset_sample_index = numpy.empty(size, dtype=numpy.int64)
-    for first in range(0, size, _BLEND_CHUNK):
-        picks: List[int] = []
-        counts: List[int] = []
-        for step in range(first, min(size, first + _BLEND_CHUNK)):
-            x = float(step) if step > 1 else 1.0
-            best, best_error = 0, w[0] * x - taken[0]
-            for d in others:  # strict '>': the first maximum wins, as in helpers.cpp
-                error = w[d] * x - taken[d]
-                if error > best_error:
-                    best, best_error = d, error
-            picks.append(best)
-            counts.append(taken[best])
-            taken[best] += 1
-        dataset_index[first:first + len(picks)] = picks
-        dataset_sample_index[first:first + len(counts)] = counts
+    fill_blending_indices(numpy.asarray(weights, dtype=numpy.float64), dataset_index, dataset_sample_index)
     return dataset_index, dataset_sample_index
 
 
 def build_exhaustive_blending_indices(sizes: Sequence[int]) -> Tuple[numpy.ndarray, numpy.ndarray]:
     """Greedy picks that take exactly sizes[d] samples from each dataset d, in proportion to the sizes."""
-    sizes = [int(s) for s in sizes]
-    total = sum(sizes)
-    w = [s / float(total) for s in sizes]
-    taken = [0] * len(sizes)
-    unspent = [d for d in range(len(sizes)) if sizes[d] > 0]
+    from megatron_compat.data.index_kernels import fill_exhaustive_blending_indices
+
+    sizes = numpy.asarray([int(s) for s in sizes], dtype=numpy.int64)
+    total = int(sizes.sum())
     dataset_index = numpy.empty(total, dtype=numpy.int16)
     dataset_sample_index = numpy.empty(total, dtype=numpy.int64)
-    for first in range(0, total, _BLEND_CHUNK):
-        picks: List[int] = []
-        counts: List[int] = []
-        for step in range(first, min(total, first + _BLEND_CHUNK)):
-            x = float(step) if step > 1 else 1.0
-            best, best_error = -1, -math.inf
-            for d in unspent:  # ascending ids, strict '>': the first maximum wins
-                error = w[d] * x - taken[d]
-                if error > best_error:
-                    best, best_error = d, error
-            picks.append(best)
-            counts.append(taken[best])
-            taken[best] += 1
-            if taken[best] == sizes[best]:
-                unspent.remove(best)
-        dataset_index[first:first + len(picks)] = picks
-        dataset_sample_index[first:first + len(counts)] = counts
+    fill_exhaustive_blending_indices(sizes, dataset_index, dataset_sample_index)
     return dataset_index, dataset_sample_index

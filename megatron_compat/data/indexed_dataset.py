@@ -14,10 +14,13 @@ file with D-1 documents has D entries. Names and signatures follow megatron-core
 an import is all a user changes; files written here are byte-identical to megatron-core's.
 
 Every problem found when opening a pair (missing file, wrong magic, unknown version or dtype code,
-truncated index, `.bin` shorter than the index says) raises `UsageError` naming the file.
+truncated index, `.bin` shorter or longer than the index says, byte pointers that disagree with the dtype
+code) raises `UsageError` naming the file. `max_token_id` (the largest id in the `.bin`, cached beside the
+index) lets the caller check the data against its vocabulary.
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import struct
@@ -28,6 +31,8 @@ from typing import Optional, Sequence, Tuple, Type, Union
 import numpy
 
 from usage_errors import UsageError
+
+logger = logging.getLogger(__name__)
 
 _INDEX_MAGIC = b"MMIDIDX\x00\x00"
 _INDEX_VERSION = 1
@@ -147,6 +152,20 @@ class _IndexReader:
         mode = self.sequence_modes[idx] if self.sequence_modes is not None else None
         return self.sequence_pointers[idx], self.sequence_lengths[idx], mode
 
+    def check_pointers(self) -> None:
+        """The byte pointers must advance by length x the header's token size (megatron-core writes them so):
+        catches a dtype code that disagrees with the data (e.g. uint8 in the header of uint16 tokens)."""
+        n = self.sequence_count
+        if n < 2:
+            return
+        tokens_before_last = int(self.sequence_lengths[:-1].sum(dtype=numpy.int64))
+        pointer = int(self.sequence_pointers[-1]) - int(self.sequence_pointers[0])
+        if pointer != tokens_before_last * self.dtype_size:
+            implied = f"{pointer / tokens_before_last:g}" if tokens_before_last else "?"
+            raise UsageError(f"{self.idx_path}: token dtype {numpy.dtype(self.dtype).name} ({self.dtype_size} "
+                             f"bytes a token) disagrees with its sequence pointers ({implied} bytes a token) — "
+                             "the dtype code is wrong or the index is corrupt; re-run preprocessing")
+
     def bin_bytes_needed(self) -> int:
         """The `.bin` size this index implies: the end of its last sequence."""
         if self.sequence_count == 0:
@@ -211,12 +230,20 @@ class IndexedDataset:
         if missing:
             raise UsageError([f"{p}: file not found — check the data path prefix {path_prefix!r}"
                               for p in missing])
+        logger.info("Load the %s from %s", type(self).__name__, idx_path)
         self.index = _IndexReader(idx_path, multimodal)
+        self.index.check_pointers()
         needed, have = self.index.bin_bytes_needed(), os.path.getsize(bin_path)
         if have < needed:
             raise UsageError(f"{bin_path}: data file is {have} bytes but its index needs {needed} — the "
                              "file is truncated; re-run preprocessing")
+        if have > needed:
+            raise UsageError(f"{bin_path}: data file is {have} bytes but its index ({idx_path}, token dtype "
+                             f"{numpy.dtype(self.index.dtype).name}) describes {needed} — the dtype code is "
+                             "wrong or the files do not belong together; re-run preprocessing")
         self.bin_reader = _MMapBinReader(bin_path) if mmap else _FileBinReader(bin_path)
+        logger.info("> total number of sequences: %d", len(self.index))
+        logger.info("> total number of documents: %d", self.index.document_count - 1)
 
     def __getstate__(self) -> Tuple[str, bool, bool]:
         return self.path_prefix, self.multimodal, self.mmap

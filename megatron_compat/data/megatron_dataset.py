@@ -1,8 +1,10 @@
 """`MegatronDataset` (the base of GPTDataset, with megatron-core's constructor), the pad-token rule, and the
 on-disk cache of index arrays shared by GPTDataset and BlendedDataset.
 
-Cache protocol: arrays live as `<md5 of the description>-<Class>-<split>-<name>.npy` next to a
-`...-description.txt`, in `path_to_cache`. The rank chosen by `builds_caches_first` builds and saves them; the
+Cache protocol (megatron-core 0.16.1's file names and descriptions, so each side reads the other's caches):
+arrays live as `<md5 of the description>-<Class>-<split>-<name>.npy` next to a `...-description.txt`, in
+`path_to_cache`; the description is `json.dumps(unique_identifiers, indent=4)` with objects (datasets,
+tokenizers) described by their own `unique_identifiers`. The rank chosen by `builds_caches_first` builds and saves them; the
 builder puts a barrier between it and the other ranks, which then only load. Files are written under temporary
 names and renamed, so a reader never sees a half-written array.
 """
@@ -10,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import time
 import warnings
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -23,6 +27,8 @@ from megatron_compat.data.dataset_config import BlendedMegatronDatasetConfig
 from megatron_compat.data.utils import Split, builds_caches_first, global_rank
 
 _PAD_TOKEN_ID = -1
+
+logger = logging.getLogger(__name__)
 
 
 def describe(identifiers: Dict[str, Any]) -> str:
@@ -41,25 +47,34 @@ def md5(text: str) -> str:
 
 
 def cached_arrays(path_to_cache: Optional[str], base: str, description: str, names: List[str],
-                  build: Callable[[], Dict[str, numpy.ndarray]], shared_storage: bool) -> Dict[str, numpy.ndarray]:
+                  build: Callable[[], Dict[str, numpy.ndarray]], shared_storage: bool, what: str
+                  ) -> Dict[str, numpy.ndarray]:
     """Loads the named arrays from the cache (memory-mapped), or builds them (and saves them when there is a
-    cache folder and this rank is the builder)."""
-    if not path_to_cache:
-        return build()
-    path_of = {name: os.path.join(path_to_cache, f"{base}-{name}.npy") for name in names}
-    description_path = os.path.join(path_to_cache, f"{base}-description.txt")
-    if all(os.path.isfile(p) for p in [description_path, *path_of.values()]):
-        return {name: numpy.load(path, mmap_mode="r") for name, path in path_of.items()}
-    if not builds_caches_first(shared_storage):
+    cache folder and this rank is the builder). `what` ("GPTDataset train", "BlendedDataset") names them in
+    megatron-core's progress lines ("Build and save the GPTDataset train indices", ...), logged at INFO."""
+    path_of = {name: os.path.join(path_to_cache, f"{base}-{name}.npy") for name in names} if path_to_cache else {}
+    description_path = os.path.join(path_to_cache, f"{base}-description.txt") if path_to_cache else None
+    if path_to_cache and all(os.path.isfile(p) for p in [description_path, *path_of.values()]):
+        logger.info("Load the %s indices", what)
+        arrays = {}
+        for name, path in path_of.items():
+            logger.info("\tLoad the %s from %s", name.replace("_", " "), os.path.basename(path))
+            arrays[name] = numpy.load(path, mmap_mode="r")
+        return arrays
+    if path_to_cache and not builds_caches_first(shared_storage):
         raise FileNotFoundError(
             f"{description_path}: index cache missing on rank {global_rank()} after the building rank wrote it — "
             f"is path_to_cache ({path_to_cache}) shared by all nodes? If not, set no_shared_storage "
             f"(each node's local rank 0 then builds its own copy)")
+    logger.info("Build and save the %s indices", what)
+    started = time.time()
     arrays = build()
-    os.makedirs(path_to_cache, exist_ok=True)
-    for name, array in arrays.items():
-        _atomic_write(path_of[name], lambda f, a=array: numpy.save(f, a))
-    _atomic_write(description_path, lambda f: f.write(description.encode("utf-8")))
+    if path_to_cache:
+        os.makedirs(path_to_cache, exist_ok=True)
+        for name, array in arrays.items():
+            _atomic_write(path_of[name], lambda f, a=array: numpy.save(f, a, allow_pickle=True))
+        _atomic_write(description_path, lambda f: f.write(description.encode("utf-8")))
+    logger.info("\t> time elapsed: %4f seconds", time.time() - started)
     return arrays
 
 
@@ -119,6 +134,7 @@ class MegatronDataset(ABC, torch.utils.data.Dataset):
         self.unique_identifiers["index_split"] = index_split.name
         for attr in self._key_config_attributes():
             self.unique_identifiers[attr] = getattr(config, attr)
+        self.unique_identifiers.update(self._extension_identifiers(config))
         self.unique_description = describe(self.unique_identifiers)
         self.unique_description_hash = md5(self.unique_description)
         self._pad_token_id = pad_token_id(config)
@@ -134,6 +150,12 @@ class MegatronDataset(ABC, torch.utils.data.Dataset):
     @staticmethod
     def _key_config_attributes() -> List[str]:
         return ["random_seed", "sequence_length", "split", "split_matrix", "tokenizer"]
+
+    @staticmethod
+    def _extension_identifiers(config: BlendedMegatronDatasetConfig) -> Dict[str, Any]:
+        """Ours: settings megatron-core leaves out of the description although they change the indices, added
+        only when they differ from megatron-core's behaviour, so that default caches keep megatron-core's names."""
+        return {}
 
     @abstractmethod
     def __len__(self) -> int: ...

@@ -230,6 +230,9 @@ def preprocess_files(inputs: Union[str, Sequence[str]], output_prefix: str, json
     settings = EncodeSettings(list(json_keys), append_eod, dtype, split_sentences, keep_newlines, lang, skip_empty)
     batches = _batches(paths, json_keys, partitions, keep_sequential_samples, batch_docs, batch_bytes)
     first = next(batches, None)
+    if first is None:  # Megatron writes an empty dataset here, which only fails later, at training
+        raise UsageError(f"--input: {', '.join(paths)}: no records to tokenize (empty input) — nothing was "
+                         "written; check the input file")
     fast_path = None
     if fast and first is not None:
         select = (fast_spm if getattr(tokenizer, "tokenizer_type", None) in SENTENCEPIECE_TYPES

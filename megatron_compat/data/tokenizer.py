@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 from typing import List, Optional, Sequence
 
+from megatron_compat.data import tokenizer_identity
 from usage_errors import UsageError
 
 HF_TYPES = ("HuggingFaceTokenizer", "PretrainedFromHF")
@@ -85,6 +86,8 @@ class HuggingFaceTokenizer(_Tokenizer):
             raise UsageError(f"{flag}: tokenizer {name_or_path} {where} ({str(exc).splitlines()[0]}) — give "
                              "a local tokenizer directory (tokenizer.json / tokenizer_config.json)") from None
         self._read_ids()
+        if tokenizer_type == "HuggingFaceTokenizer":  # megatron-core's cache names (tokenizer_identity)
+            self.unique_identifiers = tokenizer_identity.huggingface(name_or_path, use_fast, trust_remote_code)
 
     @classmethod
     def from_hf(cls, hf, tokenizer_type: str = "PretrainedFromHF",
@@ -145,6 +148,7 @@ class SentencePieceTokenizer(_Tokenizer):
         self.eod = self.sp.eos_id()
         self.bos = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
         self.pad = self.sp.pad_id() if self.sp.pad_id() >= 0 else None
+        self.unique_identifiers = tokenizer_identity.sentencepiece(model_file)
 
     def tokenize(self, text: str) -> List[int]:
         return self.sp.encode_as_ids(text)
@@ -182,6 +186,7 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
         self.bos = self.pad = None
         self.vocab_size = len(self.hf)
         self.backend = self.hf.backend_tokenizer
+        self.unique_identifiers = tokenizer_identity.gpt2_bpe(vocab_file, merge_file)
 
 
 class NullTokenizer(_Tokenizer):
@@ -196,6 +201,7 @@ class NullTokenizer(_Tokenizer):
         super().__init__(vocab_size=int(vocab_size))
         self.eod = int(vocab_size)
         self.vocab_size = int(vocab_size) + 1
+        self.unique_identifiers = tokenizer_identity.null(int(vocab_size))
 
     def tokenize(self, text: str) -> List[int]:
         try:

@@ -9,11 +9,14 @@ zeros and normalises; the split matrix holds each split's (begin, end) book-ends
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
+import sys
 from enum import Enum
 from itertools import accumulate
-from typing import Callable, List, Optional, Tuple, TypeVar
+from typing import Callable, Iterator, List, Optional, Tuple, TypeVar
 
 import numpy
 
@@ -140,3 +143,29 @@ def rank_zero_first(work: Callable[[], T], shared_storage: bool = True, *, other
     if not first and others:
         result = work()
     return result
+
+
+@contextlib.contextmanager
+def progress_lines(shared_storage: bool = True) -> Iterator[None]:
+    """Shows the dataset stack's progress lines (megatron-core's INFO lines: which IndexedDataset is loaded,
+    "Build and save the GPTDataset train indices", the time elapsed, the samples and epochs) on stdout, once:
+    only on the rank that builds the caches, between Megatron-LM's "> building train, validation, and test
+    datasets for GPT ..." and "> finished creating GPT datasets ..."."""
+    if not builds_caches_first(shared_storage):
+        yield
+        return
+    data_logger = logging.getLogger("megatron_compat.data")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    old_level, old_propagate = data_logger.level, data_logger.propagate
+    data_logger.addHandler(handler)
+    data_logger.setLevel(logging.INFO)
+    data_logger.propagate = False
+    try:
+        data_logger.info("> building train, validation, and test datasets for GPT ...")
+        yield
+        data_logger.info("> finished creating GPT datasets ...")
+    finally:
+        data_logger.removeHandler(handler)
+        data_logger.setLevel(old_level)
+        data_logger.propagate = old_propagate

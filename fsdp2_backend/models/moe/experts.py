@@ -28,6 +28,7 @@ class GroupedExperts(nn.Module):
 
     `dispatcher(experts, hidden, top_k_index, top_k_weights)`, when set, replaces the local routing.
     `use_grouped_gemm` selects `torch grouped_mm` / `npu_grouped_matmul` over the per-expert loop.
+    `gemm(x, weight, counts)`, when set from outside (the `quantize` stage: MXFP8 grouped GEMM), replaces both.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act_fn: Callable,
@@ -39,12 +40,14 @@ class GroupedExperts(nn.Module):
         self.act_fn = act_fn
         self.use_grouped_gemm = use_grouped_gemm
         self.dispatcher: Optional[Callable] = None
+        self.gemm: Optional[Callable] = None
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert outputs for slot rows `x` grouped by this rank's experts (`counts` rows each), unweighted."""
-        gate_up = grouped_linear(x, local_tensor(self.gate_up_proj), counts, self.use_grouped_gemm)
+        gemm = self.gemm or (lambda rows, weight, n: grouped_linear(rows, weight, n, self.use_grouped_gemm))
+        gate_up = gemm(x, local_tensor(self.gate_up_proj), counts)
         gate, up = gate_up.chunk(2, dim=-1)
-        return grouped_linear(self.act_fn(gate) * up, local_tensor(self.down_proj), counts, self.use_grouped_gemm)
+        return gemm(self.act_fn(gate) * up, local_tensor(self.down_proj), counts)
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """`hidden` (T, H); `top_k_index`, `top_k_weights` (T, k) → the weighted sum of each token's experts."""

@@ -22,6 +22,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from usage_errors import UsageError
+from fsdp2_backend.models.packed_attention import PACKED_ATTENTION
+from kernels.varlen import is_packed
 from fsdp2_backend.parallel.context_parallel.ring import ring_attention
 from fsdp2_backend.parallel.context_parallel.ulysses import heads_to_seq, replicate_kv_heads, seq_to_heads
 from fsdp2_backend.parallel.tp_cp_checks import context_parallel_problems, normalize_cp_type
@@ -88,12 +90,27 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
     key = seq_to_heads(replicate_kv_heads(key, cp), spec.group)
     value = seq_to_heads(replicate_kv_heads(value, cp), spec.group)
     # Positions are already in q/k (RoPE) and the gathered sequence is contiguous: this shard's position_ids must
-    # not reach the inner function (flash attention would read them as document boundaries).
-    kwargs.pop("position_ids", None)
+    # not reach the inner function (flash attention would read them as document boundaries). Packed rows
+    # (neat_packing): the packed attention gets the whole sequence's position ids, its document boundaries.
+    shard_positions = kwargs.pop("position_ids", None)
+    if shard_positions is not None and (spec.inner_attention == PACKED_ATTENTION or is_packed(shard_positions)):
+        full_positions = _gather_sequence(shard_positions.expand(query.shape[0], -1).contiguous(), spec.group)
+        if spec.inner_attention == PACKED_ATTENTION:
+            kwargs["position_ids"] = full_positions
+        elif is_packed(full_positions):
+            raise UsageError("context parallel: packed documents (restarting position_ids) need the packed "
+                             "attention — use data.neat_packing (SFT), or cp_size 1")
     view = _LocalHeadsView(module, query.shape[1] // key.shape[1])
     out, _ = _inner_attention(spec.inner_attention)(view, query, key, value, None, dropout=0.0, scaling=scale,
                                                     is_causal=True, **kwargs)
     return heads_to_seq(out, spec.group), None
+
+
+def _gather_sequence(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[b, s_local] pieces of the cp ranks (Ulysses: contiguous slices in rank order) → [b, s]."""
+    pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, shard, group=group)
+    return torch.cat(pieces, dim=1)
 
 
 AttentionInterface.register(ATTENTION_NAME, context_parallel_attention)
@@ -104,7 +121,8 @@ def _attention_modules(model: nn.Module):
     return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
 
 
-def enable_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: str, tp_size: int = 1) -> nn.Module:
+def enable_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: str, tp_size: int = 1,
+                            handled_layer_types=()) -> nn.Module:
     """Makes every attention layer of an HF model attend across the cp ranks of `cp_mesh` (1-D).
 
     Call after tensor parallel (pass its `tp_size`: Ulysses splits the tp-local heads) and before recompute and
@@ -118,8 +136,9 @@ def enable_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: str,
     if problems:
         raise UsageError(problems)
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if not layer_types <= _SUPPORTED_LAYER_TYPES:
-        unsupported = sorted(layer_types - _SUPPORTED_LAYER_TYPES)
+    supported = _SUPPORTED_LAYER_TYPES | set(handled_layer_types)  # e.g. linear attention, made CP by the caller
+    if not layer_types <= supported:
+        unsupported = sorted(layer_types - supported)
         raise UsageError(f"cp_size (--context-parallel-size): layer types {unsupported} of model_type "
                          f"{config.model_type} are not supported by context parallel — use cp_size 1")
     if getattr(config, "attention_dropout", 0.0):

@@ -42,19 +42,22 @@ def shift_labels(labels: Tensor, ignore_index: int = -100) -> Tensor:
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], dim=1)
 
 
-def _check_unpacked(batch: Dict[str, Tensor], seq_len: int) -> None:
+def _check_unpacked(batch: Dict[str, Tensor], seq_len: int, cp_type: str) -> None:
+    """Ulysses gathers the whole sequence for attention, so packed rows whose documents are marked by restarting
+    position_ids pass (the attention checks that it can honour them); ring declines them (not built)."""
     present = [key for key in _PACKING_KEYS if batch.get(key) is not None]
     mask = batch.get("attention_mask")
     if mask is not None and not bool(mask.bool().all()):
         present.append("attention_mask with padding")
     positions = batch.get("position_ids")
-    if positions is not None:
+    if positions is not None and normalize_cp_type(cp_type) != "ulysses":
         expected = torch.arange(seq_len, device=positions.device).expand_as(positions)
         if not torch.equal(positions, expected):
             present.append("position_ids that restart (reset_position_ids)")
     if present:
         raise UsageError(f"context parallel: packed or padded sequences ({', '.join(present)}) are not supported "
-                         "with cp_size > 1 — drop --reset-position-ids / --reset-attention-mask or use cp_size 1")
+                         "with cp_size > 1 (ring) — use cp_type ulysses with data.neat_packing, drop "
+                         "--reset-position-ids / --reset-attention-mask, or use cp_size 1")
 
 
 def shard_batch_for_cp(batch: Dict[str, Tensor], cp_rank: int, cp_size: int, cp_type: str,
@@ -70,7 +73,7 @@ def shard_batch_for_cp(batch: Dict[str, Tensor], cp_rank: int, cp_size: int, cp_
     problems = sequence_length_problems(seq_len, cp_size, cp_type)
     if problems:
         raise UsageError(problems)
-    _check_unpacked(batch, seq_len)
+    _check_unpacked(batch, seq_len, cp_type)
     out = {key: value for key, value in batch.items() if key not in PER_TOKEN_KEYS + ("attention_mask",)}
     index = sequence_indices(seq_len, cp_rank, cp_size, cp_type, device=batch["input_ids"].device)
     full = dict(batch)

@@ -1,0 +1,59 @@
+"""The config rules of quantised training (`model.quant_*`, low-precision all-gather), torch-free.
+
+`check_quantization` appends errors: the quant fields without a recipe; unknown converter names (listing the
+known ones); torchao missing; layouts the MXFP8 weights do not support yet (tensor and expert parallel).
+`quant_notices` lists fields with no effect in the chosen mode (reported once).
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import List
+
+from fsdp2_backend.config.schema import Config
+from fsdp2_backend.parallel.mx.names import CONVERTERS, EXPERTS_CONVERTER
+
+# Model fields that only a quantisation recipe reads.
+QUANT_ONLY_MODEL_FIELDS = ("quant_apply_modules", "quant_ignored_modules", "quant_converters",
+                           "enable_fsdp_low_precision_all_gather", "fsdp_low_precision_all_gather_mode")
+
+
+def check_quantization(config: Config, errors: List[str]) -> None:
+    m, p = config.model, config.parallel
+    if m.quant_recipe_name is None:
+        defaults = Config().model
+        errors.extend(f"model.{name}: only used with model.quant_recipe_name — set quant_recipe_name: mxfp8, or "
+                      f"unset it" for name in QUANT_ONLY_MODEL_FIELDS if getattr(m, name) != getattr(defaults, name))
+        return
+    unknown = [name for name in m.quant_converters if name not in CONVERTERS]
+    if unknown:
+        errors.append(f"model.quant_converters: unknown converter(s) {', '.join(map(repr, unknown))} — known: "
+                      f"{', '.join(CONVERTERS)}")
+    elif not m.quant_converters:
+        errors.append(f"model.quant_converters: empty, so nothing would be quantised — name at least one of "
+                      f"{', '.join(CONVERTERS)}")
+    if not m.quant_apply_modules:
+        errors.append("model.quant_apply_modules: empty, so nothing would be quantised — give module patterns "
+                      "such as 'model.layers.{*}'")
+    if importlib.util.find_spec("torchao") is None:
+        errors.append("model.quant_recipe_name: mxfp8 needs torchao — pip install torchao (megatron-fsdp2[quant])")
+    if p.tp_size > 1:
+        errors.append("model.quant_recipe_name: MXFP8 weights are not supported with tensor parallel yet (the "
+                      "weight wrapper is not a TP DTensor shard) — use parallel.tp_size 1, or drop quantisation")
+    if (p.ep_size > 1 or p.ep_fsdp_size > 1) and EXPERTS_CONVERTER in m.quant_converters:
+        errors.append(f"model.quant_converters: {EXPERTS_CONVERTER} is not supported with expert parallel yet — "
+                      f"use ep_size 1, or drop {EXPERTS_CONVERTER}")
+
+
+def quant_notices(config: Config) -> List[str]:
+    m = config.model
+    if m.quant_recipe_name is None:
+        return []
+    notices = []
+    if not m.enable_fsdp_low_precision_all_gather and m.fsdp_low_precision_all_gather_mode != "on-demand":
+        notices.append("model.fsdp_low_precision_all_gather_mode: no effect without "
+                       "enable_fsdp_low_precision_all_gather (weights are gathered in param_dtype)")
+    if (m.enable_fsdp_low_precision_all_gather and m.fsdp_low_precision_all_gather_mode == "on-demand"
+            and config.parallel.recompute):
+        notices.append("model.fsdp_low_precision_all_gather_mode: on-demand gathers both quantisations at once "
+                       "with parallel.recompute (the recomputed forward runs inside backward)")
+    return notices

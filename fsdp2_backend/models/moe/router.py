@@ -1,0 +1,382 @@
+"""The top-k MoE router with Megatron's routing options, as plain model code.
+
+Megatron-core's router (`megatron.core.transformer.moe.router.TopKRouter`, `moe_utils`) is tied to its
+process-group globals and CUDA, so it cannot run inside an HF model here; this module re-states its maths
+(tests compare every function with megatron-core 0.16.1 on the same logits):
+
+- scores: `softmax` (top-k on the logits then softmax over the k — renormalised; or `pre_softmax`: softmax over
+  all experts then top-k) or `sigmoid` (top-k of sigmoid scores, optionally selected on `scores + expert_bias`,
+  renormalised when k > 1); group-limited top-k (`num_groups` / `group_topk`); a `scaling_factor`;
+- load balancing: `aux_loss` (per micro-batch), `seq_aux_loss` (per sequence), `global_aux_loss` (token counts
+  of the whole global batch), `sinkhorn`, `none`; the router `z_loss`;
+- aux-loss-free balancing: `expert_bias`, a persistent buffer (saved in checkpoints), moved by
+  `bias_update_rate` × sign(mean load − load) after every step from the global token counts
+  (`finish_router_step`, as megatron-core's `finalize_model_grads` does).
+
+The HF model types route the same way with their own defaults (`RouterSettings.from_hf`): Qwen3-MoE is softmax
+(pre-softmax unless `norm_topk_prob`), MiniMax-M2 and Step-3.5 sigmoid with a correction bias, gpt_oss softmax
+over the top-k of biased logits.
+
+Losses: with `settings.megatron_losses` the router computes Megatron's losses in training, keeps the weighted
+sum (with its graph) in `pending_loss` for the model to return as `aux_loss`, and the unweighted values per name
+for the log line (`load_balancing_loss`, `seq_load_balancing_loss`, `global_load_balancing_loss`, `z_loss`),
+read and cleared by `finish_router_step`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp2_backend.models.moe.routing import balanced_assignment
+
+LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+              "global_aux_loss": "global_load_balancing_loss"}
+_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """How one router scores and selects experts, and which Megatron losses it adds."""
+
+    num_experts: int
+    top_k: int
+    score_function: str = "softmax"
+    pre_softmax: bool = False
+    num_groups: Optional[int] = None
+    group_topk: Optional[int] = None
+    scaling_factor: Optional[float] = None
+    load_balancing: Tuple[Tuple[str, float], ...] = ()  # (type, coeff): Megatron's losses, in its order
+    z_loss_coeff: Optional[float] = None
+    sinkhorn: bool = False
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    dtype: Optional[str] = None  # None: the input's dtype; "fp32" / "fp64"
+    megatron_losses: bool = False  # Megatron's losses replace the HF model's own aux loss
+
+    @classmethod
+    def from_hf(cls, hf_config, **overrides) -> "RouterSettings":
+        """The HF model type's own routing (Qwen3-MoE style: softmax; `norm_topk_prob` False = pre-softmax),
+        then the Megatron router fields a checkpoint's config recorded (`moe_router`, see `record_fields`)."""
+        num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts")
+        settings = cls(num_experts=num_experts, top_k=hf_config.num_experts_per_tok,
+                       pre_softmax=not getattr(hf_config, "norm_topk_prob", True))
+        settings = replace(settings, **overrides)
+        recorded = getattr(hf_config, ROUTER_CONFIG_KEY, None)
+        return settings.with_model_fields(_Fields(recorded)) if recorded else settings
+
+    def with_model_fields(self, model_args) -> "RouterSettings":
+        """These settings overridden by the config's `model.moe_*` fields (unset fields keep the model's own)."""
+        m, changes = model_args, {}
+        for field, attr in (("moe_router_score_function", "score_function"), ("moe_router_pre_softmax", "pre_softmax"),
+                            ("moe_router_num_groups", "num_groups"), ("moe_router_group_topk", "group_topk"),
+                            ("moe_router_topk_scaling_factor", "scaling_factor"), ("moe_router_dtype", "dtype"),
+                            ("moe_z_loss_coeff", "z_loss_coeff")):
+            if getattr(m, field, None) is not None:
+                changes[attr] = getattr(m, field)
+        if getattr(m, "moe_router_enable_expert_bias", False):
+            changes.update(expert_bias=True, bias_update_rate=m.moe_router_bias_update_rate)
+        kinds = getattr(m, "moe_router_load_balancing_type", None)
+        if kinds is not None:
+            kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+            coeffs = m.moe_aux_loss_coeff
+            coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
+            changes.update(megatron_losses=True, sinkhorn="sinkhorn" in kinds,
+                           load_balancing=tuple((k, float(c)) for k, c in zip(kinds, coeffs) if k in LOSS_NAMES))
+        elif changes.get("z_loss_coeff"):
+            changes["megatron_losses"] = True
+        return replace(self, **changes)
+
+
+ROUTER_CONFIG_KEY = "moe_router"  # the HF config key a run's Megatron router fields are recorded under
+_FIELD_DEFAULTS = {"moe_router_enable_expert_bias": False, "moe_router_bias_update_rate": 1e-3,
+                   "moe_aux_loss_coeff": 0.0}
+
+
+class _Fields:
+    """Model-argument look-alike over a recorded dict of `moe_*` fields (absent ones unset)."""
+
+    def __init__(self, values: Dict):
+        self.__dict__.update(values)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _FIELD_DEFAULTS.get(name)
+
+
+def router_fields(model_args) -> Dict:
+    """The `model.moe_router_*` / `moe_*_coeff` fields a run set (to record in the model's HF config, so that
+    a checkpoint continues with the same router without the flags)."""
+    names = ("moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+             "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias",
+             "moe_router_bias_update_rate", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+             "moe_z_loss_coeff", "moe_router_dtype")
+    values = {name: getattr(model_args, name, None) for name in names}
+    return {k: v for k, v in values.items() if v is not None and v != _FIELD_DEFAULTS.get(k, None)}
+
+
+# -- the routing functions (megatron-core's moe_utils, same maths) ------------------------------------------
+def group_limited_topk(scores: torch.Tensor, top_k: int, num_groups: int, group_topk: int):
+    """Top-k within the `group_topk` expert groups whose top-(k / group_topk) scores sum highest."""
+    tokens, experts = scores.shape
+    group_scores = scores.view(tokens, num_groups, -1).topk(top_k // group_topk, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(tokens, num_groups, experts // num_groups).reshape(tokens, -1)
+    return torch.topk(scores.masked_fill(~score_mask.bool(), float("-inf")), k=top_k, dim=-1)
+
+
+def topk_routing(logits: torch.Tensor, s: RouterSettings, expert_bias: Optional[torch.Tensor] = None,
+                 index: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(weights, index), both (tokens, k): the selected experts and their combine weights. `index`, when
+    given, replaces the selection (fix_router) and the weights are computed for it the same way."""
+
+    def pick(scores):
+        if index is not None:
+            return scores.gather(1, index), index
+        if s.group_topk:
+            return group_limited_topk(scores, s.top_k, s.num_groups, s.group_topk)
+        return torch.topk(scores, k=s.top_k, dim=1)
+
+    if s.score_function == "softmax":
+        if s.pre_softmax:
+            probs, idx = pick(torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits))
+        else:
+            top, idx = pick(logits)
+            probs = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
+    elif s.score_function == "sigmoid":
+        scores = torch.sigmoid(logits.float()).type_as(logits)
+        if expert_bias is not None:
+            idx = index if index is not None else pick(scores + expert_bias)[1]
+            probs = torch.gather(scores, 1, idx).type_as(logits)
+        else:
+            probs, idx = pick(scores)
+        probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20) if s.top_k > 1 else probs
+    else:
+        raise ValueError(f"unknown router score function {s.score_function!r}")
+    if s.scaling_factor:
+        probs = probs * s.scaling_factor
+    return probs, idx
+
+
+def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+    """Sinkhorn-Knopp balancing of exp(cost) (megatron-core's, same iteration and tolerance)."""
+    cost = torch.exp(cost)
+    d0 = torch.ones(cost.size(0), device=cost.device, dtype=cost.dtype)
+    d1 = torch.ones(cost.size(1), device=cost.device, dtype=cost.dtype)
+    eps, error, d1_old = 1e-8, 1e9, d1
+    while error > tol:
+        d0 = (1 / d0.size(0)) * 1 / (torch.sum(d1 * cost, 1) + eps)
+        d1 = (1 / d1.size(0)) * 1 / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
+        error = torch.mean(torch.abs(d1_old - d1))
+        d1_old = d1
+    return d1 * cost * d0.unsqueeze(1)
+
+
+def sinkhorn_routing(logits: torch.Tensor, top_k: int, training: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(weights, index): experts chosen on the Sinkhorn-balanced logits in training (on the activations in
+    evaluation); weights are sigmoid (k = 1) or softmax scores of the chosen experts, not renormalised."""
+    act = torch.sigmoid(logits) if top_k == 1 else torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+    with torch.no_grad():
+        chooser = sinkhorn(logits.float()) if training else act
+        idx = torch.topk(chooser, k=top_k, dim=1)[1]
+    return act.gather(1, idx), idx
+
+
+def aux_loss_scores(logits: torch.Tensor, top_k: int, score_function: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(routing_map (T, E) bool, scores (T, E)) the load-balancing losses use: plain top-k of softmax scores,
+    or of sum-normalised sigmoid scores (no bias, no groups)."""
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = torch.sigmoid(logits)
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    top = torch.topk(scores, k=top_k, dim=1)[1]
+    return torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True), scores
+
+
+def switch_load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, total_tokens,
+                               top_k: int, num_experts: int, coeff: float) -> torch.Tensor:
+    """E · coeff / (k · T²) · Σ_e (Σ_t p_te) · n_e — the Switch Transformer loss, Megatron's normalisation."""
+    return torch.sum(probs.sum(dim=0) * tokens_per_expert) * (
+        num_experts * coeff / (top_k * total_tokens * total_tokens))
+
+
+def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    """coeff · mean over tokens of logsumexp(logits)² (ST-MoE)."""
+    return torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * coeff
+
+
+def updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, rate: float) -> torch.Tensor:
+    """bias + rate · sign(mean load − load), per router row (the token counts already summed over ranks)."""
+    average = tokens_per_expert.sum(dim=-1, keepdim=True) / tokens_per_expert.shape[-1]
+    return expert_bias + torch.sign(average - tokens_per_expert) * rate
+
+
+# -- the module ------------------------------------------------------------------------------------------------
+class TopKRouter(nn.Module):
+    """Router logits `x @ weight.T (+ bias)` → (logits, top-k weights, top-k index), HF routers' return value.
+
+    `settings` say how to route; `fixed` (fix_router) takes the experts from `balanced_assignment` (balanced
+    load for performance tuning — different results) and weights them as the router would. `token_group`, set
+    from outside, is the data-parallel group `global_aux_loss` sums token counts over (None: this rank only).
+    Input of shape (B, S, H) lets `seq_aux_loss` tell the sequences apart; (T, H) is one sequence.
+    """
+
+    def __init__(self, settings: RouterSettings, hidden_size: int, bias: bool = False):
+        nn.Module.__init__(self)  # not super(): model routers also derive from their HF router class
+        self.settings = settings
+        self.hidden_dim = hidden_size
+        self.top_k, self.num_experts = settings.top_k, settings.num_experts
+        self.weight = nn.Parameter(torch.zeros(settings.num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(settings.num_experts)) if bias else None
+        self.fixed = False
+        self.token_group: Optional[dist.ProcessGroup] = None
+        self.pending_loss: Optional[torch.Tensor] = None
+        self.logged: Dict[str, torch.Tensor] = {}
+        self.apply_settings(settings)
+
+    def apply_settings(self, settings: RouterSettings) -> None:
+        """Adopts `settings`, creating the buffers they need (expert bias and token counts) on the weight's
+        device; an existing expert bias is kept."""
+        self.settings = settings
+        device = self.weight.device
+        if settings.expert_bias and getattr(self, "expert_bias", None) is None:
+            self.register_buffer("expert_bias", torch.zeros(settings.num_experts, device=device))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(settings.num_experts, device=device),
+                                 persistent=False)
+        if any(kind == "global_aux_loss" for kind, _ in settings.load_balancing):
+            self.register_buffer("global_tokens_per_expert", torch.zeros(settings.num_experts, device=device),
+                                 persistent=False)
+            self.register_buffer("ga_steps", torch.zeros((), device=device), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Zeroes the routing buffers (their initialisation; the expert bias starts at 0 as in Megatron)."""
+        for name in ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert", "ga_steps"):
+            buf = getattr(self, name, None)
+            if buf is not None:
+                buf.zero_()
+
+    def gating(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = _DTYPES[self.settings.dtype] or hidden.dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(hidden.to(dtype), self.weight.to(dtype), bias)
+
+    def forward(self, hidden_states: torch.Tensor):
+        batch = hidden_states.shape[0] if hidden_states.dim() == 3 else 1
+        logits = self.gating(hidden_states.reshape(-1, self.hidden_dim))
+        weights, index = self.route(logits, batch)
+        return logits, weights, index
+
+    def route(self, logits: torch.Tensor, batch: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(weights, index) for router logits (T, E) of `batch` sequences laid out one after the other; adds
+        the Megatron losses and counts the expert load in training."""
+        s = self.settings
+        training = self.training and torch.is_grad_enabled()
+        self.pending_loss = None
+        if training and s.megatron_losses and s.z_loss_coeff:
+            self._add_loss("z_loss", z_loss(logits, s.z_loss_coeff), s.z_loss_coeff)
+        bias = getattr(self, "expert_bias", None) if s.expert_bias else None
+        index = balanced_assignment(logits.shape[0], s.top_k, s.num_experts, logits.device) if self.fixed else None
+        if s.sinkhorn and index is None:
+            weights, index = sinkhorn_routing(logits, s.top_k, self.training)
+        else:
+            weights, index = topk_routing(logits, s, bias, index)
+        if training and s.megatron_losses and s.load_balancing:
+            self._load_balancing_losses(logits, batch)
+        if training and bias is not None:
+            with torch.no_grad():  # the load seen this step, for the bias update after it
+                self.local_tokens_per_expert += torch.bincount(index.reshape(-1), minlength=s.num_experts)
+        return weights, index
+
+    def _load_balancing_losses(self, logits: torch.Tensor, batch: int) -> None:
+        s = self.settings
+        routing_map, scores = aux_loss_scores(logits, s.top_k, s.score_function)
+        tokens = logits.shape[0]
+        for kind, coeff in s.load_balancing:
+            if coeff <= 0:
+                continue
+            if kind == "aux_loss":
+                loss = switch_load_balancing_loss(scores, routing_map.sum(0), tokens, s.top_k, s.num_experts, coeff)
+            elif kind == "seq_aux_loss":  # per sequence: (B, S, E) → (S, B·E), Megatron's [s, b] layout
+                seq = tokens // batch
+                per_seq = lambda t: t.view(batch, seq, -1).transpose(0, 1).reshape(seq, -1)  # noqa: E731
+                loss = switch_load_balancing_loss(per_seq(scores), per_seq(routing_map).sum(0), seq, s.top_k,
+                                                  s.num_experts, coeff) / batch
+            else:  # global_aux_loss: the global batch's token counts, averaged over its micro-batches so far
+                counts = routing_map.sum(0).float()
+                size = 1
+                if self.token_group is not None:
+                    dist.all_reduce(counts, group=self.token_group)
+                    size = dist.get_world_size(self.token_group)
+                with torch.no_grad():
+                    self.global_tokens_per_expert += counts
+                    self.ga_steps += 1
+                loss = switch_load_balancing_loss(scores, self.global_tokens_per_expert / self.ga_steps,
+                                                  tokens * size, s.top_k, s.num_experts, coeff)
+            self._add_loss(LOSS_NAMES[kind], loss, coeff)
+
+    def _add_loss(self, name: str, weighted: torch.Tensor, coeff: float) -> None:
+        self.pending_loss = weighted if self.pending_loss is None else self.pending_loss + weighted
+        value = (weighted / coeff).detach().float()
+        self.logged[name] = self.logged[name] + value if name in self.logged else value
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, top_k={self.top_k}, {self.settings.score_function}"
+
+
+def routers(model: nn.Module) -> Iterator[TopKRouter]:
+    yield from (m for m in model.modules() if isinstance(m, TopKRouter))
+
+
+def collect_aux_loss(model: nn.Module) -> Optional[torch.Tensor]:
+    """The sum of the routers' weighted Megatron losses of the last forward (None when none), taken once."""
+    total = None
+    for router in routers(model):
+        if router.pending_loss is not None:
+            total = router.pending_loss if total is None else total + router.pending_loss
+            router.pending_loss = None
+    return total
+
+
+@torch.no_grad()
+def finish_router_step(model: nn.Module, num_microbatches: int, group: Optional[dist.ProcessGroup] = None
+                       ) -> Dict[str, float]:
+    """After a training step: updates every expert bias from the token counts summed over all ranks (the sign
+    of mean load − load does not change when tensor or context ranks count the same tokens twice), resets the
+    step's counters, and returns Megatron's MoE log values (each loss summed over layers / number of MoE
+    layers, averaged over micro-batches and over the data-parallel `group`)."""
+    found = list(routers(model))
+    if not found:
+        return {}
+    distributed = dist.is_available() and dist.is_initialized()
+    biased = [r for r in found if getattr(r, "expert_bias", None) is not None]
+    if biased:
+        counts = torch.stack([r.local_tokens_per_expert for r in biased])
+        if distributed:
+            dist.all_reduce(counts)
+        new = updated_expert_bias(counts, torch.stack([r.expert_bias for r in biased]),
+                                  biased[0].settings.bias_update_rate)
+        for router, bias in zip(biased, new):
+            router.expert_bias.copy_(bias)
+            router.local_tokens_per_expert.zero_()
+    for router in found:
+        if getattr(router, "ga_steps", None) is not None:
+            router.global_tokens_per_expert.zero_()
+            router.ga_steps.zero_()
+    names = list(dict.fromkeys(name for r in found for name in r.logged))  # megatron-core's order: z_loss first
+    if not names:
+        return {}
+    values = torch.stack([sum(r.logged[n] for r in found if n in r.logged) for n in names]).float()
+    values /= len(found) * num_microbatches
+    if distributed and group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(values, group=group)
+        values /= dist.get_world_size(group)
+    for router in found:
+        router.logged = {}
+    return dict(zip(names, values.tolist()))

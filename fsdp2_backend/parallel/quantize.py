@@ -1,0 +1,113 @@
+"""The `quantize` plan stage (first in the fixed order): MXFP8 training for the modules the config names.
+
+Selection (MindSpeed-LLM's fields): a module is converted when its name or an ancestor's matches
+`model.quant_apply_modules` and neither its name nor an ancestor's matches `model.quant_ignored_modules`
+(patterns as in every plan, `fsdp2_backend.parallel.plans`; the defaults keep `lm_head` and MoE routers
+(`*gate`) in high precision). Converters (`model.quant_converters`, names in `parallel.mx.names`):
+
+- `quantize.linear.mx`: an `nn.Linear`'s weight becomes an `MXTrainingWeight` (`parallel.mx.weight`): its
+  forward and both backward GEMMs run in MXFP8 (`kernels.mx_linear`); both dims must be multiples of 32
+  (MX blocks), others stay high precision and are listed once;
+- `quantize.grouped_experts.mx`: stacked MoE experts (`GroupedExperts`) run the MXFP8 grouped GEMM
+  (`kernels.mx_linear.mx_grouped_linear`) through their `gemm` hook; their weights gather in high precision.
+
+Master weights, optimizer state, checkpoints and the HF export stay unquantised: the state dict of a
+converted module holds the plain weight (`unwrap`), which shares storage with the wrapper, so loading into it
+in place loads the weight. `finish_after_fsdp` runs after FSDP: it decides per weight whether the all-gather
+can be low precision (the shard must hold whole 32-row blocks) and, for units that keep their gathered
+weights through backward (no reshard after forward) or recompute their forward inside backward, gathers both
+quantisations at once.
+"""
+from __future__ import annotations
+
+from typing import List
+
+from torch import nn
+
+from fsdp2_backend.config import Config
+from fsdp2_backend.parallel.mx.names import EXPERTS_CONVERTER, LINEAR_CONVERTER
+from fsdp2_backend.parallel.mx.weight import MXSettings, MXTrainingWeight, unwrap
+from fsdp2_backend.parallel.plans import lenient_matches, matches
+from kernels.mx import BLOCK
+
+
+def _selected(name: str, apply: List[str], ignored: List[str]) -> bool:
+    parts = name.split(".")
+    prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return any(matches(p, apply) for p in prefixes) and not any(matches(p, ignored) for p in prefixes)
+
+
+def _unwrap_state_dict(module: nn.Module, state_dict, prefix, local_metadata) -> None:
+    key = prefix + "weight"
+    if key in state_dict:
+        state_dict[key] = unwrap(state_dict[key])
+
+
+def apply_quantization(model: nn.Module, config: Config) -> List[str]:
+    """Converts the selected modules in place; returns the names of the converted modules."""
+    from fsdp2_backend.models.moe.experts import GroupedExperts
+    from fsdp2_backend.training.checkpoint_io import print_rank0
+    from kernels.mx_linear import mx_grouped_linear
+
+    m = config.model
+    lenient_matches(model, m.quant_apply_modules, "model.quant_apply_modules")
+    converted, skipped = [], []
+    for name, module in model.named_modules():
+        if not name or not _selected(name, m.quant_apply_modules, m.quant_ignored_modules):
+            continue
+        if LINEAR_CONVERTER in m.quant_converters and isinstance(module, nn.Linear):
+            if module.in_features % BLOCK or module.out_features % BLOCK:
+                skipped.append(name)
+                continue
+            settings = MXSettings(low_precision_gather=m.enable_fsdp_low_precision_all_gather,
+                                  mode=m.fsdp_low_precision_all_gather_mode)
+            weight = module.weight
+            module.weight = nn.Parameter(MXTrainingWeight(weight.data, settings), requires_grad=weight.requires_grad)
+            module.register_state_dict_post_hook(_unwrap_state_dict)
+            converted.append(name)
+        elif EXPERTS_CONVERTER in m.quant_converters and isinstance(module, GroupedExperts):
+            dims = module.gate_up_proj.shape[1:] + module.down_proj.shape[1:]
+            if any(d % BLOCK for d in dims):
+                skipped.append(name)
+                continue
+            module.gemm = mx_grouped_linear
+            converted.append(name)
+    if skipped:
+        print_rank0(f"notice: model.quant_recipe_name: {len(skipped)} module(s) stay high precision, a dim not a "
+                    f"multiple of {BLOCK} (MX blocks): {', '.join(skipped)}")
+    print_rank0(f"quantisation: {m.quant_recipe_name} in {len(converted)} module(s) (emulated unless the device has "
+                f"MX GEMMs)")
+    return converted
+
+
+def mx_weights(model: nn.Module):
+    """(name, MXTrainingWeight local tensor) for every converted weight of `model` (FSDP'd or not)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, param in model.named_parameters():
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if isinstance(local, MXTrainingWeight):
+            yield name, local
+
+
+def finish_after_fsdp(model: nn.Module, recompute: bool) -> None:
+    """Per FSDP parameter: low-precision gather only where the shard holds whole column blocks; both
+    quantisations in one gather where backward gets no gather of its own (or recomputes the forward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in model.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        group = unit._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in (group.fsdp_params if group is not None else ()):
+            local = fsdp_param._sharded_local_tensor
+            if not isinstance(local, MXTrainingWeight):
+                continue
+            settings = local.settings
+            world = fsdp_param.mesh_info.shard_mesh_size
+            rows = fsdp_param._orig_size[0]
+            # One rank gathers nothing (and FSDP2's 1-rank path copies a single all-gather input only).
+            if world == 1 or rows % (world * BLOCK):
+                settings.low_precision_gather = False
+            if fsdp_param.post_forward_mesh_info is None or recompute:
+                settings.gather_both = True

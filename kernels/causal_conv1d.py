@@ -1,0 +1,62 @@
+"""Depthwise causal conv1d (the short convolution in front of Gated DeltaNet / Mamba mixers), with document
+resets for packed sequences.
+
+out[t, c] = act(bias[c] + sum_j weight[c, j] * x[t - (W-1) + j, c]), W the kernel width, taps before the
+start of the sequence — or, with `cu_seqlens` (see `kernels/varlen.py`), before the start of t's document —
+count as zero, so no token sees the previous document. The math is transformers' `causal_conv1d_fn` fallback
+(computed in the weight's dtype, the activation applied, cast back to the input's dtype). Layout: x [B, T, C]
+(channels last, as the projections produce it), weight [C, W].
+
+Implementations: "torch" — `F.conv1d` for unpacked rows (what transformers runs), and for packed rows a sum
+over the W shifted copies of x with each tap masked where it would cross a document start (W is 4: W cheap
+elementwise passes, vectorised over the whole batch). On NPU the same plain tensor ops run. Dao-AILab's
+causal-conv1d CUDA kernel is used only when the caller asks for it and the package is importable.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from kernels.varlen import position_ids_from_cu_seqlens
+
+Tensor = torch.Tensor
+
+
+def _activate(x: Tensor, activation: Optional[str]) -> Tensor:
+    if activation is None:
+        return x
+    if activation in ("silu", "swish"):
+        return F.silu(x)
+    raise ValueError(f"causal_conv1d: unsupported activation {activation!r} (silu or None)")
+
+
+def causal_conv1d_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                            activation: Optional[str] = "silu", cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    """The torch reference: x [B, T, C], weight [C, W] → [B, T, C] in x's dtype."""
+    batch, length, channels = x.shape
+    width = weight.shape[-1]
+    h = x.to(weight.dtype)
+    if cu_seqlens is None:
+        out = F.conv1d(h.transpose(1, 2), weight.unsqueeze(1), bias, padding=width - 1, groups=channels)
+        return _activate(out[:, :, :length], activation).transpose(1, 2).to(x.dtype)
+    position = position_ids_from_cu_seqlens(cu_seqlens, batch, length).unsqueeze(-1)  # [B, T, 1]
+    padded = F.pad(h, (0, 0, width - 1, 0))
+    out = torch.zeros_like(h) if bias is None else bias.to(h.dtype).expand_as(h).clone()
+    for j in range(width):
+        lag = width - 1 - j  # tap j reads the token `lag` steps back, valid while still inside the document
+        out = out + (padded[:, j:j + length] * weight[:, j]).masked_fill(position < lag, 0)
+    return _activate(out, activation).to(x.dtype)
+
+
+def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = "silu",
+                  cu_seqlens: Optional[Tensor] = None, use_cuda_kernel: bool = False) -> Tensor:
+    """Depthwise causal conv1d with the implementation for x's device (see the module docstring)."""
+    if use_cuda_kernel and x.device.type == "cuda" and cu_seqlens is None and \
+            importlib.util.find_spec("causal_conv1d") is not None:
+        from causal_conv1d import causal_conv1d_fn  # guarded: optional CUDA package
+
+        return causal_conv1d_fn(x.transpose(1, 2), weight, bias, activation=activation).transpose(1, 2)
+    return causal_conv1d_reference(x, weight, bias, activation, cu_seqlens)

@@ -1,0 +1,96 @@
+"""The two sequential index loops behind GPTDataset and BlendedDataset, compiled with numba.
+
+Why numba: the sample index walk and the greedy blending choice are sequential (each step depends on the
+last), so numpy cannot express them without several full-size temporaries, and a Python loop is 30x slower
+than megatron-core's C++ `helpers.cpp`. numba compiles them at first use from a wheel (no compiler on the
+user's machine, no build step at install); `cache=True` keeps the machine code under `__pycache__` (or
+numba's user cache folder when that is read-only), so later runs load it in milliseconds.
+
+The arithmetic is the C++ helpers': int64 token counters, and for blending IEEE doubles in the same order
+(`weight * max(step, 1.0) - taken`, no fused multiply-add, strict `>` so the first maximum wins), which is
+why the results are bit-identical. Callers allocate the outputs (with megatron-core's dtypes) and these
+kernels only fill them: no temporaries.
+"""
+from __future__ import annotations
+
+import numpy
+from numba import njit
+
+
+@njit(cache=True, nogil=True)
+def fill_sample_index(sizes, document_index, seq_length, extra, out):  # pragma: no cover - compiled
+    """out[k] = (position in document_index, token offset) where sample k starts; out[0] = (0, 0). A sample
+    spans seq_length + extra tokens, and the next one starts `extra` tokens before this one ends. When the
+    documents run out (a kept partial last sample), the end row is (last position, its length - extra)."""
+    last = document_index.shape[0] - 1
+    position = 0
+    offset = 0
+    out[0, 0] = 0
+    out[0, 1] = 0
+    for k in range(1, out.shape[0]):
+        need = seq_length + extra
+        while True:
+            size = sizes[document_index[position]]
+            available = size - offset
+            if available >= need:  # this document completes the sample
+                offset += need - extra
+                break
+            need -= available
+            if position == last:
+                offset = size - extra
+                break
+            position += 1
+            offset = 0
+        out[k, 0] = position
+        out[k, 1] = offset
+
+
+@njit(cache=True, nogil=True)
+def fill_blending_indices(weights, dataset_index, dataset_sample_index):  # pragma: no cover - compiled
+    """Step by step, the first dataset with the largest weight * max(step, 1) - taken; its running count is
+    the sample it gives."""
+    num = weights.shape[0]
+    taken = numpy.zeros(num, dtype=numpy.int64)
+    for step in range(dataset_index.shape[0]):
+        x = max(float(step), 1.0)
+        best = 0
+        best_error = weights[0] * x - float(taken[0])
+        for d in range(1, num):
+            error = weights[d] * x - float(taken[d])
+            if error > best_error:
+                best = d
+                best_error = error
+        dataset_index[step] = best
+        dataset_sample_index[step] = taken[best]
+        taken[best] += 1
+
+
+@njit(cache=True, nogil=True)
+def fill_exhaustive_blending_indices(sizes, dataset_index, dataset_sample_index):  # pragma: no cover
+    """Greedy picks in proportion to `sizes` (weights size / total in doubles) among the datasets not yet
+    spent, ascending ids, until each dataset d gave exactly sizes[d] samples."""
+    num = sizes.shape[0]
+    total = 0
+    for d in range(num):
+        total += sizes[d]
+    weights = numpy.empty(num, dtype=numpy.float64)
+    for d in range(num):
+        weights[d] = sizes[d] / float(total)
+    taken = numpy.zeros(num, dtype=numpy.int64)
+    spent = numpy.zeros(num, dtype=numpy.bool_)
+    for step in range(dataset_index.shape[0]):
+        x = max(float(step), 1.0)
+        best = -1
+        best_error = -numpy.inf
+        for d in range(num):
+            if spent[d]:
+                continue
+            error = weights[d] * x - float(taken[d])
+            if best < 0 or error > best_error:
+                best = d
+                best_error = error
+        dataset_index[step] = best
+        dataset_sample_index[step] = taken[best]
+        taken[best] += 1
+        if taken[best] == sizes[best]:
+            spent[best] = True

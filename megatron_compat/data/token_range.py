@@ -1,0 +1,60 @@
+"""The range of token ids in a `.bin` (computed once, cached beside the `.idx`) and the check of a dataset
+against the run's vocabulary: an id at or above the vocabulary size would otherwise surface as an
+IndexError deep in the embedding (a device-side assert on GPU), long after start.
+
+Cache: `<prefix>.token_range` (a name Megatron's tools/merge_datasets.py passes over: same prefix, and its
+`.idx` exists), one line `<bin size> <bin mtime_ns> <min id> <max id>`; a stale or
+unreadable cache is recomputed, an unwritable folder is tolerated (the range is then computed each run).
+"""
+from __future__ import annotations
+
+import os
+from typing import Tuple
+
+import numpy
+
+from usage_errors import UsageError
+from megatron_compat.data.indexed_dataset import _IndexReader, get_bin_path, get_idx_path
+
+_CHUNK = 1 << 26  # tokens per reduction step: bounded page-cache pressure on huge files
+
+
+def token_range(path_prefix: str) -> Tuple[int, int]:
+    """(smallest, largest) token id in the `.bin` of `path_prefix`; (0, -1) when it holds no tokens."""
+    idx_path, bin_path = get_idx_path(path_prefix), get_bin_path(path_prefix)
+    stat = os.stat(bin_path)
+    stamp = f"{stat.st_size} {stat.st_mtime_ns}"
+    cache = f"{path_prefix}.token_range"
+    try:
+        with open(cache) as f:
+            size, mtime, low, high = f.read().split()
+        if f"{size} {mtime}" == stamp:
+            return int(low), int(high)
+    except (OSError, ValueError):
+        pass
+    dtype = _IndexReader(idx_path, multimodal=False).dtype
+    tokens = numpy.memmap(bin_path, dtype=dtype, mode="r") if stat.st_size else numpy.zeros(0, dtype)
+    low, high = 0, -1
+    for start in range(0, len(tokens), _CHUNK):
+        chunk = tokens[start:start + _CHUNK]
+        low = int(chunk.min()) if start == 0 else min(low, int(chunk.min()))
+        high = max(high, int(chunk.max()))
+    del tokens
+    try:
+        tmp = f"{cache}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(f"{stamp} {low} {high}\n")
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # a read-only data folder: recomputed next time
+    return low, high
+
+
+def check_token_ids(path_prefix: str, vocab_size: int) -> None:
+    """UsageError naming the file when an id lies outside [0, vocab_size)."""
+    low, high = token_range(path_prefix)
+    if high >= vocab_size or low < 0:
+        bad = high if high >= vocab_size else low
+        raise UsageError(f"{get_bin_path(path_prefix)}: token id {bad} is outside the tokenizer's vocabulary "
+                         f"(size {vocab_size}) — the data was tokenized with another tokenizer; preprocess it "
+                         "with this run's tokenizer or train with the one it was made with")

@@ -1,0 +1,139 @@
+"""Faults between processes, with real processes: the save directory's lock (a second run refused while the first
+lives, taken over once it was killed), Megatron's --exit-signal-handler under torchrun (SIGTERM sent to the whole
+process tree, as a scheduler's preemption does: the workers save at the next iteration and exit, and the same
+command resumes from there), and a usage error under torchrun printed once."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.helpers import REPO, free_port
+
+FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --seq-length 32 "
+         "--max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 2 --lr 1e-3 --min-lr 1e-4 "
+         "--lr-decay-style cosine --lr-decay-iters 1000 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
+         "--swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope --hidden-dropout 0 "
+         "--log-interval 1 --save-interval 1000 --eval-iters 0").split()
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+ENV.pop("WORLD_SIZE", None)
+
+
+def _command(args, ranks):
+    entry = [os.path.join(REPO, "pretrain_fsdp2.py"), *map(str, args)]
+    if ranks == 1:
+        return [sys.executable, *entry]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+            str(free_port()), *entry]
+
+
+def start(args, log: Path, ranks=1) -> subprocess.Popen:
+    """A run in a session of its own, its output (stdout and stderr) in `log`."""
+    return subprocess.Popen(_command(args, ranks), stdout=open(log, "w"), stderr=subprocess.STDOUT, env=ENV,
+                            cwd=REPO, start_new_session=True)
+
+
+def run(args, ranks=1):
+    return subprocess.run(_command(args, ranks), capture_output=True, text=True, env=ENV, cwd=REPO, timeout=600)
+
+
+def wait_for(proc: subprocess.Popen, log: Path, pattern: str, timeout=300.0) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while True:
+        match = re.search(pattern, log.read_text())
+        if match:
+            return match
+        assert proc.poll() is None, f"the run ended first:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def process_tree(pid: int):
+    """`pid` and all its descendants (torchrun's workers run in sessions of their own: a process group is not
+    enough), read from /proc."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo += children.get(current, [])
+    return tree
+
+
+def signal_tree(pid: int, sig) -> None:
+    for member in process_tree(pid):
+        try:
+            os.kill(member, sig)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_second_run_into_a_live_runs_save_dir_is_refused_and_a_dead_runs_lock_taken_over(tmp_path):
+    save = tmp_path / "save"
+    first = start(FLAGS + ["--train-iters", "100000", "--save", save], tmp_path / "first.log")
+    try:
+        wait_for(first, tmp_path / "first.log", r"iteration +2/")
+        second = run(FLAGS + ["--train-iters", "4", "--save", save])
+        assert second.returncode == 2, second.stderr[-3000:]
+        errors = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "Traceback" not in second.stderr
+        assert re.fullmatch(re.escape(f"error: training.output_dir (--save): {save} is in use by another run (pid "
+                                      f"{first.pid} on host {socket.gethostname()}, started ")
+                            + r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"
+                            + re.escape(") — give this run its own --save directory, or wait for that run to end"),
+                            errors[0]), errors[0]
+        assert first.poll() is None  # the live run goes on
+    finally:
+        signal_tree(first.pid, signal.SIGKILL)
+        first.wait()
+    third = run(FLAGS + ["--train-iters", "4", "--save", save])
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert re.search(re.escape(f"notice: training.output_dir (--save): removed the stale lock of an earlier run "
+                               f"(pid {first.pid} on host {socket.gethostname()}, started ") + r"[^;]+; no longer "
+                     r"running\)", third.stdout + third.stderr)
+    assert not (save / ".fsdp2_run.lock").exists()  # released at the end
+
+
+def test_sigterm_to_the_whole_torchrun_tree_saves_at_the_next_iteration_and_exits(tmp_path):
+    from fsdp2_backend.training import checkpoint_io as io
+
+    save, log = tmp_path / "save", tmp_path / "run.log"
+    args = FLAGS + ["--train-iters", "100000", "--save", save, "--exit-signal-handler"]
+    launcher = start(args, log, ranks=2)
+    try:
+        seen = int(wait_for(launcher, log, r"iteration +(\d+)/").group(1))
+        signal_tree(launcher.pid, signal.SIGTERM)  # the launcher and both workers, as SLURM's preemption does
+        launcher.wait(timeout=120)
+    finally:
+        signal_tree(launcher.pid, signal.SIGKILL)
+    text = log.read_text()
+    saved = int(re.search(r"exiting program after receiving SIGTERM \(checkpoint of iteration (\d+) saved\)\.",
+                          text).group(1))
+    assert saved >= seen
+    assert [i for i, _ in io.complete_checkpoints(save)] == [saved] and io.read_latest_marker(save) == saved
+    printed = [int(i) for i in re.findall(r" iteration +(\d+)/", text)]
+    assert max(printed) == saved  # no iteration after the saved one ran
+    assert not (save / ".fsdp2_run.lock").exists()
+    # the same command (with a length that ends soon) resumes from that checkpoint
+    resumed = run(FLAGS + ["--train-iters", saved + 2, "--save", save, "--exit-signal-handler"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [int(i) for i in re.findall(r" iteration +(\d+)/", resumed.stdout)] == [saved + 1, saved + 2]
+
+
+def test_a_usage_error_under_torchrun_is_printed_once(tmp_path):
+    result = run(FLAGS + ["--train-iters", "4", "--lr", "-1", "--save", tmp_path / "save"], ranks=2)
+    assert result.returncode != 0
+    line = "error: training.lr: must be >= 0, got -1.0 (Megatron --lr) — give the peak learning rate"
+    assert result.stderr.count(line) == 1 and (result.stdout + result.stderr).count("error: ") == 1
+    assert not re.search(r"^\[rank\d\]:", result.stderr, re.MULTILINE)  # no worker traceback

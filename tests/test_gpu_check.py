@@ -1,0 +1,16 @@
+"""benchmarks/gpu_check.sh --dry: the accelerator check's every step on CPU at tiny shapes (the real run needs a GPU)."""
+import re
+import subprocess
+
+from tests.helpers import REPO
+
+
+def test_gpu_check_dry_mode_prints_both_sides():
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    figures = re.findall(r"^(engine \(pretrain_fsdp2.py\)|bare fully_shard loop)\s+tokens/s\s+([\d.]+)\s+TFLOP/s\s+"
+                         r"([\d.]+)\s+MFU % (n/a)$", proc.stdout, re.M)
+    assert [name for name, *_ in figures] == ["engine (pretrain_fsdp2.py)", "bare fully_shard loop"]
+    assert all(float(tokens) > 0 for _, tokens, _, _ in figures)  # CPU: no known peak, so no MFU
+    assert re.search(r"^engine / bare tokens/s: \d+\.\d\d$", proc.stdout, re.M)

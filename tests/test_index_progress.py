@@ -1,0 +1,61 @@
+"""Megatron's dataset-building progress lines: what is built, for which split and dataset, how many samples,
+how long it took — printed once, by the rank that builds the caches."""
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+
+from megatron_compat.data.builder import BlendedMegatronDatasetBuilder
+from megatron_compat.data.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron_compat.data.utils import get_blend_from_list, progress_lines
+from tests.helpers import run_distributed
+from tests.megatron_reference import IdsTokenizer, write_corpus
+
+FLAGS = dict(reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
+
+
+def _build(prefixes, cache) -> str:
+    """Builds a two-dataset blend inside `progress_lines`; returns what was printed."""
+    blend = get_blend_from_list(["1", prefixes[0], "3", prefixes[1]])
+    config = GPTDatasetConfig(random_seed=1, sequence_length=16, blend=blend, split="100,0,0",
+                              path_to_cache=cache, tokenizer=IdsTokenizer(), **FLAGS)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), progress_lines(config.shared_storage):
+        BlendedMegatronDatasetBuilder(GPTDataset, [300, 0, 0], lambda: True, config).build()
+    return out.getvalue()
+
+
+def test_build_then_load_lines(tmp_path):
+    prefixes = [write_corpus(str(tmp_path / f"d{i}_text_document"), 50, seed=i) for i in range(2)]
+    first = _build(prefixes, str(tmp_path / "cache"))
+    lines = first.splitlines()
+    assert lines[0] == "> building train, validation, and test datasets for GPT ..."
+    assert lines[-1] == "> finished creating GPT datasets ..."
+    for prefix in prefixes:
+        assert f"Load the IndexedDataset from {prefix}.idx" in lines
+    assert lines.count("Build and save the GPTDataset train indices") == 2
+    assert lines.count("Build and save the BlendedDataset indices") == 1
+    assert len(re.findall(r"^\t> time elapsed: \d+\.\d+ seconds$", first, re.M)) == 3
+    assert len(re.findall(r"^> total number of samples: \d+$", first, re.M)) == 2
+    assert len(re.findall(r"^> total number of epochs: \d+$", first, re.M)) == 2
+    again = _build(prefixes, str(tmp_path / "cache")).splitlines()
+    assert "Build and save" not in "\n".join(again)
+    assert again.count("Load the GPTDataset train indices") == 2
+    assert again.count("Load the BlendedDataset indices") == 1
+    assert any(line.startswith("\tLoad the sample index from ") for line in again)
+
+
+def _rank_output(rank, world_size, root):
+    prefixes = [f"{root}/d{i}_text_document" for i in range(2)]
+    with open(f"{root}/rank{rank}.txt", "w") as f:
+        f.write(_build(prefixes, f"{root}/cache"))
+
+
+def test_only_the_building_rank_prints(tmp_path):
+    for i in range(2):
+        write_corpus(str(tmp_path / f"d{i}_text_document"), 50, seed=i)
+    run_distributed(_rank_output, 2, str(tmp_path))
+    rank0 = (tmp_path / "rank0.txt").read_text()
+    assert rank0.count("Build and save the GPTDataset train indices") == 2
+    assert (tmp_path / "rank1.txt").read_text() == ""
