@@ -6,7 +6,8 @@ Layers, in order: the YAML file, the Megatron translation, the `--group.field` o
 the YAML). A field set both by a Megatron flag and natively to different values is an error naming both.
 `--dry-run` validates against WORLD_SIZE (unset: the smallest world the layout fits) and prints the config as YAML (the flag report as YAML
 comments, so the whole output loads back) without touching devices, data or model files. Torch is imported
-only when training starts.
+only when training starts. `-h` / `--help` prints a short usage, `--help-flags` every Megatron flag,
+`--help-config` every native field; no arguments at all is the usage line and exit code 2.
 """
 from __future__ import annotations
 
@@ -151,8 +152,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if not argv:
         if os.environ.get("RANK", "0") == "0":
-            print(f"{USAGE_LINE}\nerror: no arguments — give a YAML config, Megatron flags or both (pretrain_fsdp2.py "
-                  f"--help)", file=sys.stderr)
+            print(f"{USAGE_LINE}\nerror: no arguments — give a YAML config, Megatron flags or both "
+                  f"(pretrain_fsdp2.py --help)", file=sys.stderr)
         return 2
     with exit_on_usage_error():
         dry_run = DRY_RUN_FLAG in argv

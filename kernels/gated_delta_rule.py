@@ -57,30 +57,35 @@ def _chunk_layout(cu_seqlens: Tensor, chunk_size: int) -> Tuple[Tensor, Tensor, 
 
 def _scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int,
           doc_first_chunks: Optional[List[int]], initial_state: Optional[Tensor]):
-    """The chunked rule on fp32 [B, H, T, D] tensors, T a multiple of chunk_size (q already scaled).
+    """The chunked rule on fp32 [B, heads, T, D] tensors — q, k with Hk heads, v, g, beta with H (a multiple of
+    Hk) — T a multiple of chunk_size (q already scaled).
 
     Without `doc_first_chunks` every row is one sequence (initial_state [B, H, K, V]); with it B == 1 and the
     state restarts at each listed chunk (initial_state [docs, H, K, V]). Returns (o [B, H, T, V], final states
     [B or docs, H, K, V])."""
-    batch, heads, length, dk = k.shape
-    dv = v.shape[-1]
-    n = length // chunk_size
-    q, k, v = (x.reshape(batch, heads, n, chunk_size, x.shape[-1]) for x in (q, k, v))
-    g, beta = g.reshape(batch, heads, n, chunk_size), beta.reshape(batch, heads, n, chunk_size)
+    batch, k_heads, length, dk = k.shape
+    heads, dv = v.shape[1], v.shape[-1]
+    n, group = length // chunk_size, heads // k_heads
+    # Grouped value heads: value head j reads key head j // group. Products of q and k alone (q k^T, k k^T) are
+    # computed once per key head and broadcast over the group (dim 2), never on repeated copies.
+    q, k = (x.reshape(batch, k_heads, 1, n, chunk_size, dk) for x in (q, k))
+    v = v.reshape(batch, k_heads, group, n, chunk_size, dv)
+    g, beta = (x.reshape(batch, k_heads, group, n, chunk_size) for x in (g, beta))
     g_cum = g.cumsum(-1)
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
     # decay[i, j] = prod of exp(g) over (j, i] for j <= i, 0 above the diagonal (masked before the exp).
     decay = (g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-    k_beta = k * beta.unsqueeze(-1)
+    k_t = k.transpose(-1, -2)
     # UT transform: (I + strictly_lower(beta k k^T * decay)) [u, w] = [beta v, beta k exp(g_cum)].
-    system = (k_beta @ k.transpose(-1, -2)) * decay
-    rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * g_cum.exp().unsqueeze(-1)], dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    system = (k @ k_t) * (beta.unsqueeze(-1) * decay)
+    rhs = torch.cat([v * beta.unsqueeze(-1), k * (beta * g_cum.exp()).unsqueeze(-1)], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).flatten(1, 2)
     u, w = solved.split([dv, dk], dim=-1)
-    intra = (q @ k.transpose(-1, -2)) * decay  # causal inside the chunk, diagonal included
-    q_decayed = q * g_cum.exp().unsqueeze(-1)
-    k_decayed = k * (g_cum[..., -1:] - g_cum).exp().unsqueeze(-1)
-    chunk_decay = g_cum[..., -1].exp()[..., None, None]
+    intra = ((q @ k_t) * decay).flatten(1, 2)  # causal inside the chunk, diagonal included
+    q_decayed = (q * g_cum.exp().unsqueeze(-1)).flatten(1, 2)
+    k_decayed = (k * (g_cum[..., -1:] - g_cum).exp().unsqueeze(-1)).flatten(1, 2)
+    chunk_decay = g_cum[..., -1].exp()[..., None, None].flatten(1, 2)
+    q = q_decayed  # (for the dtype / device of the zero state below)
 
     starts = set(doc_first_chunks or [])
     n_states = len(doc_first_chunks) if doc_first_chunks is not None else batch
@@ -122,8 +127,6 @@ def chunk_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor,
     batch, length, k_heads, dk = k.shape
     heads = v.shape[2]
     scale = dk ** -0.5 if scale is None else scale
-    if heads != k_heads:
-        q, k = (x.repeat_interleave(heads // k_heads, dim=2) for x in (q, k))
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
         q, k = l2_normalize(q), l2_normalize(k)

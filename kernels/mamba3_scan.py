@@ -15,7 +15,8 @@ chunk), plus the state entering the chunk, carried chunk to chunk (one state per
 
 Packed documents (`doc_start`, True at each document's first token): the decay, the cumulative angle and the
 previous-token term all restart there, so each document runs as if alone. The sequential recurrence, which
-this must equal, lives in tests/test_mamba3_scan.py as the oracle. Written here because the reference kernels
+this must equal, lives in tests/test_mamba3_scan.py as the oracle. `mamba3_scan` dispatches: on cuda the
+forward runs as a triton kernel (`mamba3_scan_triton`), elsewhere this torch scan. Written here because the reference kernels
 (mamba_ssm's triton/tilelang, fla's) are CUDA-only and MindSpeed's torch reference is quadratic in length.
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from kernels.dispatch import TRITON, pick_implementation
 
 TWO_PI = 2 * math.pi
 
@@ -67,6 +70,23 @@ def trapezoid_weights(dt: torch.Tensor, trap: torch.Tensor, doc_start: Optional[
     return lam * dt + half_next, half_next
 
 
+def prepare_scan(q, k, v, adt, dt, trap, angles, doc_start):
+    """The per-token part shared by every scan implementation: q, k rotated (fp32), v fp32, adt fp32, the
+    trapezoid weights (w, shifted) and the document id of each token (seg, (b, l) long)."""
+    b, l = q.shape[:2]
+    if doc_start is not None:
+        doc_start = doc_start.clone()
+        doc_start[:, 0] = True
+    dt, adt = dt.float(), adt.float()
+    theta = cumulative_angles(angles, dt, doc_start).unsqueeze(2)  # (b, l, 1, h, a): shared by the ranks
+    cos, sin = torch.cos(theta), torch.sin(theta)
+    q = rotate_pairs(q.float(), cos, sin)
+    k = rotate_pairs(k.float(), cos, sin)
+    w, shifted = trapezoid_weights(dt, trap, doc_start)
+    seg = torch.zeros(b, l, dtype=torch.long, device=q.device) if doc_start is None else torch.cumsum(doc_start, 1)
+    return q, k, v.float(), adt, w, shifted, seg
+
+
 def mamba3_chunk_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, adt: torch.Tensor, dt: torch.Tensor,
                       trap: torch.Tensor, angles: torch.Tensor, *, chunk_size: int = 64,
                       doc_start: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -77,17 +97,7 @@ def mamba3_chunk_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, adt: to
     """
     b, l, r, h, n = q.shape
     p = v.shape[-1]
-    if doc_start is not None:
-        doc_start = doc_start.clone()
-        doc_start[:, 0] = True
-    dt, adt = dt.float(), adt.float()
-    theta = cumulative_angles(angles, dt, doc_start).unsqueeze(2)  # (b, l, 1, h, a): shared by the ranks
-    cos, sin = torch.cos(theta), torch.sin(theta)
-    q = rotate_pairs(q.float(), cos, sin)
-    k = rotate_pairs(k.float(), cos, sin)
-    v = v.float()
-    w, shifted = trapezoid_weights(dt, trap, doc_start)
-    seg = torch.zeros(b, l, dtype=torch.long, device=q.device) if doc_start is None else torch.cumsum(doc_start, 1)
+    q, k, v, adt, w, shifted, seg = prepare_scan(q, k, v, adt, dt, trap, angles, doc_start)
 
     cs = chunk_size
     nc = -(-l // cs)
@@ -132,3 +142,18 @@ def mamba3_chunk_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, adt: to
     from_start = torch.exp(acs) * (seg == prev_seg.unsqueeze(-1)).unsqueeze(-1)  # (b, nc, cs, h)
     y = y + torch.einsum("bctrhn,bchpn->bctrhp", q * from_start[:, :, :, None, :, None], incoming)
     return y.reshape(b, nc * cs, r, h, p)[:, :l]
+
+
+def mamba3_scan_implementation(device_type: str) -> str:
+    """What `mamba3_scan` runs on `device_type`: "triton" (forward kernel, torch backward) on cuda, else "torch"."""
+    return pick_implementation(device_type, has_npu_kernel=False, has_triton_kernel=True)
+
+
+def mamba3_scan(q, k, v, adt, dt, trap, angles, *, chunk_size: int = 64, doc_start=None) -> torch.Tensor:
+    """The scan with the fastest implementation for q's device (same arguments and result as
+    `mamba3_chunk_scan`): the triton forward on cuda, the torch chunked scan elsewhere (no NPU kernel yet)."""
+    if mamba3_scan_implementation(q.device.type) == TRITON:
+        from kernels.mamba3_scan_triton import triton_mamba3_chunk_scan
+
+        return triton_mamba3_chunk_scan(q, k, v, adt, dt, trap, angles, chunk_size=chunk_size, doc_start=doc_start)
+    return mamba3_chunk_scan(q, k, v, adt, dt, trap, angles, chunk_size=chunk_size, doc_start=doc_start)

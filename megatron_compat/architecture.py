@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
-from megatron_compat import architecture_mamba
+from megatron_compat import architecture_gdn, architecture_mamba
 from megatron_compat.architecture_flags import (ARCHITECTURE_DESTS, FAMILY_DESTS, HF_DEFINED_DESTS, HF_REASONS,
                                                 MLA_ONLY, MOE_ONLY)
 
@@ -62,6 +62,8 @@ class Arch:
 
 def _family(a: Arch) -> str:
     g = a.get
+    if architecture_gdn.selects_qwen3_next(a.ns, a.active):
+        return "qwen3_next"
     if g("multi_latent_attention") or g("multi_head_latent_attention"):
         return "deepseek_v3"
     if g("num_experts"):
@@ -375,6 +377,9 @@ def apply(ns, active, from_scratch: bool, record: Callable[[str, str, str], None
     if from_scratch and architecture_mamba.selects_mamba3(ns, active):  # a pure Mamba stack → mamba3
         return architecture_mamba.apply(a)
     family = _family(a)
+    gdn = family == "qwen3_next"
+    if gdn:  # Qwen3-Next: Qwen3-MoE's attention, MoE and router flags, plus the GDN ones (architecture_gdn)
+        family = architecture_gdn.BASE_FAMILY
     if from_scratch:
         a.keys["model_type"] = family
         _check_buildable(a, family)
@@ -390,6 +395,8 @@ def apply(ns, active, from_scratch: bool, record: Callable[[str, str, str], None
                   "--moe-shared-expert-gate, or give --load with an HF directory")
     for dest in ("moe_shared_expert_gate", "shared_expert_gate"):
         a.put(dest, "shared_expert_gate", True if a.get(dest) else None)
+    if gdn:
+        architecture_gdn.apply(a)
     _routing(a, family)
     _settle(a, family)
     for dest, why in a.declined.items():

@@ -201,7 +201,8 @@ def translate_report(argv: Sequence[str], world_size: int = 1, model_given: bool
         step(ctx)
     from_scratch = _flags_define_model(ctx, model_given)
     arch = architecture.apply(ctx.ns, active, from_scratch, ctx.record, ctx.set_from)
-    if from_scratch and arch.get("model_type") != "gpt2" and "hidden_dropout" not in active and ctx.get("hidden_dropout"):
+    if (from_scratch and arch.get("model_type") != "gpt2" and "hidden_dropout" not in active
+            and ctx.get("hidden_dropout")):
         # Megatron's default 0.1 would apply dropout after attention and MLP; HF Llama-style models have none.
         ctx.warn(f"--hidden-dropout: Megatron's default {ctx.get('hidden_dropout')} is not applied — HF "
                  f"{arch.get('model_type')} models have no hidden dropout (give --hidden-dropout 0 to say so)")

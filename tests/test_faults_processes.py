@@ -126,7 +126,8 @@ def test_sigterm_to_the_whole_torchrun_tree_saves_at_the_next_iteration_and_exit
     assert max(printed) == saved  # no iteration after the saved one ran
     assert not (save / ".fsdp2_run.lock").exists()
     # the same command (with a length that ends soon) resumes from that checkpoint
-    resumed = run(FLAGS + ["--train-iters", saved + 2, "--save", save, "--exit-signal-handler"])
+    resumed = run(FLAGS + ["--train-iters", saved + 2, "--save", save, "--exit-signal-handler",
+                           "--override-opt_param-scheduler"])  # a shorter run: its own schedule length
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [int(i) for i in re.findall(r" iteration +(\d+)/", resumed.stdout)] == [saved + 1, saved + 2]
 

@@ -105,7 +105,7 @@ def test_bad_options_are_usage_errors(ctx):
         _model(_config(shard_placement_fn="no.such.fn"), ctx)
     with pytest.raises(UsageError, match="parallel.recompute_modules: pattern 'blocks.{}' matches no module"):
         _model(_config(recompute=True, recompute_modules=["blocks.{}"]), ctx)
-    # model.quant_recipe_name is refused by config validation, before any stage runs (tests/test_config.py)
+    # model.quant_* fields are checked by config validation, before any stage runs (tests/test_quantize_config.py)
 
 
 def test_device_and_backend_selection():

@@ -59,3 +59,36 @@ def test_only_the_building_rank_prints(tmp_path):
     rank0 = (tmp_path / "rank0.txt").read_text()
     assert rank0.count("Build and save the GPTDataset train indices") == 2
     assert (tmp_path / "rank1.txt").read_text() == ""
+
+
+def test_pretraining_data_shows_the_lines_and_checks_token_ids(tmp_path, capsys):
+    """build_pretrain_data prints Megatron's lines (and the once-only token-id scan); ids beyond the run's
+    vocabulary stop it with one line naming the file and the vocabulary size."""
+    import pytest
+
+    from fsdp2_backend.config import Config
+    from fsdp2_backend.data.pretrain import build_pretrain_data
+    from usage_errors import UsageError
+
+    prefix = write_corpus(str(tmp_path / "c" / "text_document"), 200, seed=3, vocab_size=1000)
+    config = Config()
+    config.data.cutoff_len = 16
+    config.data.dataset = prefix
+    config.data.split = "100,0,0"
+    config.data.data_cache_path = str(tmp_path / "cache")
+    build_pretrain_data(config, IdsTokenizer(vocab_size=1000), dp_rank=0, dp_size=1, consumed_samples=0,
+                        global_batch_size=4, micro_batch_size=2, train_iters=5)
+    out = capsys.readouterr().out
+    assert out.startswith("> building train, validation, and test datasets for GPT ...\n")
+    assert f"> checking the token ids of {prefix}.bin against the vocabulary (" in out
+    assert "Build and save the GPTDataset train indices" in out
+    assert out.endswith("> finished creating GPT datasets ...\n")
+    with pytest.raises(UsageError) as info:
+        build_pretrain_data(config, IdsTokenizer(vocab_size=900), dp_rank=0, dp_size=1, consumed_samples=0,
+                            global_batch_size=4, micro_batch_size=2, train_iters=5)
+    high = int(open(prefix + ".token_range").read().split()[-1])
+    assert 900 <= high < 1000
+    assert str(info.value) == (f"{prefix}.bin: token id {high} is outside the tokenizer's vocabulary (size 900) — "
+                               "the data was tokenized with another tokenizer; preprocess it with this run's "
+                               "tokenizer or train with the one it was made with")
+    assert "checking the token ids" not in capsys.readouterr().out  # the range came from its cache

@@ -12,8 +12,7 @@ model's config.json and a tiny tokenizer, the dataset → a small parquet file o
   its arguments, from the raw parquet text as MindSpeed does, and prints 3 Megatron log lines with finite losses.
 SFT launchers (`tune_*`, stage sft with the lf data path) dry-run the same way and train 3 steps on 2 ranks from
 an alpaca parquet file (tests/test_sft_*.py test the SFT path itself). The mxfp8 launchers
-(`--model.quant_recipe_name mxfp8`) are refused saying that quantised training is not built yet (another issue's
-work, declined with the reason until then).
+(`--model.quant_recipe_name mxfp8`) dry-run with their quant fields (tests/test_mx_*.py train with them).
 """
 from __future__ import annotations
 
@@ -230,12 +229,12 @@ FULL_PRECISION = [case for case in PRETRAIN if case not in QUANT]
 
 
 @pytest.mark.parametrize("commit,launcher,entry,yaml_file", QUANT, ids=_ids(QUANT))
-def test_mxfp8_launcher_is_declined_with_the_reason(assets, tmp_path, commit, launcher, entry, yaml_file):
+def test_mxfp8_launcher_dry_runs_with_its_quant_fields(assets, tmp_path, commit, launcher, entry, yaml_file):
     command, result = _dry_run(assets, tmp_path, yaml_file, entry)
-    assert result.returncode == 2 and "Traceback" not in result.stderr, _failure(result, command)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines[0].startswith("error: model.quant_recipe_name: quantised training (mxfp8) is not implemented "
-                               "yet"), _failure(result, command)
+    assert result.returncode == 0, _failure(result, command)
+    model = yaml.safe_load(result.stdout)["model"]
+    assert model["quant_recipe_name"] == "mxfp8" and model["enable_fsdp_low_precision_all_gather"] is True
+    assert model["quant_converters"] == ["quantize.linear.mx", "quantize.moe.mx"]
 
 
 @pytest.mark.parametrize("commit,launcher,entry,yaml_file", FULL_PRECISION, ids=_ids(FULL_PRECISION))

@@ -100,3 +100,33 @@ def test_progress_log_cumulative_throughput_counts_from_the_first_job_of_this_si
     assert fields[7] == "Floating-point operations: 2.00e+15" and fields[8] == "Tokens (in billions): 0.00"
     # a new 2-GPU job after it starts no new count: the first 2-GPU job's start stays
     assert log._first_start() == (start, 0.0)
+
+
+def _sharded_params_norm(rank, world_size, out_dir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 5))  # 5 rows: uneven shards
+    expected = torch.linalg.vector_norm(torch.cat([p.detach().flatten() for p in model.parameters()])).item()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    lines = []
+    logger = TrainLogger(train_iters=4, log_interval=3, global_batch_size=2, world_size=world_size,
+                         device=torch.device("cpu"), is_logging_rank=rank == world_size - 1, tokens_per_iteration=8,
+                         print_fn=lines.append, params_norm_fn=lambda: params_l2_norm(model),
+                         tensorboard_dir=f"{out_dir}/tb", tensorboard_log_interval=2)
+    for it in range(1, 5):  # the norm is due at 2 (scalars), 3 (line), 4 (scalars): every rank reduces alike
+        logger.record(it, losses={"lm loss": 1.0}, skipped=False, learning_rate=1e-3, grad_norm=0.5,
+                      consumed_samples=2 * it)
+    logger.close()
+    if lines:
+        with open(f"{out_dir}/result.txt", "w") as f:
+            f.write(f"{parse_train_line(lines[0])['params_norm']} {expected:.3f}")
+
+
+def test_params_norm_of_fsdp_shards_on_two_ranks_is_the_full_norm(tmp_path):
+    from tests.helpers import run_distributed
+
+    run_distributed(_sharded_params_norm, 2, str(tmp_path))
+    got, expected = (tmp_path / "result.txt").read_text().split()
+    assert float(got) == float(expected)

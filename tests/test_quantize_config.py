@@ -33,7 +33,7 @@ def test_mxfp8_with_defaults_validates():
 def test_unknown_converter_is_an_error_listing_the_known_ones():
     messages = _errors(_config(quant_recipe_name="mxfp8", quant_converters=["quantize.linear.mx", "quantize.fp8"]))
     line = next(m for m in messages if m.startswith("model.quant_converters"))
-    assert "'quantize.fp8'" in line and "quantize.linear.mx" in line and "quantize.grouped_experts.mx" in line
+    assert "'quantize.fp8'" in line and "quantize.linear.mx" in line and "quantize.moe.mx" in line
 
 
 def test_quant_fields_without_a_recipe_are_errors():

@@ -19,6 +19,7 @@ README = REPO / "README.md"
 # Flags the README uses that belong to neither parser: torchrun's, the entry point's, the tools' own, and the
 # README's placeholders.
 OTHER_FLAGS = {"--nproc_per_node", "--dry-run", "--check", "--prompt", "--dtype", "--flag", "--group.field"}
+OTHER_FLAGS |= {"--help", "--help-flags", "--help-config"}  # pretrain_fsdp2.py's own (fsdp2_backend/launch.py)
 
 
 def readme() -> str:

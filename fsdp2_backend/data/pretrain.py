@@ -64,17 +64,18 @@ def build_pretrain_data(config, tokenizer, dp_rank: int, dp_size: int, consumed_
     data, training = config.data, config.training
     counts = pretrain_sample_counts(train_iters, global_batch_size, training.train_samples,
                                     training.eval_interval, training.eval_iters)
-    blend, blend_per_split = _blends(data, tokenizer)
-    dataset_config = GPTDatasetConfig(
-        random_seed=training.seed, sequence_length=data.cutoff_len, blend=blend, blend_per_split=blend_per_split,
-        split=None if blend_per_split else data.split, path_to_cache=data.data_cache_path,
-        mmap_bin_files=data.mmap_bin_files, tokenizer=dataset_tokenizer(tokenizer),
-        reset_position_ids=data.reset_position_ids, reset_attention_mask=bool(data.reset_attention_mask),
-        eod_mask_loss=data.eod_mask_loss, create_attention_mask=bool(data.create_attention_mask_in_dataloader),
-        shared_storage=not data.no_shared_storage, shuffle=not training.disable_shuffling,
-        mid_level_dataset_surplus=data.mid_level_dataset_surplus)
-    cls = MockGPTDataset if dataset_config.mock else GPTDataset
-    with progress_lines(dataset_config.shared_storage):  # Megatron's lines, once, from the building rank
+    with progress_lines(not data.no_shared_storage):  # Megatron's lines, once, from the building rank
+        blend, blend_per_split = _blends(data, tokenizer)
+        dataset_config = GPTDatasetConfig(
+            random_seed=training.seed, sequence_length=data.cutoff_len, blend=blend,
+            blend_per_split=blend_per_split, split=None if blend_per_split else data.split,
+            path_to_cache=data.data_cache_path, mmap_bin_files=data.mmap_bin_files,
+            tokenizer=dataset_tokenizer(tokenizer), reset_position_ids=data.reset_position_ids,
+            reset_attention_mask=bool(data.reset_attention_mask), eod_mask_loss=data.eod_mask_loss,
+            create_attention_mask=bool(data.create_attention_mask_in_dataloader),
+            shared_storage=not data.no_shared_storage, shuffle=not training.disable_shuffling,
+            mid_level_dataset_surplus=data.mid_level_dataset_surplus)
+        cls = MockGPTDataset if dataset_config.mock else GPTDataset
         datasets = BlendedMegatronDatasetBuilder(cls, list(counts), lambda: True, dataset_config).build()
     if data.max_samples:
         datasets = [None if d is None else Subset(d, range(min(len(d), data.max_samples))) for d in datasets]
@@ -159,7 +160,8 @@ def _resolve(blend, data, tokenizer):
                          "preprocess_data.py, or a raw .jsonl/.jsonl.gz/.parquet file")
     # ids beyond the tokenizer's vocabulary, found now rather than as an embedding IndexError; the building
     # rank scans (and caches the range beside the .idx), the others then read its cache
-    rank_zero_first(lambda: [check_token_ids(p, tokenizer.vocab_size) for p in prefixes], not data.no_shared_storage)
+    rank_zero_first(lambda: [check_token_ids(p, tokenizer.vocab_size, data.data_cache_path) for p in prefixes],
+                    not data.no_shared_storage)
     return prefixes, weights
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from fsdp2_backend.config import ModelArguments
 from fsdp2_backend.distributed.dtensor import local_tensor
 from usage_errors import UsageError
-from fsdp2_backend.models.registry import ModelSpec, model_spec
+from fsdp2_backend.models.registry import ModelSpec, model_spec, register_model_types
 
 Parallelize = Callable[[nn.Module], nn.Module]
 
@@ -35,8 +35,7 @@ def load_hf_config(model_args: ModelArguments):
     from transformers import AutoConfig
 
     arch = dict(model_args.architecture or {})
-    if model_args.model_id and model_spec(model_args.model_id).register_hf:  # e.g. model_type "mamba3"
-        model_spec(model_args.model_id).register_hf()
+    register_model_types()  # this project's own HF model types (e.g. "mamba3"), so their directories load
     if model_args.model_name_or_path:
         path = model_args.model_name_or_path
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):

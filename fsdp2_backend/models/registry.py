@@ -95,6 +95,22 @@ def _register_mamba3() -> None:
     register_with_transformers()
 
 
+def _gpt_oss_spec() -> ModelSpec:
+    def build(hf_config):
+        from fsdp2_backend.models.gpt_oss import build_gpt_oss
+        return build_gpt_oss(hf_config)
+
+    def keys(name, hf_config):
+        from fsdp2_backend.models.gpt_oss import checkpoint_keys
+        return checkpoint_keys(name, hf_config)
+
+    def param(name, tensors, hf_config):
+        from fsdp2_backend.models.gpt_oss import param_from_checkpoint
+        return param_from_checkpoint(name, tensors)
+
+    return ModelSpec(build=build, checkpoint_keys=keys, from_checkpoint=param, configure=_configure_qwen3_moe)
+
+
 _SPECS: Mapping[str, ModelSpec] = MappingProxyType({
     "qwen3": ModelSpec(build=_build_qwen3),
     "qwen3_moe": ModelSpec(build=_build_qwen3_moe, checkpoint_keys=_qwen3_moe_keys,
@@ -102,7 +118,16 @@ _SPECS: Mapping[str, ModelSpec] = MappingProxyType({
     "qwen3_next": ModelSpec(build=_build_qwen3_next, checkpoint_keys=_qwen3_moe_keys,  # same per-expert keys
                             from_checkpoint=_qwen3_moe_param, configure=_configure_qwen3_next),
     "mamba3": ModelSpec(build=_build_mamba3, register_hf=_register_mamba3),
+    "gpt_oss": _gpt_oss_spec(),  # models/gpt_oss.py: sink attention, grouped experts, the project's router
 })
+
+
+def register_model_types() -> None:
+    """Registers the HF config / model classes of the specs that have their own (`register_hf`) with transformers'
+    Auto classes, so a saved directory of such a model type (e.g. "mamba3") loads."""
+    for spec in _SPECS.values():
+        if spec.register_hf is not None:
+            spec.register_hf()
 
 
 def registered_model_ids() -> tuple:

@@ -8,7 +8,7 @@ Selection (MindSpeed-LLM's fields): a module is converted when its name or an an
 - `quantize.linear.mx`: an `nn.Linear`'s weight becomes an `MXTrainingWeight` (`parallel.mx.weight`): its
   forward and both backward GEMMs run in MXFP8 (`kernels.mx_linear`); both dims must be multiples of 32
   (MX blocks), others stay high precision and are listed once;
-- `quantize.grouped_experts.mx`: stacked MoE experts (`GroupedExperts`) run the MXFP8 grouped GEMM
+- `quantize.moe.mx`: stacked MoE experts (`GroupedExperts`) run the MXFP8 grouped GEMM
   (`kernels.mx_linear.mx_grouped_linear`) through their `gemm` hook; their weights gather in high precision.
 
 Master weights, optimizer state, checkpoints and the HF export stay unquantised: the state dict of a
@@ -72,6 +72,9 @@ def apply_quantization(model: nn.Module, config: Config) -> List[str]:
                 continue
             module.gemm = mx_grouped_linear
             converted.append(name)
+    if EXPERTS_CONVERTER in m.quant_converters and not any(isinstance(x, GroupedExperts) for x in model.modules()):
+        print_rank0(f"notice: model.quant_converters: {EXPERTS_CONVERTER} found no stacked experts (GroupedExperts) in "
+                    f"{type(model).__name__}; its experts stay high precision — set model.model_id (e.g. qwen3_moe)")
     if skipped:
         print_rank0(f"notice: model.quant_recipe_name: {len(skipped)} module(s) stay high precision, a dim not a "
                     f"multiple of {BLOCK} (MX blocks): {', '.join(skipped)}")

@@ -224,6 +224,8 @@ class TrainLogger:
 
             self.wandb = open_wandb(print_fn=print_fn, **wandb_options)
         self.writers = ScalarWriters([self.writer, self.wandb])
+        # known on every rank alike (only the logging rank opens writers): decides the collective params norm
+        self._scalars_configured = bool(tensorboard_dir or wandb_options)
         self.progress_log = progress_log
         if progress_log is not None:
             progress_log.start()
@@ -277,7 +279,7 @@ class TrainLogger:
         scalars_due = iteration % self.tensorboard_log_interval == 0
         # every rank takes part in the norm's reduction, on iterations every rank knows to be due
         params_norm = (self.params_norm_fn() if self.params_norm_fn is not None and
-                       (line_due or (scalars_due and self.writers)) else None)
+                       (line_due or (scalars_due and self._scalars_configured)) else None)
         if self.writers and scalars_due:
             self._write_scalars(iteration, losses, learning_rate, grad_norm, consumed_samples, loss_scale,
                                 params_norm)

@@ -15,8 +15,8 @@ inside the model's forward (`chunked_forward`), with the same sums and counts as
 An iteration whose loss or gradient norm is not finite is skipped (no update, no scheduler advance) and
 counted in "number of skipped iterations", and in "number of nan iterations" when the loss, or (without fp16's
 dynamic loss scale, whose overflows are expected) the gradient norm, is not finite. With
-`check_for_nan_in_loss_and_grad` (Megatron's default) such an iteration stops the run (`RunStopped`: one line, exit 1)
-after its log line: nothing is saved or exported after it. fp16 uses Megatron's dynamic loss scale
+`check_for_nan_in_loss_and_grad` (Megatron's default) such an iteration stops the run (`RunStopped`: one line,
+exit 1) after its log line: nothing is saved or exported after it. fp16 uses Megatron's dynamic loss scale
 (`loss_scaler`). `exit_signal_handler`: after the iteration in which the signal arrived, save and exit
 (`exit_signal`).
 

@@ -29,7 +29,7 @@ from fsdp2_backend.data.sft.collator import SFTCollator
 from fsdp2_backend.data.sft.loader import dataset_attrs, load_one, merge, worker_processes
 from fsdp2_backend.data.sft.supervised import IGNORE_INDEX, SupervisedProcessor
 from fsdp2_backend.data.sft.template import get_template
-from megatron_compat.data.utils import rank_zero_first
+from megatron_compat.data.utils import global_rank, rank_zero_first
 from usage_errors import UsageError
 
 COLUMNS = ["input_ids", "labels", "doc_lens"]
@@ -98,6 +98,10 @@ def _load_or_build(config, hf_tokenizer):
     data = config.data
     path = data.tokenized_path
     shared = bool(data.data_shared_file_system) and not data.no_shared_storage
+    if global_rank() != 0:  # one set of progress bars per job
+        from datasets.utils.logging import disable_progress_bar
+
+        disable_progress_bar()
     if not path or data.streaming:
         return rank_zero_first(lambda: prepare_datasets(config, hf_tokenizer), shared)
 

@@ -33,7 +33,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fsdp2_backend.models.mamba3.configuration import Mamba3Config
-from kernels.mamba3_scan import mamba3_chunk_scan
+from kernels.mamba3_scan import mamba3_scan
 from kernels.rmsnorm import rms_norm_reference
 from kernels.rmsnorm_gated import rms_norm_gated, rms_norm_gated_reference
 from kernels.varlen import cu_seqlens_from_position_ids, is_packed
@@ -122,7 +122,7 @@ class Mamba3Mixer(nn.Module):
         z = z.unflatten(-1, (self.nheads, self.headdim))
         v = x.unsqueeze(2) * self.mimo_x.transpose(0, 1) if self.is_mimo else x.unsqueeze(2)  # (b, l, R, H, P)
         angles = angles.unsqueeze(2).expand(-1, -1, self.nheads, -1)
-        y = mamba3_chunk_scan(q, k, v, A * dt, dt, trap, angles, chunk_size=self.chunk_size, doc_start=doc_start)
+        y = mamba3_scan(q, k, v, A * dt, dt, trap, angles, chunk_size=self.chunk_size, doc_start=doc_start)
         y = y + self.D.float()[:, None] * v.float()  # (b, l, R, H, P)
         zr = z.unsqueeze(2) * self.mimo_z.transpose(0, 1) if self.is_mimo else z.unsqueeze(2)
         if self.is_outproj_norm:

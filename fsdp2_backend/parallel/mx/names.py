@@ -2,5 +2,5 @@
 
 RECIPES = ("mxfp8",)
 LINEAR_CONVERTER = "quantize.linear.mx"          # nn.Linear weights → MXFP8 linears
-EXPERTS_CONVERTER = "quantize.grouped_experts.mx"  # stacked MoE experts (GroupedExperts) → MXFP8 grouped GEMM
+EXPERTS_CONVERTER = "quantize.moe.mx"  # stacked MoE experts (GroupedExperts) → MXFP8 grouped GEMM
 CONVERTERS = (LINEAR_CONVERTER, EXPERTS_CONVERTER)
