@@ -18,8 +18,10 @@ document's first chunk, so no state leaks from one document into the next.
 
 Implementations (chosen by the project, never by what happens to be importable):
 - "torch": the reference below (any device);
-- "triton": `kernels.gated_delta_rule_triton` (fwd + bwd), or flash-linear-attention's `chunk_gated_delta_rule`
-  on CUDA when that package is importable (`use_triton_gdn`);
+- "triton" (`use_triton_gdn`): flash-linear-attention's `chunk_gated_delta_rule` (triton, fwd + bwd, with
+  cu_seqlens) on CUDA when that package is importable — this project does not install it, and transformers'
+  own hub-kernel lookup is never used; without it the reference runs. This project has no triton GDN kernel of
+  its own yet;
 - "npu": the AscendC op of torch_npu that MindSpeed calls (`use_flash_gdn`); a clear error elsewhere.
 """
 from __future__ import annotations
@@ -161,17 +163,15 @@ def fla_importable() -> bool:
 def gdn_implementation(device_type: str, *, use_triton_gdn: bool = False, use_flash_gdn: bool = False) -> str:
     """Which implementation the flags select on `device_type`: "torch", "triton" or "npu".
 
-    `use_flash_gdn` off an NPU and `use_triton_gdn` without triton are usage errors (the flag cannot be honoured)."""
+    `use_triton_gdn` runs flash-linear-attention's triton kernel on CUDA when that package is importable, and
+    the torch reference elsewhere (triton kernels need a GPU; the log line says which ran). `use_flash_gdn` off
+    an NPU is a usage error (it cannot be honoured)."""
     if use_flash_gdn:
         if device_type != "npu":
             raise UsageError(f"optimization.use_flash_gdn: the AscendC Gated DeltaNet ops need an Ascend NPU (this "
-                             f"run is on {device_type}) — turn it off or use use_triton_gdn")
+                             f"run is on {device_type}) — set it to false (use_triton_gdn on CUDA)")
         return "npu"
-    if use_triton_gdn:
-        from kernels.dispatch import triton_importable
-
-        if not triton_importable():
-            raise UsageError("optimization.use_triton_gdn: triton is not installed — pip install triton or turn it off")
+    if use_triton_gdn and device_type == "cuda" and fla_importable():
         return "triton"
     return "torch"
 
@@ -185,14 +185,10 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     `chunk_gated_delta_rule_reference`."""
     kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    if implementation == "triton":
-        if q.device.type == "cuda" and fla_importable():
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk  # guarded: optional package
+    if implementation == "triton" and q.device.type == "cuda":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk  # guarded by gdn_implementation
 
-            return _fla_call(fla_chunk, q, k, v, g, beta, **kwargs)
-        from kernels.gated_delta_rule_triton import triton_chunk_gated_delta_rule
-
-        return triton_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
+        return _fla_call(fla_chunk, q, k, v, g, beta, **kwargs)
     if implementation == "npu":
         return _npu_call(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
     return chunk_gated_delta_rule_reference(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)

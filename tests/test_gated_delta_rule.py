@@ -114,6 +114,7 @@ def test_dispatch_runs_the_reference_on_cpu_and_declines_what_it_cannot_honour()
     inputs = _inputs(1, 9, 1, 4, 4, torch.float32, seed=9)
     out, _ = chunk_gated_delta_rule(*inputs, chunk_size=4, implementation=gdn_implementation("cpu"))
     torch.testing.assert_close(out.double(), sequential_gated_delta_rule(*inputs)[0], atol=2e-5, rtol=1e-4)
+    assert gdn_implementation("cpu", use_triton_gdn=True) == "torch"  # triton kernels need a GPU
     with pytest.raises(UsageError, match="use_flash_gdn"):
         gdn_implementation("cpu", use_flash_gdn=True)
 

@@ -91,3 +91,41 @@ def test_export_loads_in_transformers(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
     ids = torch.randint(0, 128, (1, 10))
     torch.testing.assert_close(loaded(input_ids=ids).logits, ours(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_mxfp4_checkpoint_streams_as_transformers_dequantises_it(tmp_path):
+    """An MXFP4 checkpoint (expert weights as `_blocks` + `_scales`): the streaming loader's weights equal those
+    transformers' `from_pretrained(..., Mxfp4Config(dequantize=True))` builds."""
+    from safetensors.torch import load_file, save_file
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    from fsdp2_backend.models.loading import load_safetensors
+    from fsdp2_backend.models.registry import model_spec
+
+    _, ours = _pair()
+    ours.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    for key in list(tensors):
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            e, rows_in, cols_out = tensors.pop(key).shape  # in-memory (E, in, out); MXFP4 packs (E, out, in / 32)
+            tensors[key + "_blocks"] = torch.randint(0, 256, (e, cols_out, rows_in // 32, 16), generator=g,
+                                                     dtype=torch.uint8)
+            tensors[key + "_scales"] = torch.randint(120, 134, (e, cols_out, rows_in // 32), generator=g,
+                                                     dtype=torch.uint8)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    reference = GptOssForCausalLM.from_pretrained(tmp_path, quantization_config=Mxfp4Config(dequantize=True),
+                                                  dtype=torch.float32)
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(tmp_path)
+    model = build_gpt_oss(tiny_gpt_oss_config())
+    load_safetensors(model, str(tmp_path), spec=model_spec("gpt_oss"), hf_config=hf_config)
+    expected = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, expected[name].float(), rtol=0, atol=0, msg=name)

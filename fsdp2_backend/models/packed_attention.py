@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from kernels.varlen import cu_seqlens_from_position_ids, is_packed
+from usage_errors import UsageError
 
 PACKED_ATTENTION = "fsdp2_packed"
 
@@ -92,8 +93,16 @@ AttentionInterface.register(PACKED_ATTENTION, packed_attention)
 
 
 def enable_packed_attention(model) -> str:
-    """Switches an HF model to the packed attention; returns a one-line description (or why not)."""
-    if not hasattr(model, "set_attn_implementation"):
-        return f"neat_packing: {type(model).__name__} has no attention interface — packed attention not set"
+    """Switches an HF model to the packed attention (full-attention layers only: sliding windows and sinks are
+    not built, declined); returns a one-line description."""
+    config = getattr(model, "config", None)
+    if not hasattr(model, "set_attn_implementation") or config is None:
+        raise UsageError(f"data.neat_packing: {type(model).__name__} has no attention interface to run packed "
+                         "rows through — use packing without neat_packing")
+    other = sorted(set(getattr(config, "layer_types", None) or ["full_attention"]) - {"full_attention"})
+    if other or getattr(config, "model_type", None) == "gpt_oss":
+        what = f"layer types {other}" if other else "attention sinks"
+        raise UsageError(f"data.neat_packing: {what} of model_type {config.model_type} are not built in the packed "
+                         "attention — use packing without neat_packing")
     model.set_attn_implementation(PACKED_ATTENTION)
     return "neat_packing: attention runs per packed document (varlen), no S×S mask"

@@ -172,7 +172,11 @@ class Qwen3NextGroupedForCausalLM(Qwen3NextForCausalLM):
 
             init.normal_(module.gate_up_proj, mean=0.0, std=self.config.initializer_range)
             init.normal_(module.down_proj, mean=0.0, std=self.config.initializer_range)
-        if isinstance(module, TopKRouter):  # Megatron's expert bias starts at 0
+        if isinstance(module, TopKRouter):  # transformers initialises it from the block; a seeded meta-device
+            # initialisation visits the router itself. Megatron's expert bias starts at 0.
+            from transformers import initialization as init
+
+            init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
             module.reset_buffers()
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from fsdp2_backend.config import ParallelArguments
 from usage_errors import UsageError
-from fsdp2_backend.parallel.plans import lenient_matches, require_matches
+from fsdp2_backend.parallel.plans import lenient_matches
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -52,7 +52,9 @@ def _ignored_params(model: nn.Module, patterns: Optional[Sequence[str]]) -> Set[
 
 def _units(model: nn.Module, patterns: Sequence[str], ignored: Set[nn.Parameter]) -> List[nn.Module]:
     """The matched modules to wrap, in model order, without tied ones and ones with nothing to shard."""
-    matched = require_matches(model, patterns, "parallel.fsdp_modules")
+    # Lenient like the other plan fields: MindSpeed's YAMLs list modules some models lack (e.g. its mamba3 CI
+    # YAML names `model.embeddings`); such a pattern is warned about once and the rest still shard.
+    matched = lenient_matches(model, patterns, "parallel.fsdp_modules")
     owners = {}
     for _, module in matched:
         for p in module.parameters():

@@ -200,6 +200,11 @@ def _use_flash_attn(model: nn.Module, device_type: str) -> str:
     current = getattr(config, "_attn_implementation", None)
     if not hasattr(model, "set_attn_implementation"):
         return f"use_flash_attn: {type(model).__name__} has no attention interface — no effect"
+    if any(name.endswith(".sinks") for name, _ in model.named_parameters()):  # gpt_oss: sdpa / flash drop sinks
+        from kernels.sink_attention import register_sink_attention
+
+        model.set_attn_implementation(register_sink_attention())
+        return f"use_flash_attn: attention sinks — SDPA with the sinks as a key column (sink_attention) on {device_type}"
     if device_type == "cuda":
         if importlib.util.find_spec("flash_attn") is not None:
             model.set_attn_implementation("flash_attention_2")
@@ -234,9 +239,12 @@ def _gdn_lines(model: nn.Module, optimization_args, device_type: str) -> list:
     lines = []
     for flag in set_flags:
         if flag == "use_triton_gdn":
-            backend = ("flash-linear-attention's chunk_gated_delta_rule" if device_type == "cuda" and fla_importable()
-                       else "kernels.gated_delta_rule_triton")
-            lines.append(f"use_triton_gdn: triton Gated DeltaNet ({backend}) in {len(ours)} layers on {device_type}")
+            if device_type == "cuda" and fla_importable():
+                lines.append(f"use_triton_gdn: flash-linear-attention's triton chunk_gated_delta_rule in {len(ours)} "
+                             "Gated DeltaNet layers on cuda")
+            else:
+                lines.append(f"use_triton_gdn: no triton Gated DeltaNet kernel on {device_type} (flash-linear-"
+                             "attention on CUDA only) — running the torch reference")
         elif flag == "use_flash_gdn":
             lines.append(f"use_flash_gdn: torch_npu's AscendC Gated DeltaNet op in {len(ours)} layers on "
                          f"{device_type}")

@@ -50,19 +50,20 @@ def fill_blending_indices(weights, dataset_index, dataset_sample_index):  # prag
     """Step by step, the first dataset with the largest weight * max(step, 1) - taken; its running count is
     the sample it gives."""
     num = weights.shape[0]
-    taken = numpy.zeros(num, dtype=numpy.int64)
+    # counts kept as doubles (exact below 2**53): the C++ converts them for every comparison anyway
+    taken = numpy.zeros(num, dtype=numpy.float64)
     for step in range(dataset_index.shape[0]):
         x = max(float(step), 1.0)
         best = 0
-        best_error = weights[0] * x - float(taken[0])
+        best_error = weights[0] * x - taken[0]
         for d in range(1, num):
-            error = weights[d] * x - float(taken[d])
+            error = weights[d] * x - taken[d]
             if error > best_error:
                 best = d
                 best_error = error
         dataset_index[step] = best
-        dataset_sample_index[step] = taken[best]
-        taken[best] += 1
+        dataset_sample_index[step] = int(taken[best])
+        taken[best] += 1.0
 
 
 @njit(cache=True, nogil=True)

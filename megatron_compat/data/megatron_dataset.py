@@ -4,9 +4,10 @@ on-disk cache of index arrays shared by GPTDataset and BlendedDataset.
 Cache protocol (megatron-core 0.16.1's file names and descriptions, so each side reads the other's caches):
 arrays live as `<md5 of the description>-<Class>-<split>-<name>.npy` next to a `...-description.txt`, in
 `path_to_cache`; the description is `json.dumps(unique_identifiers, indent=4)` with objects (datasets,
-tokenizers) described by their own `unique_identifiers`. The rank chosen by `builds_caches_first` builds and saves them; the
-builder puts a barrier between it and the other ranks, which then only load. Files are written under temporary
-names and renamed, so a reader never sees a half-written array.
+tokenizers) described by their own `unique_identifiers`. The rank chosen by `builds_caches_first` builds and
+saves them; the builder puts a barrier between it and the other ranks, which then only load. Files are written
+under temporary names and renamed, so a reader never sees a half-written array. Building and loading log
+megatron-core's INFO lines ("Build and save the GPTDataset train indices", the time elapsed, ...).
 """
 from __future__ import annotations
 
