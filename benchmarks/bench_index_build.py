@@ -3,7 +3,7 @@ loops) against megatron-core 0.16.1 (its numpy document/shuffle index, its C++ `
 blending index), time and peak memory, measured in the same run, on identical inputs, with identical results.
 
 Run: python benchmarks/bench_index_build.py [--sizes 1000000,10000000,100000000] [--seq 4096]
-         [--blend-datasets 20] [--repeats 3]
+         [--blend-datasets 20] [--repeats 3] [--stages "document index,sample index,shuffle index,blending index"]
 
 Per size S (samples): documents with lengths uniform in [1, 2 * seq) (mean ~ seq), S / 4 of them, so the
 document index spans ~4 epochs (~S entries); the sample index holds S samples; the shuffle index S; the
@@ -144,6 +144,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="1000000,10000000,100000000", help="samples, comma-separated")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--blend-datasets", type=int, default=20)
+    parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset of: " + ", ".join(STAGES))
     parser.add_argument("--repeats", type=int, default=3, help="rounds per measurement (best time)")
     parser.add_argument("--digest", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", nargs=3, metavar=("IMPL", "STAGE", "SIZE"), help=argparse.SUPPRESS)
@@ -157,7 +158,7 @@ def main() -> None:
     print(f"{'samples':>12} {'stage':<15}{'mcore s':>9}{'ours s':>9}{'time x':>8}{'mcore MiB':>11}"
           f"{'ours MiB':>10}{'mem x':>7}  identical")
     for size in (int(s) for s in args.sizes.split(",")):
-        for stage in STAGES:
+        for stage in [s.strip() for s in args.stages.split(",")]:
             m, o = _best_of(stage, size, args)
             same = m["digest"] == o["digest"]
             print(f"{size:>12} {stage:<15}{m['seconds']:>9.3f}{o['seconds']:>9.3f}"

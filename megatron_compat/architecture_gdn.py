@@ -16,6 +16,7 @@ router flags as Qwen3-MoE's (Qwen3-Next's gated attention and experts are Qwen3-
         --moe-shared-expert-gate say so; without them from scratch it is declined)
   --attention-output-gate, --qk-layernorm: what Qwen3-Next is (gated attention, q/k norms) → model_type
   --mamba-expand 1: no effect (the GDN value width is the head dims above); another value is declined.
+  No --num-experts: a dense Qwen3-Next (num_experts 0). --no-enable-linear-qkv: no effect (HF's projections).
 """
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ def apply(a) -> None:
         if a._set_field is not None:  # this project's model: our GDN kernels, packing, CP, stacked experts
             a._set_field(next((d for d in SELECTING if d in a.active), "experimental_attention_variant"),
                          "model.model_id", "qwen3_next")
+        if not g("num_experts"):  # transformers' Qwen3-Next defaults to 512 experts; no --num-experts = dense
+            a.keys["num_experts"] = 0
+    a.note("no_enable_linear_qkv", "no_effect", "q/k/v projections are laid out as the HF model's")
     interval = _interval(a)
     layers = g("num_layers")
     if interval and layers:

@@ -65,6 +65,15 @@ def test_values_no_run_can_use():
     assert errors_of(SCRATCH + ["--exit-signal-handler", "--exit-signal", "SIGNOPE"]) == [
         "training.exit_signal: 'SIGNOPE' is no signal — give a name such as SIGTERM or SIGUSR1, or its number "
         "(Megatron --exit-signal)"]
+    assert errors_of(SCRATCH + ["--clip-grad", "-1", "--weight-decay", "-0.1", "--adam-beta1", "1.5", "--adam-eps",
+                                "0", "--seed", "-1"]) == [
+        "training.max_grad_norm: must be >= 0, got -1.0 (Megatron --clip-grad)",
+        "training.weight_decay: must be >= 0, got -0.1 (Megatron --weight-decay)",
+        "training.adam_beta1: must lie in [0, 1), got 1.5 (Megatron --adam-beta1)",
+        "training.adam_epsilon: must be positive, got 0.0 (Megatron --adam-eps)",
+        "training.seed: must lie in [0, 2**32) (numpy's seeds), got -1 (Megatron --seed)"]
+    assert errors_of(replaced(SCRATCH, "--lr", "nan")) == [
+        "training.lr: must be >= 0, got nan (Megatron --lr) — give the peak learning rate"]
     config, _ = parse_command_line(SCRATCH + ["--exit-signal-handler", "--exit-signal", "SIGUSR1"], 1)
     assert (config.training.exit_signal_handler, config.training.exit_signal) == (True, "SIGUSR1")
     config, _ = parse_command_line(SCRATCH + ["--no-check-for-nan-in-loss-and-grad"], 1)

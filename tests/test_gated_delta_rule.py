@@ -173,3 +173,13 @@ def test_causal_conv1d_resets_at_document_starts():
     ex, ew = torch.autograd.grad(torch.cat(pieces, dim=1).sum(), (x, weight))
     torch.testing.assert_close(gx, ex)
     torch.testing.assert_close(gw, ew, atol=1e-5, rtol=1e-5)
+
+
+def test_gdn_chunk_size_must_be_positive():
+    from fsdp2_backend.config import Config
+    from fsdp2_backend.config.validation import validate
+
+    config = Config()
+    config.optimization.gdn_chunk_size = 0
+    with pytest.raises(UsageError, match="optimization.gdn_chunk_size: must be >= 1"):
+        validate(config, 1)

@@ -225,3 +225,18 @@ def test_unshuffled_samples_read_the_documents_in_order(corpus, tmp_path, monkey
     assert shuffled.unique_description_hash != ours.unique_description_hash
     assert len(list(tmp_path.glob("*.npy"))) == 6  # two separate caches of three arrays
     assert not numpy.array_equal(numpy.asarray(shuffled.shuffle_index), numpy.arange(len(shuffled)))
+
+
+@pytest.mark.parametrize("dtype", [numpy.int32, numpy.uint32, numpy.int64])
+def test_compiled_shuffle_is_numpys(dtype):
+    """Same permutation and same generator state afterwards as RandomState.shuffle, at sizes around the
+    32-bit mask boundaries, on views too."""
+    for n in (0, 1, 2, 3, 17, 1000, 65537, 300000):
+        expected, got = numpy.arange(n, dtype=dtype), numpy.arange(n, dtype=dtype)
+        theirs, ours = numpy.random.RandomState(n), numpy.random.RandomState(n)
+        theirs.shuffle(expected[: n // 2])
+        theirs.shuffle(expected[n // 2:])
+        index_building.shuffle(got[: n // 2], ours)
+        index_building.shuffle(got[n // 2:], ours)
+        assert numpy.array_equal(expected, got), n
+        assert theirs.randint(1 << 30, size=5).tolist() == ours.randint(1 << 30, size=5).tolist()

@@ -147,3 +147,13 @@ def test_model_id_streams_stock_checkpoints_with_mtp_keys(tmp_path, ctx, meta):
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits,
                                    reference(input_ids=ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_gated_norm_kernel_swap_keeps_transformers_logits():
+    """use_triton_rmsnormgated: the GDN output norm through kernels.rmsnorm_gated (its reference on CPU)."""
+    hf, ours = _pair()
+    configure_qwen3_next(ours, moe_grouped_gemm=False, fix_router=False, gdn_chunk_size=64,
+                         gdn_implementation="torch", fused_gated_norm=True)
+    assert ours.model.layers[0].linear_attn.fused_norm
+    with torch.no_grad():
+        torch.testing.assert_close(ours(**_batch()).logits, hf(**_batch()).logits, rtol=1e-5, atol=1e-5)

@@ -10,7 +10,8 @@ import os
 import sys
 
 from tests.helpers import REPO, free_port, run_pretrain, train_bytelevel_tokenizer
-from tests.test_mindspeed_yaml import DATA, _failure, _run, _with_paths, assets, train_lines  # noqa: F401
+from tests.test_mindspeed_yaml import (DATA, _failure, _run, _with_paths, _yaml_file, assets,  # noqa: F401
+                                      train_lines)
 from tests.test_qwen3_next import tiny_next_config
 
 GDN_FLAGS = (
@@ -56,7 +57,7 @@ def test_mindspeed_qwen3_next_yaml_trains_on_two_ranks(assets, tmp_path):  # noq
 
     table = json.loads((DATA / "launchers.json").read_text())
     entry = table["head"]["examples__fsdp2__qwen3_next__pretrain_qwen3_next_16k_fsdp2_A3.sh"]
-    yaml_file = DATA / "head" / "examples__fsdp2__qwen3_next__pretrain_qwen3_next_16k_fsdp2_A3.yaml"
+    yaml_file = _yaml_file("head", entry["yaml"])  # head's launcher runs the (unchanged) f88dd26d copy
     model = _tiny_next_dir(tmp_path / "qwen3-next")
     dataset = json.dumps({"file_name": assets["parquet"]})
     output = str(tmp_path / "output")
@@ -73,3 +74,18 @@ def test_mindspeed_qwen3_next_yaml_trains_on_two_ranks(assets, tmp_path):  # noq
     lines = train_lines(log, parse_train_line)
     assert [line["iteration"] for line in lines] == [1, 2, 3], _failure(result, command)
     assert all(math.isfinite(line["losses"]["lm loss"]) for line in lines)
+
+
+def test_mindspeed_gated_deltanet_script_translates_to_a_dense_qwen3_next():
+    """MindSpeed's dense Gated DeltaNet 340M launch line (launch corpus) builds from flags: model id qwen3_next,
+    every third layer full attention, no experts."""
+    from megatron_compat.translate import translate_megatron
+
+    corpus = json.loads((DATA.parent / "launch_corpus.json").read_text())
+    (argv,) = [v for k, v in corpus.items() if k.endswith("gated_deltanet/pretrain_gated_deltanet_340M_4K_A2_ptd.sh")]
+    fields = translate_megatron(argv).fields
+    arch = fields["model"]["architecture"]
+    assert fields["model"]["model_id"] == "qwen3_next" and arch["model_type"] == "qwen3_next"
+    assert arch["num_experts"] == 0 and arch["layer_types"][:3] == ["linear_attention"] * 2 + ["full_attention"]
+    assert (arch["linear_num_key_heads"], arch["linear_key_head_dim"], arch["linear_conv_kernel_dim"]) == (4, 256, 4)
+    assert fields["optimization"]["use_triton_gdn"] is True and fields["optimization"]["gdn_chunk_size"] == 64

@@ -2,7 +2,8 @@
 worse, be quietly overridden: checked with the others, before any process group, without torch.
 
 `check_run_inputs(config, facts, errors)` adds one message per problem:
-- values no run can use: a negative lr, negative data loader workers, a split whose weights give no training
+- values no run can use: a negative (or NaN) lr, clip norm or weight decay, Adam betas outside [0, 1), a seed
+  numpy refuses, negative data loader workers, a split whose weights give no training
   data, an exit_signal that names no signal;
 - contradictory fields: gradient_accumulation_steps against the global batch, warmup_ratio against
   lr_warmup_iters / lr_warmup_samples (the explicit count would silently win);
@@ -62,8 +63,18 @@ def check_run_inputs(config: Config, facts: ModelFacts, world_size: int, errors:
 
 def _check_values(config: Config, errors: List[str]) -> None:
     t, d = config.training, config.data
-    if t.lr < 0:
+    if not t.lr >= 0:  # also NaN
         errors.append(f"training.lr: must be >= 0, got {t.lr} (Megatron --lr) — give the peak learning rate")
+    for name, flag in (("max_grad_norm", "--clip-grad"), ("weight_decay", "--weight-decay")):
+        if not getattr(t, name) >= 0:
+            errors.append(f"training.{name}: must be >= 0, got {getattr(t, name)} (Megatron {flag})")
+    for name, flag in (("adam_beta1", "--adam-beta1"), ("adam_beta2", "--adam-beta2")):
+        if not 0 <= getattr(t, name) < 1:
+            errors.append(f"training.{name}: must lie in [0, 1), got {getattr(t, name)} (Megatron {flag})")
+    if not t.adam_epsilon > 0:
+        errors.append(f"training.adam_epsilon: must be positive, got {t.adam_epsilon} (Megatron --adam-eps)")
+    if not 0 <= t.seed < 2**32:
+        errors.append(f"training.seed: must lie in [0, 2**32) (numpy's seeds), got {t.seed} (Megatron --seed)")
     if t.dataloader_num_workers < 0:
         errors.append(f"training.dataloader_num_workers: must be >= 0 (0 loads in the main process), got "
                       f"{t.dataloader_num_workers} (Megatron --num-workers)")

@@ -97,6 +97,9 @@ def _check_seed_rules(config: Config, errors: List[str]) -> None:
         errors.append(f"data.val_size: must be >= 0, got {d.val_size}")
     if o.use_triton_gdn and o.use_flash_gdn:
         errors.append("optimization.use_triton_gdn / optimization.use_flash_gdn: at most one may be on")
+    if o.gdn_chunk_size < 1:
+        errors.append(f"optimization.gdn_chunk_size: must be >= 1 (Gated DeltaNet chunk length), got "
+                      f"{o.gdn_chunk_size} — use 64")
     if d.reset_attention_mask and not d.append_eod:
         errors.append("data.reset_attention_mask: needs data.append_eod (documents are found by their EOD) — "
                       "set data.append_eod: true")

@@ -14,10 +14,11 @@ State dicts therefore equal transformers' in-memory ones, and transformers' `fro
 `param_from_checkpoint` / `param_to_checkpoint` convert one parameter at a time (for streaming loaders and
 exporters), `to_hf_checkpoint` / `from_hf_checkpoint` whole state dicts.
 
-The auxiliary load-balancing loss is transformers' unless `model.moe_router_load_balancing_type` (or a z-loss)
-asks for Megatron's: then `outputs.aux_loss` is the sum of Megatron's weighted losses. transformers': with the config's `output_router_logits` (the Megatron
-translation sets it from --moe-aux-loss-coeff) `outputs.aux_loss` holds it unscaled and `outputs.loss`, when labels are given,
-already includes `router_aux_loss_coef * aux_loss`. A trainer that computes its own loss adds
+The auxiliary load-balancing loss: with `model.moe_router_load_balancing_type` (or a z-loss) set, Megatron's
+losses (`models.moe.router`): `outputs.aux_loss` is their weighted sum over the layers and the model's
+`router_aux_loss_coef` is 1. Otherwise transformers': with the config's `output_router_logits`
+`outputs.aux_loss` holds it unscaled and `outputs.loss`, when labels are given, already includes
+`router_aux_loss_coef * aux_loss`. A trainer that computes its own loss adds
 `model.router_aux_loss_coef * outputs.aux_loss`.
 """
 from __future__ import annotations

@@ -2,10 +2,11 @@
 document and shuffle indices, its C++ `helpers.cpp` sample and blending indices), in megatron-core's dtypes.
 
 Why our own: megatron-core compiles a C++ extension for the loops; a drop-in must not need a compiler or
-megatron-core at run time. The document and shuffle indices are numpy shuffles (the same `RandomState`
-draws as megatron-core's), built in one array each and shuffled in place by part (megatron-core builds the
-parts and concatenates them, and its document index goes through an int64 grid first). The sequential
-loops (sample index, blending) are the numba kernels of `index_kernels` filling preallocated arrays.
+megatron-core at run time. The document and shuffle indices are built in one array each and shuffled in
+place by part (megatron-core builds the parts and concatenates them, and its document index goes through an
+int64 grid first), by numpy's own shuffle algorithm on the same `RandomState` (`shuffle`: a numba kernel
+drawing from that RandomState's MT19937, 2x faster than numpy's for 4-byte ids). The sequential loops
+(sample index, blending) are the numba kernels of `index_kernels` filling preallocated arrays.
 
 Facts reproduced (megatron-core 0.16.1, gpt_dataset.py / helpers.cpp / blended_dataset.py):
 - document index: the split's document ids repeated once per epoch, cast to int32 and shuffled in place with
@@ -31,6 +32,20 @@ from typing import Optional, Sequence, Tuple
 import numpy
 
 
+def shuffle(array: numpy.ndarray, random_state: numpy.random.RandomState) -> None:
+    """`random_state.shuffle(array)` (the same permutation, the same generator state after it) for a 1-D
+    contiguous array, by the numba kernel `index_kernels.shuffle_in_place` on the RandomState's own MT19937."""
+    from megatron_compat.data.index_kernels import shuffle_in_place
+
+    if array.ndim != 1 or not array.flags.c_contiguous or len(array) < 2:
+        random_state.shuffle(array)
+        return
+    bit_generator = random_state._bit_generator  # numpy's documented route for numba (ctypes interface)
+    interface = bit_generator.ctypes
+    with bit_generator.lock:
+        shuffle_in_place(array, interface.next_uint32, interface.next_uint64, interface.state_address)
+
+
 def build_document_index(documents: numpy.ndarray, num_epochs: int,
                          random_state: Optional[numpy.random.RandomState], separate_final_epoch: bool
                          ) -> numpy.ndarray:
@@ -42,10 +57,10 @@ def build_document_index(documents: numpy.ndarray, num_epochs: int,
     if random_state is not None:
         if separate_final_epoch and num_epochs > 1:
             split_at = (num_epochs - 1) * len(documents)
-            random_state.shuffle(document_index[:split_at])
-            random_state.shuffle(document_index[split_at:])
+            shuffle(document_index[:split_at], random_state)
+            shuffle(document_index[split_at:], random_state)
         else:
-            random_state.shuffle(document_index)
+            shuffle(document_index, random_state)
     return document_index
 
 
@@ -81,9 +96,9 @@ def build_shuffle_index(num_samples: int, total_size: int, random_state: Optiona
     dtype = numpy.uint32 if total_size < numpy.iinfo(numpy.uint32).max - 1 else numpy.int64
     shuffle_index = numpy.arange(total_size, dtype=dtype)
     if random_state is not None:
-        random_state.shuffle(shuffle_index[:num_samples])
+        shuffle(shuffle_index[:num_samples], random_state)
         if num_samples < total_size:
-            random_state.shuffle(shuffle_index[num_samples:])
+            shuffle(shuffle_index[num_samples:], random_state)
     return shuffle_index
 
 

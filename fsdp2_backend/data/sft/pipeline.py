@@ -146,16 +146,18 @@ def _loader_kwargs(training) -> dict:
     return extra
 
 
-def _endless(loader: DataLoader, on_epoch: Optional[Callable[[int], None]] = None) -> Iterator:
+def _endless(loader: DataLoader, on_epoch: Optional[Callable[[int], None]] = None,
+             first: Optional[DataLoader] = None) -> Iterator:
+    """Epoch after epoch over `loader` (`first` instead for the first pass: a resumed stream's remainder)."""
     epoch = 0
     while True:
         if on_epoch is not None:
             on_epoch(epoch)
         yielded = False
-        for batch in loader:
+        for batch in (first if epoch == 0 and first is not None else loader):
             yielded = True
             yield batch
-        if not yielded:
+        if not yielded and not (epoch == 0 and first is not None):  # a resumed stream may start past its end
             raise UsageError("data.dataset: this rank received no training sample — use more data or fewer ranks")
         epoch += 1
 
@@ -181,7 +183,11 @@ def build_sft_data(config, tokenizer, dp_rank: int, dp_size: int, consumed_sampl
 
         stream = split_dataset_by_node(train, rank=dp_rank, world_size=dp_size)
         loader = DataLoader(stream, batch_size=mbs, collate_fn=collator, **_loader_kwargs(training))
-        return SFTData(_endless(loader, getattr(stream, "set_epoch", None)), None, evals, collator)
+        first = None
+        if consumed_samples:  # a resumed run continues the stream where it stopped (within its first pass)
+            first = DataLoader(stream.skip(consumed_samples // dp_size), batch_size=mbs, collate_fn=collator,
+                               **_loader_kwargs(training))
+        return SFTData(_endless(loader, getattr(stream, "set_epoch", None), first), None, evals, collator)
     if len(train) < mbs * dp_size:
         raise UsageError(f"data.dataset: {len(train)} training rows cannot fill one micro-batch on each of "
                          f"{dp_size} data-parallel ranks — use more data, or a smaller batch")
