@@ -172,7 +172,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         install(config.training.exit_signal)
     from fsdp2_backend.build import run_training
+    from kernels.mx import quiet_torchao_import_noise
 
+    quiet_torchao_import_noise()
     with exit_on_usage_error():  # also a RunStopped (NaN loss, full disk): one line, exit code 1
         run_training(config)
     return 0

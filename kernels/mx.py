@@ -30,21 +30,21 @@ ELEM_DTYPE = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float8_e8m0fnu
 
 
+def quiet_torchao_import_noise() -> None:
+    """Silences import-time lines that say nothing to a user, for the rest of the process: torchao's CUDA-only
+    extensions failing to load on a machine without CUDA, and torch's pytree deprecation notes about torchao's
+    enums. transformers imports torchao while loading any model when it is installed (the `quant` extra), so
+    the entry point calls this before building anything."""
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    if not torch.cuda.is_available():
+        logging.getLogger("torchao").setLevel(logging.ERROR)
+
+
 def _torchao():
     """torchao's MX helpers (imported on first use: the `quant` extra)."""
-    # Import-time warnings that say nothing to a user: torchao's CUDA-only extensions failing to load on a
-    # machine without CUDA, and torch's pytree deprecation notes about torchao's enums.
-    logs = [logging.getLogger("torch.utils._pytree")]
-    if not torch.cuda.is_available():
-        logs.append(logging.getLogger("torchao"))
-    levels = [log.level for log in logs]
-    for log in logs:
-        log.setLevel(logging.ERROR)
-    try:
-        from torchao.prototype.mx_formats import mx_tensor
-    finally:
-        for log, level in zip(logs, levels):
-            log.setLevel(level)
+    quiet_torchao_import_noise()
+    from torchao.prototype.mx_formats import mx_tensor
+
     return mx_tensor
 
 
