@@ -102,9 +102,23 @@ def build_model(config: Config, ctx, resume):
     hf_config.vocab_size = model_vocab_size(model_args, config_vocab, tokenizer, from_checkpoint=from_checkpoint,
                                             tp_size=ctx.layout.tp)
     model = create_model(model_args, hf_config, seed=config.training.seed, device=ctx.device.torch_device,
-                         parallelize=lambda m: apply_parallelism(m, config, ctx),
+                         parallelize=lambda m: apply_parallelism(*_with_mtp(m, config), ctx),
                          new_rows=new_token_rows(model_args, tokenizer, config.training.seed))
     return tokenizer, model, hf_config
+
+
+def _with_mtp(model, config: Config):
+    """(model, config) for the parallel plan: with `model.mtp_num_layers`, the MTP layers attached
+    (models/mtp.py) and made FSDP units (`mtp.layers.{}` added to a copy of fsdp_modules)."""
+    if not config.model.mtp_num_layers:
+        return model, config
+    from fsdp2_backend.models.mtp import attach_mtp
+
+    attach_mtp(model, config.model.mtp_num_layers, config.training.seed)
+    units = list(config.parallel.fsdp_modules)
+    if "mtp.layers.{}" not in units:
+        units.append("mtp.layers.{}")
+    return model, dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, fsdp_modules=units))
 
 
 def train_length(config: Config, global_batch_size: int, build_data: Callable):

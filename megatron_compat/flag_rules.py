@@ -197,10 +197,9 @@ _DECLINED: Dict[str, str] = {
         num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp4_format fp4_recipe fp4_quantizer_factory
         te_precision_config_file moe_router_padding_for_quantization moe_router_padding_for_fp8
         exp_avg_dtype exp_avg_sq_dtype moe_dispatch_fwd_dtype moe_combine_bwd_dtype""",
-    "multi-token prediction (MTP) heads and their loss are not implemented; without them the loss differs — "
-    "drop the MTP flags":
-        """mtp_num_layers mtp_loss_scaling_factor mtp_use_repeated_layer mtp_detach_heads mtp_hsm
-        mtp_hybrid_override_pattern""",
+    "this multi-token prediction (MTP) variant is not implemented (--mtp-num-layers and "
+    "--mtp-loss-scaling-factor are) — drop the flag":
+        """mtp_use_repeated_layer mtp_detach_heads mtp_hsm mtp_hybrid_override_pattern""",
     "batch-size ramp-up changes the optimisation trajectory and is not implemented — train with a fixed "
     "--global-batch-size":
         """rampup_batch_size step_batch_size_schedule decrease_batch_size_if_needed""",

@@ -286,6 +286,10 @@ def _tokenizer_path(ctx, value):
         ctx.set("model.tokenizer_name_or_path", value)
 
 
+_direct("mtp_num_layers", "model.mtp_num_layers")
+_direct("mtp_loss_scaling_factor", "model.mtp_loss_scaling_factor")
+
+
 @handles("make_vocab_size_divisible_by", "model.make_vocab_size_divisible_by (the engine pads to it × tp, as "
                                          "Megatron does)")
 def _divisible(ctx, value):

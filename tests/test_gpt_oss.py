@@ -129,3 +129,18 @@ def test_mxfp4_checkpoint_streams_as_transformers_dequantises_it(tmp_path):
     expected = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, expected[name].float(), rtol=0, atol=0, msg=name)
+
+
+def test_seeded_initialisation_equals_transformers_model():
+    """`train_from_scratch` / meta-device init: the seeded initialisation of the gpt_oss model id writes the weights
+    it writes into transformers' own GPT-OSS (the grouped experts initialised as GptOssExperts)."""
+    from transformers import GptOssForCausalLM
+
+    from fsdp2_backend.models.loading import seeded_initialize
+
+    hf, ours = GptOssForCausalLM(tiny_gpt_oss_config()), build_gpt_oss(tiny_gpt_oss_config())
+    seeded_initialize(hf, seed=7)
+    seeded_initialize(ours, seed=7)
+    expected = hf.state_dict()
+    for name, tensor in ours.state_dict().items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)

@@ -7,7 +7,6 @@ probabilities and routing map, every tracked loss (`load_balancing_loss`, `seq_l
 with `MoEAuxLossAutoScaler`, we add them to the loss), the token counts and the expert-bias update of
 `finalize_model_grads`.
 """
-import os
 import warnings
 
 import pytest
@@ -178,3 +177,18 @@ def test_router_dtype_and_evaluation():
     assert router.pending_loss is None and router.local_tokens_per_expert.sum() == 0
     router.train()(x)
     assert router.pending_loss is not None and router.local_tokens_per_expert.sum() == 10 * 2
+
+
+def test_router_fields_checked_as_megatron_core_checks_them():
+    from fsdp2_backend.config import ModelArguments
+    from fsdp2_backend.config.validation import _router_errors
+
+    bad = ModelArguments(moe_router_load_balancing_type=["aux_loss", "bogus"], moe_aux_loss_coeff=[0.1],
+                         moe_router_num_groups=4, moe_router_enable_expert_bias=True)
+    found = _router_errors(bad)
+    assert any(m.startswith("model.moe_router_load_balancing_type: 'bogus'") for m in found)
+    assert any(m.startswith("model.moe_aux_loss_coeff: 1 coefficients for 2") for m in found)
+    assert any(m.startswith("model.moe_router_num_groups / model.moe_router_group_topk") for m in found)
+    assert any(m.startswith("model.moe_router_enable_expert_bias: the expert bias applies to sigmoid") for m in found)
+    assert _router_errors(ModelArguments(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.1))
+    assert not _router_errors(ModelArguments(moe_router_load_balancing_type="sinkhorn"))

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Converts one of our training checkpoints to a Hugging Face directory, offline, in one process.
+"""Converts one of our training checkpoints, or a Megatron-LM one (torch_dist or legacy torch format: see
+fsdp2_backend/training/megatron_checkpoint.py), to a Hugging Face directory, offline, in one process.
 
     python tools/convert_checkpoint.py CKPT_DIR OUT_DIR [--dtype bf16|fp16|fp32]
 
@@ -27,14 +28,22 @@ def main(argv=None) -> None:
     parser.add_argument("out_dir", help="the HF directory to write")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                         help="cast floating-point weights (default: as saved)")
+    parser.add_argument("--hf-config", default=None,
+                        help="Megatron-LM checkpoints only: an HF config directory to use instead of deriving one "
+                             "from the checkpoint's saved args")
     args = parser.parse_args(argv)
     with exit_on_usage_error():
         import torch
 
         from fsdp2_backend.training.hf_export import convert_checkpoint
 
+        from fsdp2_backend.training.megatron_checkpoint import convert_megatron_checkpoint, megatron_iteration_dir
+
         dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
-        out = convert_checkpoint(args.checkpoint, args.out_dir, dtype=dtype)
+        if megatron_iteration_dir(args.checkpoint) is not None:  # a Megatron-LM torch_dist / legacy checkpoint
+            out = convert_megatron_checkpoint(args.checkpoint, args.out_dir, dtype=dtype, hf_config=args.hf_config)
+        else:
+            out = convert_checkpoint(args.checkpoint, args.out_dir, dtype=dtype)
     print(f"wrote {out}")
 
 

@@ -71,6 +71,10 @@ class ModelArguments:
     vocab_size: Optional[int] = _field(None, "(Megatron) --vocab-size for the NullTokenizer.")
     make_vocab_size_divisible_by: int = _field(1, "(Megatron) Pad the embedding rows to a multiple of this "
                                                   "(Megatron's default is 128).")
+    mtp_num_layers: Optional[int] = _field(
+        None, "(Megatron) Multi-token prediction depths (DeepSeek-V3 style, models/mtp.py); unset: none.")
+    mtp_loss_scaling_factor: float = _field(0.1, "(Megatron) Weight of the MTP loss (averaged over depths) in the "
+                                                 "training loss.")
     # Megatron's MoE router (megatron-core's TopKRouter); unset fields keep the model's own routing
     moe_router_score_function: Optional[Literal["softmax", "sigmoid"]] = _field(
         None, "(Megatron) Router score function; unset: the model's own.")

@@ -148,6 +148,19 @@ def _check_seed_rules(config: Config, errors: List[str]) -> None:
     if chunk and p.tp_size > 1:
         errors.append("optimization.chunk_loss_size: not available with tensor parallel (parallel.tp_size "
                       f"{p.tp_size}) yet — unset chunk_loss_size or use tp_size 1")
+    mtp = config.model.mtp_num_layers
+    if mtp is not None and mtp < 1:
+        errors.append(f"model.mtp_num_layers: {mtp} is not a number of MTP depths — give at least 1, or unset it")
+    elif mtp:  # models/mtp.py: plain modules under FSDP2 / CP only, so far
+        for name, why in ((chunk, "optimization.chunk_loss_size (the head computes the MTP loss from full logits)"),
+                          (p.tp_size > 1, "parallel.tp_size > 1 (the MTP layers get no tensor-parallel plan yet)"),
+                          (p.ep_size > 1, "parallel.ep_size > 1 (the MTP layer's experts get no expert plan yet)"),
+                          (config.model.model_id not in (None, "qwen3"),
+                           f"model.model_id {config.model.model_id} (MTP runs over transformers' own layers)"),
+                          (config.model.init_model_with_meta_device,
+                           "model.init_model_with_meta_device (MTP weights are initialised on a real device)")):
+            if name:
+                errors.append(f"model.mtp_num_layers: not available with {why} — unset one of them")
     if d.data_manager_type == "mg" and not d.mock_data:
         per_split = any([d.train_data_path, d.valid_data_path, d.test_data_path])
         if per_split and d.dataset:
@@ -359,7 +372,7 @@ def _router_errors(m) -> List[str]:
     if (m.moe_router_num_groups is None) != (m.moe_router_group_topk is None):
         errors.append("model.moe_router_num_groups / model.moe_router_group_topk: group-limited routing needs both")
     if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid" and \
-            m.model_id not in (None, "minimax_m27", "step35"):
+            m.model_id not in ("minimax_m27", "step35"):  # those score with sigmoid by themselves
         errors.append("model.moe_router_enable_expert_bias: the expert bias applies to sigmoid scores (megatron-core "
                       "asserts it) — set model.moe_router_score_function: sigmoid")
     return errors

@@ -99,6 +99,21 @@ class GlobalBatchLoss:
             scaled = scaled + aux_loss / (self.num_microbatches * self.dp_size)
         return scaled
 
+    def extra_backward_loss(self, loss_sums, counts, weight: float) -> Tensor:
+        """MTP (models/mtp.py): weight x sum_k of each depth's (sum, count) normalised exactly as the lm loss
+        (per-token: plain sums; else per-micro-batch means over the whole sequence under cp, / micro-batches / dp).
+        Not recorded in the reported lm loss."""
+        total = loss_sums[0].new_zeros(())
+        for loss_sum, count in zip(loss_sums, counts):
+            if self.per_token:
+                total = total + loss_sum
+                continue
+            whole = count.detach().float().clone()
+            if self.cp_size > 1:
+                dist.all_reduce(whole, group=self.cp_group)
+            total = total + loss_sum / whole.clamp(min=1) / (self.num_microbatches * self.dp_size) * self.cp_size
+        return total * weight
+
     def _lm_backward_loss(self, loss_sum: Tensor, num_tokens: Tensor) -> Tensor:
         detached = torch.stack([loss_sum.detach().float(), num_tokens.detach().float()])
         if self._loss_sum is None:

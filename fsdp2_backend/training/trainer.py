@@ -76,6 +76,7 @@ class StepResult:
     skipped: bool
     got_nan: bool
     moe_losses: Dict[str, float] = field(default_factory=dict)  # Megatron's names (load_balancing_loss, z_loss)
+    mtp_losses: Dict[str, float] = field(default_factory=dict)  # "mtp_1 loss", ... (models/mtp.py)
 
 
 @dataclass
@@ -120,18 +121,33 @@ class Trainer:
         self.chunk_loss_size = config.optimization.chunk_loss_size  # when set, `loss_fn` is not used
         if self.chunk_loss_size:
             check_chunked_loss_model(model)
+        self.mtp_layers = config.model.mtp_num_layers or 0  # multi-token prediction (models/mtp.py)
+        self._mtp_means: Optional[torch.Tensor] = None
 
     # -- one iteration -------------------------------------------------------------------------------------
-    def _forward_loss(self, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    def _forward_loss(self, batch: Batch, accounting: Optional[GlobalBatchLoss] = None,
+                      ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(sum of masked per-token losses, number of loss tokens, weighted MoE aux loss or None) of one
-        micro-batch on this rank (its share of the sequence under context parallel)."""
+        micro-batch on this rank (its share of the sequence under context parallel). With `accounting` (training)
+        and MTP, the MTP term rides on the logits' backward and the depths' means are recorded."""
         batch = {("input_ids" if k == "tokens" else k): v.to(self.device, non_blocking=True)
                  for k, v in batch.items() if torch.is_tensor(v)}
-        if self.cp_size > 1:
-            from fsdp2_backend.parallel.context_parallel.batch import shard_batch_for_cp
+        mtp = {}
+        if self.mtp_layers and accounting is not None:  # rolled on the whole sequence, before any cp split
+            from fsdp2_backend.models.mtp import mtp_batch
 
-            batch = shard_batch_for_cp(batch, self.ctx.cp_mesh.get_local_rank(), self.cp_size,
-                                       self.config.parallel.cp_type)
+            mtp = {k: v for k, v in mtp_batch(batch, self.mtp_layers).items() if k.startswith("mtp_")}
+        if self.cp_size > 1:
+            from fsdp2_backend.parallel.context_parallel.batch import sequence_indices, shard_batch_for_cp
+
+            seq_len, cp_rank = batch["input_ids"].shape[1], self.ctx.cp_mesh.get_local_rank()
+            batch = shard_batch_for_cp(batch, cp_rank, self.cp_size, self.config.parallel.cp_type)
+            if mtp:
+                index = sequence_indices(seq_len, cp_rank, self.cp_size, self.config.parallel.cp_type,
+                                         device=self.device)
+                mtp = {k: v.index_select(1, index) for k, v in mtp.items()}
+        if mtp:
+            return self._mtp_forward_loss({**batch, **mtp}, accounting)
         if self.chunk_loss_size:  # the loss from the hidden states, chunk by chunk, inside the root's forward
             loss_sum, count, aux = chunked_loss_forward(self.model, batch["input_ids"], batch.get("position_ids"),
                                                         batch["labels"], batch["loss_mask"], self.chunk_loss_size)
@@ -142,6 +158,33 @@ class Trainer:
         if aux is not None:
             aux = aux * getattr(self.model, "router_aux_loss_coef", self.model.config.router_aux_loss_coef)
         return loss_sum, count, aux
+
+    def _mtp_forward_loss(self, batch: Batch, accounting: GlobalBatchLoss):
+        from fsdp2_backend.models.mtp import mtp_forward
+
+        weight = self.config.model.mtp_loss_scaling_factor / self.mtp_layers
+        out, sums, counts = mtp_forward(self.model, batch, self.mtp_layers,
+                                        lambda s, c: accounting.extra_backward_loss(s, c, weight),
+                                        self.loss_scaler.scale)
+        # Reported per depth (Megatron's MTPLossLoggingHelper): each micro-batch's mean over its whole sequence,
+        # averaged over micro-batches and data-parallel ranks in `_finish_mtp`.
+        totals = torch.stack([torch.stack(sums), torch.stack(counts)]).float()
+        if self.cp_size > 1:
+            dist.all_reduce(totals, group=self.ctx.cp_mesh.get_group())
+        means = totals[0] / totals[1].clamp(min=1)
+        self._mtp_means = means if self._mtp_means is None else self._mtp_means + means
+        loss_sum, count = self.loss_fn(out.logits, batch["labels"], batch["loss_mask"])
+        aux = getattr(out, "aux_loss", None)
+        if aux is not None:
+            aux = aux * getattr(self.model, "router_aux_loss_coef", self.model.config.router_aux_loss_coef)
+        return loss_sum, count, aux
+
+    def _finish_mtp(self) -> Dict[str, float]:
+        if self._mtp_means is None:
+            return {}
+        means = self._all_reduce(self._mtp_means) / (self.micro_batches * self.ctx.loss_mesh.size())
+        self._mtp_means = None
+        return {f"mtp_{k + 1} loss": v for k, v in enumerate(means.tolist())}
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.ctx.loss_mesh.size() > 1:
@@ -160,7 +203,7 @@ class Trainer:
         for _ in range(self.micro_batches):
             batch = next(self.train_batches)
             tokens += batch["tokens"].numel()
-            loss_sum, count, aux = self._forward_loss(batch)
+            loss_sum, count, aux = self._forward_loss(batch, accounting)
             (accounting.backward_loss(loss_sum, count, aux) * self.loss_scaler.scale).backward()
         self.logger.stop_timer("forward-backward")
         self.logger.start_timer("optimizer")
@@ -180,7 +223,7 @@ class Trainer:
         # overflow in the gradients alone is skipped but not nan: the scale backs off).
         got_nan = not math.isfinite(loss) or (not self.loss_scaler.dynamic and not math.isfinite(grad_norm))
         return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, skipped=non_finite, got_nan=got_nan,
-                          moe_losses=moe_losses)
+                          moe_losses=moe_losses, mtp_losses=self._finish_mtp())
 
     def _unscale_and_clip(self, params) -> float:
         if self.loss_scaler.scale != 1.0:
@@ -220,7 +263,7 @@ class Trainer:
             result.grad_norms.append(step.grad_norm)
             result.learning_rates.append(lr)
             result.skipped.append(step.skipped)
-            self.logger.record(iteration, losses={"lm loss": step.loss, **step.moe_losses}, skipped=step.skipped, learning_rate=lr,
+            self.logger.record(iteration, losses={"lm loss": step.loss, **step.moe_losses, **step.mtp_losses}, skipped=step.skipped, learning_rate=lr,
                                grad_norm=step.grad_norm, consumed_samples=self.state.consumed_train_samples,
                                loss_scale=self.loss_scaler.scale, got_nan=step.got_nan)
             if step.got_nan and training.check_for_nan_in_loss_and_grad:

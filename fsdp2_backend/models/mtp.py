@@ -1,0 +1,169 @@
+"""Multi-token prediction (MTP, Megatron's `--mtp-num-layers`, DeepSeek-V3 style) over a transformers causal LM.
+
+Semantics (megatron-core 0.16.1 `transformer/multi_token_prediction.py` and `GPTModel._postprocess`):
+- depth k = 1..D has its own `enorm`, `hnorm` (the model's RMSNorm class), `eh_proj` (Linear 2h -> h, no bias),
+  one decoder layer of the model's own class and its own `final_layernorm`; the output head is the model's.
+- depth 1 starts from the main model's final (normed) hidden states, depth k from depth k-1's output after its
+  `final_layernorm` (what Megatron hands the next depth).
+- input of depth k: cat(enorm(embedding(input_ids rolled left by k)), hnorm(hidden)) -> eh_proj -> layer ->
+  final_layernorm -> head. Rolling fills the vacated last positions with 0 (token id 0, label 0, mask 0).
+- labels and loss mask of depth k: rolled left by k (k more than the main model's already shifted labels).
+- loss of depth k per micro-batch: sum(CE x rolled mask) / sum(rolled mask); the training loss gains
+  mtp_loss_scaling_factor / D x sum_k of it, normalised like the lm loss (`GlobalBatchLoss.extra_backward_loss`).
+
+Why hand-written (not megatron-core's module): Megatron's layers are TP/TE modules with process groups; here the
+blocks are plain `nn.Module`s built from the model's own classes, and the rolled ids / labels / masks are
+computed on the whole sequence before the context-parallel split (`mtp_batch`), so no cross-rank roll is needed.
+
+How it runs inside the FSDP2 root's forward (like `training.chunked_forward`, for the same reasons): for one call
+of the model, the input embedding's forward embeds the main ids and the D rolled ids in one call (one FSDP unit
+call), the last decoder layer's call kwargs (causal mask, rotary position embeddings, CP attention arguments)
+are captured and reused by the MTP layers, and the lm head's forward — which receives the final hidden states —
+runs the MTP depths and attaches their (already normalised) loss to the logits it returns (`_AttachLoss`:
+identity forward, its backward feeds the MTP loss a gradient of `loss_scale`), so backward reaches the MTP
+layers through the root's own output. Parameters live under `mtp.layers.{k}.*` of the causal LM (saved and
+resumed with the model; FSDP units via `mtp.layers.{}`).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+MTP_KEY = "mtp"
+
+
+class MTPLayer(nn.Module):
+    """One MTP depth: enorm, hnorm, eh_proj, the model's decoder layer, final_layernorm (Megatron's names)."""
+
+    def __init__(self, config, norm_cls: type, layer_cls: type):
+        super().__init__()
+        h, eps = config.hidden_size, getattr(config, "rms_norm_eps", 1e-6)
+        self.enorm, self.hnorm = norm_cls(h, eps=eps), norm_cls(h, eps=eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        # layer_idx only selects the attention type (sliding / full) and a KV-cache slot (unused in training):
+        # the last main layer's, so the MTP layer attends like the model's top layer.
+        self.transformer_layer = layer_cls(config, config.num_hidden_layers - 1)
+        self.final_layernorm = norm_cls(h, eps=eps)
+
+    def forward(self, hidden: Tensor, embedded: Tensor, layer_kwargs: dict) -> Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+        out = self.transformer_layer(x, **layer_kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        return self.final_layernorm(out)
+
+
+class MTPBlock(nn.Module):
+    def __init__(self, config, norm_cls: type, layer_cls: type, num_layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(MTPLayer(config, norm_cls, layer_cls) for _ in range(num_layers))
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    return model.get_decoder().layers
+
+
+def attach_mtp(model: nn.Module, num_layers: int, seed: int) -> nn.Module:
+    """Adds `model.mtp` (D MTP layers built from the model's own norm and decoder-layer classes), initialised by
+    the model's HF `_init_weights` from `manual_seed(seed + 1)`, on the model's device and dtype. Returns model."""
+    layers = _decoder_layers(model)
+    norm_cls = type(model.get_decoder().norm)
+    block = MTPBlock(model.config, norm_cls, type(layers[0]), num_layers)
+    ref = next(model.parameters())
+    if ref.device.type != "meta":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            for module in block.modules():
+                model._init_weights(module)
+        block.to(device=ref.device, dtype=ref.dtype)
+    else:
+        block.to(device="meta")
+    model.add_module(MTP_KEY, block)
+    return model
+
+
+def roll_left(tensor: Tensor, k: int) -> Tensor:
+    """Megatron's `roll_tensor(shifts=-1)` applied k times along the last dim: the last k positions become 0."""
+    out = torch.zeros_like(tensor)
+    if k < tensor.size(-1):
+        out[..., :tensor.size(-1) - k] = tensor[..., k:]
+    return out
+
+
+def mtp_batch(batch: Dict[str, Tensor], num_layers: int) -> Dict[str, Tensor]:
+    """Adds `mtp_input_ids_k`, `mtp_labels_k`, `mtp_loss_mask_k` (k = 1..D), rolled on the whole sequence (before
+    any context-parallel split, which must then cut them like the other per-token keys)."""
+    out = dict(batch)
+    for k in range(1, num_layers + 1):
+        out[f"mtp_input_ids_{k}"] = roll_left(batch["input_ids"], k)
+        out[f"mtp_labels_{k}"] = roll_left(batch["labels"], k)
+        out[f"mtp_loss_mask_{k}"] = roll_left(batch["loss_mask"], k)
+    return out
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Returns `output` unchanged; in backward, gives `loss` the gradient `scale` (Megatron's MTPLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, output: Tensor, loss: Tensor, scale: float):
+        ctx.scale = scale
+        ctx.loss_shape = loss.shape
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        return grad_output, grad_output.new_full(ctx.loss_shape, ctx.scale, dtype=torch.float32), None
+
+
+def mtp_forward(model: nn.Module, batch: Dict[str, Tensor], num_layers: int,
+                extra_backward_loss: Callable[[List[Tensor], List[Tensor]], Tensor], loss_scale: float = 1.0,
+                ) -> Tuple[object, List[Tensor], List[Tensor]]:
+    """One forward of `model` (the FSDP root, a causal LM with `attach_mtp`) on `batch` (this rank's share, with
+    the `mtp_batch` keys): (the model's output, per-depth masked CE sums, per-depth token counts). The MTP
+    training term `extra_backward_loss(sums, counts)` is attached to the returned logits (backward reaches it)."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    mtp_ids = [batch[f"mtp_input_ids_{k}"] for k in range(1, num_layers + 1)]
+    captured: Dict[str, object] = {}
+    sums: List[Tensor] = []
+    counts: List[Tensor] = []
+    plain_embed, plain_head = embed.forward, head.forward
+    own_embed, own_head = embed.__dict__.get("forward"), head.__dict__.get("forward")
+
+    def embed_all(ids: Tensor) -> Tensor:
+        full = plain_embed(torch.cat([ids, *mtp_ids], dim=0))
+        captured["embedded"] = full[ids.size(0):].chunk(num_layers, dim=0)
+        return full[:ids.size(0)]
+
+    def capture_kwargs(module, args, kwargs):
+        kw = dict(kwargs)
+        kw.pop("hidden_states", None)
+        captured["layer_kwargs"] = kw
+
+    def head_with_mtp(hidden: Tensor) -> Tensor:
+        logits = plain_head(hidden)
+        layer_kwargs = captured["layer_kwargs"]
+        state = hidden
+        for k, layer in enumerate(model.mtp.layers, start=1):
+            state = layer(state, captured["embedded"][k - 1], layer_kwargs)
+            mtp_logits = plain_head(state)
+            losses = F.cross_entropy(mtp_logits.reshape(-1, mtp_logits.size(-1)).float(),
+                                     batch[f"mtp_labels_{k}"].reshape(-1), reduction="none")
+            mask = batch[f"mtp_loss_mask_{k}"].reshape(-1).float()
+            sums.append((losses * mask).sum())
+            counts.append(mask.sum())
+        return _AttachLoss.apply(logits, extra_backward_loss(sums, counts), loss_scale)
+
+    embed.forward, head.forward = embed_all, head_with_mtp
+    handle = _decoder_layers(model)[-1].register_forward_pre_hook(capture_kwargs, with_kwargs=True)
+    try:
+        out = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False)
+    finally:
+        handle.remove()
+        for module, own in ((embed, own_embed), (head, own_head)):
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+    return out, [s.detach() for s in sums], [c.detach() for c in counts]
