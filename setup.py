@@ -27,7 +27,8 @@ setup(
         # megatron-core is the reference implementation the tests compare against; never used at run time.
         # triton: the RMSNorm kernel's tests run it under the triton interpreter on CPU (~290 MB wheel).
         "test": ["pytest", "megatron-core==0.16.1", "pyarrow", "nltk", "triton", "wandb", "tensorboard",
-                 "matplotlib", "datasets", "torchao"],
+                 "matplotlib", "datasets", "torchao",
+                 "psutil"],  # megatron-core's dist_checkpointing.save (tests/test_megatron_import.py) needs it
         "triton": ["triton"],
         "quant": ["torchao"],  # model.quant_recipe_name mxfp8 (MX casts; MXFP8 GEMMs on MX hardware)
         "tensorboard": ["tensorboard"],

@@ -74,6 +74,8 @@ def _stage(impl: str, stage: str, size: int, seq: int, blend_datasets: int):
         # compile (or load from numba's cache) on a tiny input, outside the measurement
         ib.build_sample_index(sizes[:100], documents[:100], 8, 1, int(sizes[:100].sum()), True, True)
         ib.build_blending_indices(weights, 100)
+        for dtype in (numpy.int32, numpy.uint32):  # the shuffle kernel's two specialisations
+            ib.shuffle(numpy.arange(10, dtype=dtype), numpy.random.RandomState(0))
         run = {
             "document index": lambda: ib.build_document_index(documents, epochs, numpy.random.RandomState(SEED),
                                                               False),

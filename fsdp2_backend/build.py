@@ -102,19 +102,22 @@ def build_model(config: Config, ctx, resume):
     hf_config.vocab_size = model_vocab_size(model_args, config_vocab, tokenizer, from_checkpoint=from_checkpoint,
                                             tp_size=ctx.layout.tp)
     model = create_model(model_args, hf_config, seed=config.training.seed, device=ctx.device.torch_device,
-                         parallelize=lambda m: apply_parallelism(*_with_mtp(m, config), ctx),
+                         parallelize=lambda m: apply_parallelism(*_with_mtp(m, config, model_args), ctx),
                          new_rows=new_token_rows(model_args, tokenizer, config.training.seed))
     return tokenizer, model, hf_config
 
 
-def _with_mtp(model, config: Config):
+def _with_mtp(model, config: Config, model_args=None):
     """(model, config) for the parallel plan: with `model.mtp_num_layers`, the MTP layers attached
-    (models/mtp.py) and made FSDP units (`mtp.layers.{}` added to a copy of fsdp_modules)."""
+    (models/mtp.py; their weights from the HF directory when it has them) and made FSDP units (`mtp.layers.{}`
+    added to a copy of fsdp_modules)."""
     if not config.model.mtp_num_layers:
         return model, config
-    from fsdp2_backend.models.mtp import attach_mtp
+    from fsdp2_backend.models.mtp import attach_mtp, load_mtp_weights
 
     attach_mtp(model, config.model.mtp_num_layers, config.training.seed)
+    if model_args is not None and not model_args.train_from_scratch:
+        load_mtp_weights(model, model_args.model_name_or_path)
     units = list(config.parallel.fsdp_modules)
     if "mtp.layers.{}" not in units:
         units.append("mtp.layers.{}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
-from megatron_compat import architecture_gdn, architecture_mamba
+from megatron_compat import architecture_gdn, architecture_mamba, architecture_mla
 from megatron_compat.architecture_flags import (ARCHITECTURE_DESTS, FAMILY_DESTS, HF_DEFINED_DESTS, HF_REASONS,
                                                 MLA_ONLY, MOE_ONLY)
 
@@ -354,6 +354,8 @@ def _mla_keys(a: Arch) -> None:
     a.put("qk_rope_head_dim" if g("qk_rope_head_dim") else "qk_pos_emb_head_dim", "qk_rope_head_dim",
           g("qk_rope_head_dim") or g("qk_pos_emb_head_dim"))
     a.put("v_head_dim", "v_head_dim", g("v_head_dim"))
+    if a.from_scratch:  # DeepSeek-V3's head_dim is its rotary width (qk_rope_head_dim), set by transformers
+        a.keys.pop("head_dim", None)
 
 
 REQUIRED_FROM_SCRATCH = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")
@@ -388,6 +390,7 @@ def apply(ns, active, from_scratch: bool, record: Callable[[str, str, str], None
         _moe_keys(a, family)
     if family == "deepseek_v3":
         _mla_keys(a)
+        architecture_mla.apply_yarn(a)  # YaRN flags → rope_scaling (megatron-core's MLA rotary embedding)
         for dest in ("multi_latent_attention", "multi_head_latent_attention"):
             a.put(dest, "model_type", "deepseek_v3" if from_scratch else None)
     if family == "qwen2_moe" and from_scratch and not (a.get("moe_shared_expert_gate") or a.get("shared_expert_gate")):

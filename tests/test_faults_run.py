@@ -84,8 +84,12 @@ def test_export_of_a_model_built_from_flags_has_the_tokenizers_special_tokens(ru
     for name in ("config.json", "generation_config.json"):
         saved = json.loads((hf / name).read_text())
         assert saved.get("eos_token_id") == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
-        assert saved.get("pad_token_id") == tokenizer.pad_token_id == tokenizer.convert_tokens_to_ids("<|pad|>")
         assert saved.get("bos_token_id") is None and tokenizer.bos_token_id is None
+    # generate() pads with the tokenizer's pad; the model config's pad_token_id (the embedding's padding_idx) is
+    # the one the model was built with (Llama's default: none), so a resumed run builds the same model
+    generation = json.loads((hf / "generation_config.json").read_text())
+    assert generation["pad_token_id"] == tokenizer.pad_token_id == tokenizer.convert_tokens_to_ids("<|pad|>")
+    assert json.loads((hf / "config.json").read_text()).get("pad_token_id") is None
     # the checkpoints describe themselves the same way (tools/convert_checkpoint.py reads hf_meta)
     meta = json.loads((runs["root"] / "straight" / "iter_0000008" / "hf_meta" / "config.json").read_text())
     assert meta["eos_token_id"] == tokenizer.eos_token_id

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import free_port
+from tests.helpers import free_port, run_distributed
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
@@ -42,7 +42,7 @@ def megatron():
             dist.destroy_process_group()
 
 
-def _megatron_gpt(qk_layernorm: bool, tied: bool, seed: int):
+def _megatron_gpt(qk_layernorm: bool, tied: bool, seed: int, parallel_output: bool = True):
     """megatron-core's GPTModel (local spec) and the args namespace Megatron-LM would save with it."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -57,7 +57,7 @@ def _megatron_gpt(qk_layernorm: bool, tied: bool, seed: int):
     torch.manual_seed(seed)
     model = GPTModel(cfg, get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm"),
                      vocab_size=VOCAB, max_sequence_length=64, position_embedding_type="rope", rotary_base=10000,
-                     share_embeddings_and_output_weights=tied)
+                     share_embeddings_and_output_weights=tied, parallel_output=parallel_output)
     with torch.no_grad():  # norms start at 1: make them differ so a misplaced norm shows in the logits
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -103,7 +103,9 @@ def _hf_logits(out_dir, tokens):
 @pytest.mark.parametrize("fmt,qk_layernorm,tied", [("torch_dist", True, False), ("torch", True, False),
                                                    ("torch_dist", False, True)])
 def test_megatron_checkpoint_converts_with_equal_logits(megatron, tmp_path, fmt, qk_layernorm, tied):
+    from fsdp2_backend.training.checkpoint_io import resume_point
     from tools.convert_checkpoint import main as convert
+    from usage_errors import UsageError
 
     model, args = _megatron_gpt(qk_layernorm, tied, seed=3)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
@@ -115,6 +117,9 @@ def test_megatron_checkpoint_converts_with_equal_logits(megatron, tmp_path, fmt,
     assert hf_model.config.tie_word_embeddings == tied
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    # --load of the Megatron-LM directory itself is still refused, naming the converter
+    with pytest.raises(UsageError, match="holds a Megatron-LM .* tools/convert_checkpoint.py"):
+        resume_point(str(tmp_path / "new"), str(tmp_path / "mg"))
 
 
 def test_qkv_split_matches_hand_written_interleaving():
@@ -141,3 +146,43 @@ def test_qkv_split_matches_hand_written_interleaving():
     assert torch.equal(out["model.layers.0.self_attn.v_proj.weight"], cat("v0", "v1"))
     assert torch.equal(out["model.layers.0.mlp.gate_proj.weight"], torch.zeros(4, hidden))
     assert torch.equal(out["model.layers.0.mlp.up_proj.weight"], torch.ones(4, hidden))
+
+
+def _tp2_rank(rank, world_size, root):
+    """One rank of megatron-core at tensor-parallel 2: its logits (gathered) and a torch_dist save."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.cuda.current_device = lambda: "cpu"  # this process is a throwaway rank: patched for its lifetime
+    torch.cuda.synchronize = lambda *a, **k: None
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    model, args = _megatron_gpt(qk_layernorm=True, tied=False, seed=5, parallel_output=False)
+    args.tensor_model_parallel_size = 2
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    logits = _megatron_logits(model, tokens)
+    it_dir = os.path.join(root, "mg", "iter_0000005")
+    os.makedirs(it_dir, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "args": args, "iteration": 5}, it_dir)
+    legacy = os.path.join(root, "legacy", "iter_0000005", f"mp_rank_{rank:02d}")  # Megatron's legacy TP save
+    os.makedirs(legacy)
+    torch.save({"model": model.state_dict(), "args": args, "iteration": 5}, os.path.join(legacy, "model_optim_rng.pt"))
+    if rank == 0:
+        torch.save({"tokens": tokens, "logits": logits}, os.path.join(root, "reference.pt"))
+        with open(os.path.join(root, "mg", "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("5")
+    parallel_state.destroy_model_parallel()
+
+
+def test_a_tensor_parallel_checkpoint_converts_with_equal_logits(tmp_path):
+    """A TP=2 save (qkv, fc1 gate/up, proj, fc2, embedding and output layer sharded per rank), in torch_dist
+    (global tensors) and in the legacy format (mp_rank_00, mp_rank_01: merged here), reads as one model."""
+    from tools.convert_checkpoint import main as convert
+
+    run_distributed(_tp2_rank, 2, str(tmp_path))
+    reference = torch.load(tmp_path / "reference.pt")
+    for fmt in ("mg", "legacy"):
+        convert([str(tmp_path / fmt), str(tmp_path / f"hf_{fmt}")])
+        _, got = _hf_logits(tmp_path / f"hf_{fmt}", reference["tokens"])
+        torch.testing.assert_close(got, reference["logits"], rtol=0, atol=1e-5, msg=fmt)

@@ -8,6 +8,7 @@
 - sequence parallel: the sequence divisible by tp;
 - expert parallel: an MoE model whose experts divide by ep, and no tp with it;
 - model_id mamba3: no tp, no cp (declined with the reason).
+- model_id minimax_m27: no tp (q/k RMSNorm over all heads; declined with the reason).
 Facts the model does not state (None) are not checked; the runtime stages then assert.
 """
 from __future__ import annotations
@@ -33,6 +34,12 @@ def check_model_layout(config: Config, facts: ModelFacts, world_size: int, error
         which = "tp_size" if p.tp_size > 1 else "cp_size"
         errors.append(f"parallel.{which}: model_id mamba3 runs with FSDP only — tensor and context parallel are "
                       f"not built for its scan; use tp_size 1 and cp_size 1")
+        return
+    if config.model.model_id == "minimax_m27" and p.tp_size > 1:
+        # q/k RMSNorm runs over the whole projection (all heads): a head-sharded norm would need the variance
+        # summed over the tp ranks, which is not built
+        errors.append("parallel.tp_size: model_id minimax_m27 normalises q and k over all heads at once, which "
+                      "tensor parallel would split — use tp_size 1 (FSDP, EP and CP still apply)")
         return
     heads, kv_heads = facts.num_heads, facts.num_kv_heads
     if p.tp_size > 1 and heads:

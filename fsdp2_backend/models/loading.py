@@ -149,7 +149,7 @@ def seeded_initialize(model: nn.Module, seed: int, *, buffers_only: bool = False
         for name, tensor in names:
             full = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")  # a DTensor's shape is global
             is_param = name in module._parameters
-            if (is_param and (buffers_only or id(tensor) in seen)):
+            if (is_param and (buffers_only or id(tensor) in seen)) or getattr(tensor, "_loaded_from_checkpoint", False):
                 full._is_hf_initialized = True  # loaded or tied: HF's init functions skip flagged tensors
             else:
                 fresh[name] = full
@@ -194,29 +194,53 @@ def load_safetensors(model: nn.Module, path: str, new_rows: Optional[Callable] =
     """
     from safetensors import safe_open
 
+    from fsdp2_backend.models.fp8_blocks import SCALE_SUFFIX, block_size, dequantize
+
+    spec = spec or native_checkpoint_layout(hf_config)  # transformers' own class: its checkpoint's key layout
     keys_of = (lambda name: spec.checkpoint_keys(name, hf_config)) if spec and spec.checkpoint_keys else \
         (lambda name: [name])
+    block = block_size(hf_config) or (128, 128)
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
                    for f in _safetensors_files(path)]
         where = {key: handle for handle in handles for key in handle.keys()}
+
+        def read(key):  # FP8 block-quantised keys (a `_scale_inv` beside them) dequantised as they stream
+            tensor = where[key].get_tensor(key)
+            if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and key + SCALE_SUFFIX in where:
+                return dequantize(tensor, where[key + SCALE_SUFFIX].get_tensor(key + SCALE_SUFFIX), block)
+            return tensor
+
         missing = []
-        for name, target in model.named_parameters():
-            keys = keys_of(name)
+        buffers = [(n, b, True) for n, b in model.named_buffers()]  # persistent ones the checkpoint holds
+        for name, target, is_buffer in [(n, p, False) for n, p in model.named_parameters()] + buffers:
+            keys = [name] if name in where else keys_of(name)  # a checkpoint in the in-memory layout as it is
             if any(key not in where for key in keys):
-                missing.append(name)
+                if not is_buffer:
+                    missing.append(name)
                 continue
-            tensors = {key: where[key].get_tensor(key) for key in keys}
-            full = spec.from_checkpoint(name, tensors, hf_config) if spec and spec.from_checkpoint else tensors[name]
+            tensors = {key: read(key) for key in keys}
+            full = tensors[name] if name in tensors or not (spec and spec.from_checkpoint) else \
+                spec.from_checkpoint(name, tensors, hf_config)
             if full.shape[0] < target.shape[0] and full.shape[1:] == target.shape[1:] and new_rows:
                 full = torch.cat([full.float(), new_rows(full.float(), target.shape[0] - full.shape[0])])
             if full.shape != target.shape:
                 raise UsageError(f"model.model_name_or_path: {name} has shape {tuple(full.shape)} in {path} but the "
                                  f"model expects {tuple(target.shape)} — the checkpoint does not match the config")
             _assign_full(target, full)
+            if is_buffer:
+                target._loaded_from_checkpoint = True  # seeded_initialize(buffers_only) keeps it
     if missing:
         raise UsageError(f"model.model_name_or_path: {path} lacks {len(missing)} weights the model needs (first: "
                          f"{', '.join(missing[:3])}) — use a checkpoint of this model, or train_from_scratch")
+
+
+def native_checkpoint_layout(hf_config) -> Optional[ModelSpec]:
+    """For transformers' own class (`model_id` unset): the spec whose checkpoint key mapping matches that
+    class's in-memory names to its checkpoints' keys, where transformers converts them in `from_pretrained`
+    (MiniMax-M2: `block_sparse_moe.experts.{e}.w1/w3/w2` → stacked experts)."""
+    model_id = {"minimax_m2": "minimax_m27"}.get(getattr(hf_config, "model_type", None))
+    return model_spec(model_id) if model_id else None
 
 
 def create_model(model_args: ModelArguments, hf_config, *, seed: int, device: torch.device,

@@ -134,7 +134,7 @@ def mtp_forward(model: nn.Module, batch: Dict[str, Tensor], num_layers: int,
     def embed_all(ids: Tensor) -> Tensor:
         full = plain_embed(torch.cat([ids, *mtp_ids], dim=0))
         captured["embedded"] = full[ids.size(0):].chunk(num_layers, dim=0)
-        return full[:ids.size(0)]
+        return full[:ids.size(0)].clone()  # not a view: FSDP2's pre-backward hook must stay on the output
 
     def capture_kwargs(module, args, kwargs):
         kw = dict(kwargs)
@@ -167,3 +167,40 @@ def mtp_forward(model: nn.Module, batch: Dict[str, Tensor], num_layers: int,
             else:
                 module.forward = own
     return out, [s.detach() for s in sums], [c.detach() for c in counts]
+
+
+def load_mtp_weights(model: nn.Module, hf_dir: Optional[str]) -> int:
+    """Copies `mtp.layers.*` tensors of an HF directory's safetensors (as this project's HF export writes them)
+    into `model.mtp` (before sharding); returns how many were loaded (0: none there, the seeded init stays).
+    MTP tensors of another layout (Qwen3-Next's `mtp.fc` / `mtp.pre_fc_norm_*`, DeepSeek-V3's extra layers) are
+    not mapped yet: they are left out with one line saying so."""
+    import glob
+    import os
+
+    from safetensors import safe_open
+
+    if not hf_dir or not os.path.isdir(hf_dir):
+        return 0
+    found: Dict[str, Tensor] = {}
+    foreign = 0
+    for path in sorted(glob.glob(os.path.join(hf_dir, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                if key.startswith(MTP_KEY + ".layers."):
+                    found[key[len(MTP_KEY) + 1:]] = f.get_tensor(key)
+                elif key.startswith(MTP_KEY + "."):
+                    foreign += 1
+    if foreign and not found:
+        print(f"multi-token prediction: {foreign} mtp.* tensors in {hf_dir} have another layout and are not "
+              f"loaded; the MTP layers start from their seeded initialisation", flush=True)
+        return 0
+    if found:
+        own = model.get_submodule(MTP_KEY)
+        missing, unexpected = own.load_state_dict(found, strict=False)
+        if missing or unexpected:
+            from usage_errors import UsageError
+
+            raise UsageError(f"model.mtp_num_layers: the MTP tensors in {hf_dir} do not fit "
+                             f"{len(own.layers)} MTP layers (missing {sorted(missing)[:3]}, unexpected "
+                             f"{sorted(unexpected)[:3]}) — set mtp_num_layers to the checkpoint's depth")
+    return len(found)

@@ -111,6 +111,26 @@ def _gpt_oss_spec() -> ModelSpec:
     return ModelSpec(build=build, checkpoint_keys=keys, from_checkpoint=param, configure=_configure_qwen3_moe)
 
 
+def _minimax_m2_spec() -> ModelSpec:
+    def build(hf_config):
+        from fsdp2_backend.models.minimax_m2 import build_minimax_m2
+        return build_minimax_m2(hf_config)
+
+    def keys(name, hf_config):
+        from fsdp2_backend.models.minimax_m2 import checkpoint_keys
+        return checkpoint_keys(name, hf_config)
+
+    def param(name, tensors, hf_config):
+        from fsdp2_backend.models.minimax_m2 import param_from_checkpoint
+        return param_from_checkpoint(name, tensors, hf_config)
+
+    def configure(model, config):
+        from fsdp2_backend.models.minimax_m2 import configure_minimax
+        configure_minimax(model, config)
+
+    return ModelSpec(build=build, checkpoint_keys=keys, from_checkpoint=param, configure=configure)
+
+
 _SPECS: Mapping[str, ModelSpec] = MappingProxyType({
     "qwen3": ModelSpec(build=_build_qwen3),
     "qwen3_moe": ModelSpec(build=_build_qwen3_moe, checkpoint_keys=_qwen3_moe_keys,
@@ -119,6 +139,7 @@ _SPECS: Mapping[str, ModelSpec] = MappingProxyType({
                             from_checkpoint=_qwen3_moe_param, configure=_configure_qwen3_next),
     "mamba3": ModelSpec(build=_build_mamba3, register_hf=_register_mamba3),
     "gpt_oss": _gpt_oss_spec(),  # models/gpt_oss.py: sink attention, grouped experts, the project's router
+    "minimax_m27": _minimax_m2_spec(),  # models/minimax_m2.py: grouped experts, sigmoid router + checkpoint bias
 })
 
 

@@ -176,8 +176,8 @@ def resume_point(save_dir: Optional[str], resume_from_checkpoint: Optional[str],
     def refuse_foreign(path, flag):
         kind = foreign_checkpoint(path)
         if kind:
-            raise UsageError(f"{flag}: {path} holds {kind} — importing Megatron-LM checkpoints is not supported "
-                             f"yet: convert it to Hugging Face format and give that directory as the model "
+            raise UsageError(f"{flag}: {path} holds {kind} — it does not load directly yet: convert it with "
+                             f"`python tools/convert_checkpoint.py {path} HF_DIR` and give HF_DIR as the model "
                              f"(--load HF_DIR / model.model_name_or_path), with --save pointing elsewhere")
 
     explicit = Path(resume_from_checkpoint) if resume_from_checkpoint else None

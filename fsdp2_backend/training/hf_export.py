@@ -63,20 +63,21 @@ def write_hf_dir(model: torch.nn.Module, state_dict: dict, out_dir: Path, tokeni
 
 def align_special_tokens(model_config: Any, tokenizer: Any, generation_config: Any = None) -> None:
     """A model built from Megatron flags has its model type's default special tokens (Llama's eos 2, whatever token
-    that is in this tokenizer): give its config (and generation config) the tokenizer's instead, so that the export
+    that is in this tokenizer): give its config and generation config the tokenizer's instead, so that the export
     stops generating at the end of a document. eos = the tokenizer's end-of-document (Megatron's eod), bos = its
-    bos (None when it has none), pad = its pad, else eos."""
+    bos (None when it has none); the generation config's pad = its pad, else eos. The model config's pad_token_id
+    is left alone: it is the embedding's padding_idx (no gradient for that row), so changing it would make a
+    resumed run's model differ from the one built at the start."""
     eod = getattr(tokenizer, "eod", None)
     if eod is None or model_config is None:
         return
-    bos = getattr(tokenizer, "bos", None)
-    pad = getattr(tokenizer, "pad", None)
-    ids = {"eos_token_id": int(eod), "bos_token_id": None if bos is None else int(bos),
-           "pad_token_id": int(eod) if pad is None else int(pad)}
+    bos, pad = getattr(tokenizer, "bos", None), getattr(tokenizer, "pad", None)
     for target in (model_config, generation_config):
         if target is not None:
-            for key, value in ids.items():
-                setattr(target, key, value)
+            target.eos_token_id = int(eod)
+            target.bos_token_id = None if bos is None else int(bos)
+    if generation_config is not None:
+        generation_config.pad_token_id = int(eod) if pad is None else int(pad)
 
 
 def save_tokenizer(tokenizer: Any, out_dir: Path) -> None:

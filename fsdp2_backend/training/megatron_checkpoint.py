@@ -19,8 +19,9 @@ Layout facts (megatron-core 0.16.1 ``dist_checkpointing``, Megatron-LM ``megatro
 
 The DCP files are read with torch's own ``FileSystemReader`` (``no_dist``: no process group needed); only the
 layout conversion is written here, since no library converts Megatron's layout without Megatron-LM itself.
-Scope: dense GPT models (MoE, MLA and MTP layers are declined with the reason); the legacy format is read for
-TP = 1 / PP = 1 (other splits are declined).
+Scope: dense GPT models (MoE, MLA and MTP layers are declined with the reason); the legacy format is read at
+any tensor-parallel size and one pipeline stage (pipeline splits are declined; torch_dist reads at any split,
+its tensors being global).
 """
 from __future__ import annotations
 
@@ -103,20 +104,47 @@ def _read_torch_dist(it_dir: Path):
 
 def _read_legacy(it_dir: Path):
     ranks = sorted(c.name for c in it_dir.iterdir() if c.is_dir() and _LEGACY_RE.match(c.name))
-    if ranks not in (["mp_rank_00"], ["mp_rank_00_000"]):
-        raise UsageError(f"{it_dir}: a legacy Megatron-LM checkpoint split over {len(ranks)} model-parallel ranks "
-                         f"({', '.join(ranks[:4])}...) — only TP=1/PP=1 legacy checkpoints are read; re-save it "
-                         f"with Megatron-LM's --ckpt-format torch_dist (or --ckpt-convert-format torch_dist)")
-    rank_dir = it_dir / ranks[0]
-    files = [rank_dir / n for n in ("model_optim_rng.pt", "model_rng.pt") if (rank_dir / n).is_file()]
-    if not files:
-        raise UsageError(f"{rank_dir}: no model_optim_rng.pt in this Megatron-LM checkpoint directory")
-    saved = torch.load(files[0], map_location="cpu", weights_only=False)
-    if "model" not in saved:
-        raise UsageError(f"{files[0]}: holds no 'model' (a virtual-pipeline checkpoint with model0, model1, ... "
-                         f"is not read) — re-save it with Megatron-LM's --ckpt-format torch_dist")
-    model = {k: v for k, v in saved["model"].items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
-    return model, saved.get("args"), int(saved.get("iteration", 0) or 0)
+    if any(_LEGACY_RE.match(r).group(2) not in (None, "000") for r in ranks):
+        raise UsageError(f"{it_dir}: a legacy Megatron-LM checkpoint split over pipeline stages ({ranks[-1]}) — "
+                         f"only tensor-parallel legacy splits are read; re-save it with Megatron-LM's "
+                         f"--ckpt-format torch_dist (or --ckpt-convert-format torch_dist)")
+    shards, args, iteration = [], None, 0
+    for rank in ranks:
+        rank_dir = it_dir / rank
+        files = [rank_dir / n for n in ("model_optim_rng.pt", "model_rng.pt") if (rank_dir / n).is_file()]
+        if not files:
+            raise UsageError(f"{rank_dir}: no model_optim_rng.pt in this Megatron-LM checkpoint directory")
+        saved = torch.load(files[0], map_location="cpu", weights_only=False)
+        if "model" not in saved:
+            raise UsageError(f"{files[0]}: holds no 'model' (a virtual-pipeline checkpoint with model0, model1, "
+                             f"... is not read) — re-save it with Megatron-LM's --ckpt-format torch_dist")
+        shards.append({k: v for k, v in saved["model"].items()
+                       if isinstance(v, torch.Tensor) and "_extra_state" not in k})
+        args, iteration = saved.get("args"), int(saved.get("iteration", 0) or 0)
+    return _merge_tensor_parallel(shards), args, iteration
+
+
+def _merge_tensor_parallel(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One state dict from the per-rank ones of a tensor-parallel legacy save. Column-parallel weights (rows
+    split: embedding, output layer, linear_qkv — each rank holds whole query groups — and linear_fc1) join on
+    dim 0, row-parallel ones (linear_proj, linear_fc2) on dim 1; norms and row-parallel biases are replicated.
+    A gated linear_fc1 shard is [gate_r; up_r]: the gates and the ups join separately."""
+    if len(shards) == 1:
+        return shards[0]
+    merged = {}
+    for key, first in shards[0].items():
+        parts = [shard[key] for shard in shards]
+        if key.endswith(("linear_fc1.weight", "linear_fc1.bias")):
+            halves = [p.chunk(2, dim=0) for p in parts]
+            merged[key] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        elif key.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight",
+                           "linear_qkv.bias")):
+            merged[key] = torch.cat(parts, dim=0)
+        elif key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            merged[key] = torch.cat(parts, dim=1)
+        else:
+            merged[key] = first
+    return merged
 
 
 def _arg(args: Any, name: str, default=None):

@@ -273,15 +273,20 @@ class TopKRouter(nn.Module):
         weights, index = self.route(logits, batch)
         return logits, weights, index
 
-    def route(self, logits: torch.Tensor, batch: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    def route(self, logits: torch.Tensor, batch: int = 1, selection_bias: Optional[torch.Tensor] = None
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
         """(weights, index) for router logits (T, E) of `batch` sequences laid out one after the other; adds
-        the Megatron losses and counts the expert load in training."""
+        the Megatron losses and counts the expert load in training. `selection_bias` (sigmoid scores): a bias
+        the model holds itself (e.g. MiniMax-M2's checkpoint `e_score_correction_bias`), used for selection in
+        place of Megatron's expert bias and never updated here."""
         s = self.settings
         training = self.training and torch.is_grad_enabled()
         self.pending_loss = None
         if training and s.megatron_losses and s.z_loss_coeff:
             self._add_loss("z_loss", z_loss(logits, s.z_loss_coeff), s.z_loss_coeff)
         bias = getattr(self, "expert_bias", None) if s.expert_bias else None
+        if selection_bias is not None:
+            bias = selection_bias.to(logits.dtype)
         index = balanced_assignment(logits.shape[0], s.top_k, s.num_experts, logits.device) if self.fixed else None
         if s.sinkhorn and index is None:
             weights, index = sinkhorn_routing(logits, s.top_k, self.training)
@@ -289,7 +294,7 @@ class TopKRouter(nn.Module):
             weights, index = topk_routing(logits, s, bias, index)
         if training and s.megatron_losses and s.load_balancing:
             self._load_balancing_losses(logits, batch)
-        if training and bias is not None:
+        if training and s.expert_bias and bias is not None:
             with torch.no_grad():  # the load seen this step, for the bias update after it
                 self.local_tokens_per_expert += torch.bincount(index.reshape(-1), minlength=s.num_experts)
         return weights, index
