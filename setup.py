@@ -28,6 +28,7 @@ setup(
         # triton: the RMSNorm kernel's tests run it under the triton interpreter on CPU (~290 MB wheel).
         "test": ["pytest", "megatron-core==0.16.1", "pyarrow", "nltk", "triton", "wandb", "tensorboard",
                  "matplotlib", "datasets", "torchao",
+                 "accelerate",  # transformers' FP8 from_pretrained (the reference of tests/test_fp8_block_loading.py)
                  "psutil"],  # megatron-core's dist_checkpointing.save (tests/test_megatron_import.py) needs it
         "triton": ["triton"],
         "quant": ["torchao"],  # model.quant_recipe_name mxfp8 (MX casts; MXFP8 GEMMs on MX hardware)

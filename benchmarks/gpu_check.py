@@ -3,8 +3,9 @@
     python benchmarks/gpu_check.py          # one CUDA GPU (benchmarks/gpu_check.sh runs it), well under 8 minutes
     python benchmarks/gpu_check.py --dry    # CPU, tiny shapes, seconds: the same steps, for CI
 
-1. Triton kernels on the GPU (not the interpreter): RMSNorm and gated RMSNorm, forward and backward, fp32 and bf16,
-   against their torch references (--dry: fp32 under the triton interpreter, TRITON_INTERPRET=1).
+1. Triton kernels on the GPU (not the interpreter): RMSNorm, gated RMSNorm and the gated delta rule, forward and
+   backward, fp32 and bf16, against their torch references (--dry: fp32 under the triton interpreter,
+   TRITON_INTERPRET=1).
 2. A Qwen3-1.7B-shaped model (hidden 2048, 16 heads / 8 KV heads of 128, SwiGLU 6144, vocab 151936; 8 of its 28
    layers) trained through the real entry point, pretrain_fsdp2.py, on one rank with Megatron flags: mock data,
    bf16, FSDP2, --use-flash-attn (SDPA) and --use-fused-rmsnorm, --log-throughput. Its log lines give tokens/s,
@@ -64,6 +65,38 @@ def check_kernels(device: str = "cuda", shape=(4, 512, 256), dtypes=(torch.float
             where = torch.cuda.get_device_name() if device == "cuda" else "the triton interpreter (cpu)"
             print(f"kernel {name} {str(dtype)[6:]}: triton on {where} matches the torch reference (forward and "
                   "backward)")
+
+
+def check_gdn(device: str = "cuda", length: int = 1000, dtypes=(torch.float32, torch.bfloat16)) -> None:
+    """The triton gated delta rule (kernels/gated_delta_rule_triton.py) against the torch chunked reference: two
+    rows packed as three documents (one crossing the row boundary), grouped value heads, initial / final states."""
+    from kernels.gated_delta_rule import chunk_gated_delta_rule_reference
+    from kernels.gated_delta_rule_triton import triton_chunk_gated_delta_rule
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    dk = dv = 128 if device == "cuda" else 8
+    cu = torch.tensor([0, length // 3, length + 7, 2 * length], dtype=torch.int32, device=device)
+    for dtype in dtypes:
+        base = [torch.randn(2, length, 2, dk, generator=gen, device=device),
+                torch.nn.functional.normalize(torch.randn(2, length, 2, dk, generator=gen, device=device), dim=-1),
+                torch.randn(2, length, 4, dv, generator=gen, device=device),
+                -torch.rand(2, length, 4, generator=gen, device=device) * 0.5,
+                torch.rand(2, length, 4, generator=gen, device=device)]
+        init = torch.randn(3, 4, dk, dv, generator=gen, device=device) * 0.1
+        outs = []
+        for fn in (triton_chunk_gated_delta_rule, chunk_gated_delta_rule_reference):
+            leaves = [x.to(dtype).requires_grad_() for x in base] + [init.clone().requires_grad_()]
+            out, final = fn(*leaves[:5], chunk_size=16, initial_state=leaves[5], output_final_state=True,
+                            cu_seqlens=cu)
+            (out.float().pow(2).sum() + final.pow(2).sum()).backward()
+            outs.append([out.float(), final] + [leaf.grad.float() for leaf in leaves])
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        for got, want in zip(*outs):
+            err = ((got - want).abs().max() / want.abs().max().clamp(min=1e-6)).item()
+            assert err < tol, f"gated_delta_rule {dtype}: relative error {err:.2e}"
+        where = torch.cuda.get_device_name() if device == "cuda" else "the triton interpreter (cpu)"
+        print(f"kernel gated_delta_rule {str(dtype)[6:]}: triton on {where} matches the torch reference (forward "
+              "and backward)")
 
 
 def engine_run(shape: dict, dry: bool) -> dict:
@@ -143,8 +176,10 @@ def main() -> None:
     started = time.time()
     if dry:  # the same checks under the triton interpreter (fp32 only: its bf16 math is not the GPU's)
         check_kernels("cpu", shape=(2, 4, 128), dtypes=(torch.float32,))
+        check_gdn("cpu", length=12, dtypes=(torch.float32,))
     else:
         check_kernels()
+        check_gdn()
     engine = engine_run(shape, dry)
     bare = bare_run(shape, device)
     print(f"model: Qwen3-1.7B-shaped, {shape['layers']} layers, seq {shape['seq']}, micro-batch {shape['mbs']}, "

@@ -18,10 +18,11 @@ document's first chunk, so no state leaks from one document into the next.
 
 Implementations (chosen by the project, never by what happens to be importable):
 - "torch": the reference below (any device);
-- "triton" (`use_triton_gdn`): flash-linear-attention's `chunk_gated_delta_rule` (triton, fwd + bwd, with
-  cu_seqlens) on CUDA when that package is importable — this project does not install it, and transformers'
-  own hub-kernel lookup is never used; without it the reference runs. This project has no triton GDN kernel of
-  its own yet;
+- "triton" (`use_triton_gdn`, CUDA only): flash-linear-attention's `chunk_gated_delta_rule` (chunked, triton fwd +
+  bwd, with cu_seqlens) when that package is importable — this project does not install it, and transformers'
+  own hub-kernel lookup is never used; otherwise this project's own kernel, `kernels/gated_delta_rule_triton.py`
+  (a fused recurrent triton forward, backward by recomputing this reference). fla's is preferred because it is
+  chunked (tensor-core matmuls) and has a triton backward; ours is the always-available triton path;
 - "npu": the AscendC op of torch_npu that MindSpeed calls (`use_flash_gdn`); a clear error elsewhere.
 """
 from __future__ import annotations
@@ -163,15 +164,15 @@ def fla_importable() -> bool:
 def gdn_implementation(device_type: str, *, use_triton_gdn: bool = False, use_flash_gdn: bool = False) -> str:
     """Which implementation the flags select on `device_type`: "torch", "triton" or "npu".
 
-    `use_triton_gdn` runs flash-linear-attention's triton kernel on CUDA when that package is importable, and
-    the torch reference elsewhere (triton kernels need a GPU; the log line says which ran). `use_flash_gdn` off
+    `use_triton_gdn` runs a triton kernel on CUDA (fla's when importable, else ours; see the module docstring),
+    and the torch reference elsewhere (triton kernels need a GPU; the log line says which ran). `use_flash_gdn` off
     an NPU is a usage error (it cannot be honoured)."""
     if use_flash_gdn:
         if device_type != "npu":
             raise UsageError(f"optimization.use_flash_gdn: the AscendC Gated DeltaNet ops need an Ascend NPU (this "
                              f"run is on {device_type}) — set it to false (use_triton_gdn on CUDA)")
         return "npu"
-    if use_triton_gdn and device_type == "cuda" and fla_importable():
+    if use_triton_gdn and device_type == "cuda" and importlib.util.find_spec("triton") is not None:
         return "triton"
     return "torch"
 
@@ -186,7 +187,11 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if implementation == "triton" and q.device.type == "cuda":
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk  # guarded by gdn_implementation
+        if not fla_importable():
+            from kernels.gated_delta_rule_triton import triton_chunk_gated_delta_rule
+
+            return triton_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
         return _fla_call(fla_chunk, q, k, v, g, beta, **kwargs)
     if implementation == "npu":

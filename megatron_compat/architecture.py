@@ -182,7 +182,11 @@ def _dense_keys(a: Arch, family: str) -> None:
         return
     put("group_query_attention", "num_key_value_heads", kv_heads)
     put("num_query_groups", "num_key_value_heads", kv_heads)
-    put("kv_channels", "head_dim", head_dim)
+    if family == "deepseek_v3":  # MLA's head widths are the qk/v ones; transformers sets head_dim (the rope width)
+        a.note("kv_channels", "no_effect", "multi-latent attention uses --qk-head-dim / --qk-pos-emb-head-dim / "
+                                           "--v-head-dim, as in Megatron")
+    else:
+        put("kv_channels", "head_dim", head_dim)
     rope_theta = g("rope_theta") if g("rope_theta") is not None else g("rotary_base")
     put("rope_theta" if g("rope_theta") is not None else "rotary_base", "rope_theta", float(rope_theta))
     partial = g("partial_rotary_factor") or g("rotary_percent")
@@ -354,8 +358,6 @@ def _mla_keys(a: Arch) -> None:
     a.put("qk_rope_head_dim" if g("qk_rope_head_dim") else "qk_pos_emb_head_dim", "qk_rope_head_dim",
           g("qk_rope_head_dim") or g("qk_pos_emb_head_dim"))
     a.put("v_head_dim", "v_head_dim", g("v_head_dim"))
-    if a.from_scratch:  # DeepSeek-V3's head_dim is its rotary width (qk_rope_head_dim), set by transformers
-        a.keys.pop("head_dim", None)
 
 
 REQUIRED_FROM_SCRATCH = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")

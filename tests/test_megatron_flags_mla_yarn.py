@@ -79,6 +79,12 @@ def test_yarn_flags_are_reported_mapped_and_plain_mla_stays_plain_rope():
     arch = report.fields["model"]["architecture"]
     assert arch["rope_scaling"]["rope_type"] == "yarn" and arch["rope_scaling"]["factor"] == 4.0
     assert "rope_scaling" not in translate_megatron(MLA).fields["model"]["architecture"]
+    # --kv-channels sets no head width under MLA (Megatron reads the qk / v head dims): reported, not mapped
+    from megatron_compat.translate import translate_report
+
+    report = translate_report(MLA + ["--kv-channels", "32"]).report
+    assert "--kv-channels" in report.no_effect and "--kv-channels" not in dict(report.mapped)
+    assert "head_dim" not in translate_megatron(MLA + ["--kv-channels", "32"]).fields["model"]["architecture"]
 
 
 def test_yarn_flags_without_mla_are_still_declined():

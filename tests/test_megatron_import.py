@@ -9,6 +9,7 @@ output gives megatron-core's logits on the same tokens.
 import argparse
 import contextlib
 import os
+import sys
 import warnings
 
 import pytest
@@ -100,6 +101,15 @@ def _hf_logits(out_dir, tokens):
         return model, model(tokens).logits
 
 
+def _class_that_disappears(tmp_path):
+    """A value of an Enum class from a module that is gone by load time (megatron not installed at run time)."""
+    (tmp_path / "gone_after_save.py").write_text("import enum\nclass AttnBackend(enum.Enum):\n    auto = 5\n")
+    sys.path.insert(0, str(tmp_path))
+    import gone_after_save
+
+    return gone_after_save.AttnBackend.auto
+
+
 @pytest.mark.parametrize("fmt,qk_layernorm,tied", [("torch_dist", True, False), ("torch", True, False),
                                                    ("torch_dist", False, True)])
 def test_megatron_checkpoint_converts_with_equal_logits(megatron, tmp_path, fmt, qk_layernorm, tied):
@@ -110,7 +120,11 @@ def test_megatron_checkpoint_converts_with_equal_logits(megatron, tmp_path, fmt,
     model, args = _megatron_gpt(qk_layernorm, tied, seed=3)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     expected = _megatron_logits(model, tokens)
+    args.attention_backend = _class_that_disappears(tmp_path)  # as Megatron-LM's AttnBackend enum in its args
     _save(model, args, tmp_path / "mg", fmt)
+    del sys.modules["gone_after_save"]
+    sys.path.remove(str(tmp_path))
+    (tmp_path / "gone_after_save.py").unlink()
     convert([str(tmp_path / "mg"), str(tmp_path / "hf")])
     hf_model, got = _hf_logits(tmp_path / "hf", tokens)
     assert hf_model.config.model_type == ("qwen3" if qk_layernorm else "llama")
@@ -120,6 +134,23 @@ def test_megatron_checkpoint_converts_with_equal_logits(megatron, tmp_path, fmt,
     # --load of the Megatron-LM directory itself is still refused, naming the converter
     with pytest.raises(UsageError, match="holds a Megatron-LM .* tools/convert_checkpoint.py"):
         resume_point(str(tmp_path / "new"), str(tmp_path / "mg"))
+
+
+def test_a_checkpoint_it_cannot_convert_is_one_error_line_exit_2(megatron, tmp_path):
+    """An MoE run's args (and a missing checkpoint) are declined by the tool: exit 2, one error line."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    model, args = _megatron_gpt(True, False, seed=4)
+    args.num_experts = 8
+    _save(model, args, tmp_path / "mg", "torch")
+    for source, words in ((tmp_path / "mg", "MoE layers (--num-experts)"), (tmp_path / "nothing", "no complete")):
+        result = subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"), str(source),
+                                 str(tmp_path / "hf")], capture_output=True, text=True)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith("error: ") and words in result.stderr and "Traceback" not in result.stderr
 
 
 def test_qkv_split_matches_hand_written_interleaving():

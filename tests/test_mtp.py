@@ -159,3 +159,12 @@ def test_flags_map_and_bad_settings_are_refused():
     config.model.mtp_num_layers, config.optimization.chunk_loss_size = 1, 8
     with pytest.raises(Exception, match="model.mtp_num_layers: not available with optimization.chunk_loss_size"):
         validate(config, world_size=1)
+
+
+def test_megatron_flags_map_to_the_model_fields():
+    from megatron_compat.translate import translate_megatron
+    from tests.test_translate import BASE
+
+    fields = translate_megatron(BASE + ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.25"]).fields
+    assert fields["model"]["mtp_num_layers"] == 2 and fields["model"]["mtp_loss_scaling_factor"] == 0.25
+    assert translate_megatron(BASE).fields["model"].get("mtp_num_layers") is None

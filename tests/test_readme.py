@@ -20,6 +20,7 @@ README = REPO / "README.md"
 # README's placeholders.
 OTHER_FLAGS = {"--nproc_per_node", "--dry-run", "--check", "--prompt", "--dtype", "--flag", "--group.field"}
 OTHER_FLAGS |= {"--help", "--help-flags", "--help-config"}  # pretrain_fsdp2.py's own (fsdp2_backend/launch.py)
+OTHER_FLAGS |= {"--hf-config"}  # tools/convert_checkpoint.py's own (Megatron-LM checkpoints)
 
 
 def readme() -> str:

@@ -9,7 +9,12 @@ Semantics (megatron-core 0.16.1 `transformer/multi_token_prediction.py` and `GPT
   final_layernorm -> head. Rolling fills the vacated last positions with 0 (token id 0, label 0, mask 0).
 - labels and loss mask of depth k: rolled left by k (k more than the main model's already shifted labels).
 - loss of depth k per micro-batch: sum(CE x rolled mask) / sum(rolled mask); the training loss gains
-  mtp_loss_scaling_factor / D x sum_k of it, normalised like the lm loss (`GlobalBatchLoss.extra_backward_loss`).
+  mtp_loss_scaling_factor / D x sum_k of it, normalised like the lm loss (`GlobalBatchLoss.extra_backward_loss`;
+  with calculate_per_token_loss: the plain sums, divided by the global lm token count like the lm gradients).
+- reported (`mtp_k loss`, Megatron's MTPLossLoggingHelper): the micro-batch means, averaged over micro-batches
+  and data-parallel ranks; under context parallel each micro-batch's mean runs over its whole sequence (sums and
+  counts all-reduced over the cp group), not over one rank's share, so cp N prints what 1 rank prints.
+  The factor is not applied to the printed values (Megatron prints the unscaled depth losses).
 
 Why hand-written (not megatron-core's module): Megatron's layers are TP/TE modules with process groups; here the
 blocks are plain `nn.Module`s built from the model's own classes, and the rolled ids / labels / masks are

@@ -242,9 +242,13 @@ def _gdn_lines(model: nn.Module, optimization_args, device_type: str) -> list:
             if device_type == "cuda" and fla_importable():
                 lines.append(f"use_triton_gdn: flash-linear-attention's triton chunk_gated_delta_rule in {len(ours)} "
                              "Gated DeltaNet layers on cuda")
+            elif device_type == "cuda":
+                lines.append(f"use_triton_gdn: this project's triton gated delta rule (kernels/gated_delta_rule_"
+                             f"triton.py; flash-linear-attention not installed) in {len(ours)} Gated DeltaNet layers "
+                             "on cuda")
             else:
-                lines.append(f"use_triton_gdn: no triton Gated DeltaNet kernel on {device_type} (flash-linear-"
-                             "attention on CUDA only) — running the torch reference")
+                lines.append(f"use_triton_gdn: no triton Gated DeltaNet kernel on {device_type} (triton kernels "
+                             "on CUDA only) — running the torch reference")
         elif flag == "use_flash_gdn":
             lines.append(f"use_flash_gdn: torch_npu's AscendC Gated DeltaNet op in {len(ours)} layers on "
                          f"{device_type}")

@@ -27,15 +27,17 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 
+from fsdp2_backend.training.checkpoint_io import LATEST_FILE  # the same marker name as Megatron-LM's
 from usage_errors import UsageError
 
-LATEST_FILE = "latest_checkpointed_iteration.txt"
 _ITER_RE = re.compile(r"^iter_\d+$")
 _LEGACY_RE = re.compile(r"^mp_rank_(\d\d)(?:_(\d\d\d))?$")
 
@@ -86,11 +88,38 @@ def read_megatron_checkpoint(path: os.PathLike | str) -> tuple[dict[str, torch.T
     return _read_legacy(it_dir)
 
 
+class _LenientUnpickler(pickle.Unpickler):
+    """Megatron-LM pickles its args namespace with megatron's own classes in it (``AttnBackend`` enums, ...):
+    where megatron is not installed (it is not a run-time dependency), such a value loads as a stand-in
+    object instead of failing the whole checkpoint; no architecture field read here is of such a class."""
+
+    def find_class(self, module, name):
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            return type(name, (_Unavailable,), {"__module__": module})
+
+
+class _Unavailable:
+    def __init__(self, *args, **kwargs):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+_lenient_pickle = SimpleNamespace(Unpickler=_LenientUnpickler, load=pickle.load, __name__="pickle")
+
+
+def _load_pickled(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_lenient_pickle)
+
+
 def _read_torch_dist(it_dir: Path):
     from torch.distributed.checkpoint import FileSystemReader, load
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    common = torch.load(it_dir / "common.pt", map_location="cpu", weights_only=False)
+    common = _load_pickled(it_dir / "common.pt")
     reader = FileSystemReader(str(it_dir))
     state = {}
     for key, meta in reader.read_metadata().state_dict_metadata.items():
@@ -114,7 +143,7 @@ def _read_legacy(it_dir: Path):
         files = [rank_dir / n for n in ("model_optim_rng.pt", "model_rng.pt") if (rank_dir / n).is_file()]
         if not files:
             raise UsageError(f"{rank_dir}: no model_optim_rng.pt in this Megatron-LM checkpoint directory")
-        saved = torch.load(files[0], map_location="cpu", weights_only=False)
+        saved = _load_pickled(files[0])
         if "model" not in saved:
             raise UsageError(f"{files[0]}: holds no 'model' (a virtual-pipeline checkpoint with model0, model1, "
                              f"... is not read) — re-save it with Megatron-LM's --ckpt-format torch_dist")

@@ -263,8 +263,8 @@ class Trainer:
             result.grad_norms.append(step.grad_norm)
             result.learning_rates.append(lr)
             result.skipped.append(step.skipped)
-            self.logger.record(iteration, losses={"lm loss": step.loss, **step.moe_losses, **step.mtp_losses}, skipped=step.skipped, learning_rate=lr,
-                               grad_norm=step.grad_norm, consumed_samples=self.state.consumed_train_samples,
+            self.logger.record(iteration, losses={"lm loss": step.loss, **step.moe_losses, **step.mtp_losses},
+                               skipped=step.skipped, learning_rate=lr, grad_norm=step.grad_norm, consumed_samples=self.state.consumed_train_samples,
                                loss_scale=self.loss_scaler.scale, got_nan=step.got_nan)
             if step.got_nan and training.check_for_nan_in_loss_and_grad:
                 self._stop_on_nan(iteration, step)
