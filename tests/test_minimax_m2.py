@@ -129,3 +129,11 @@ def test_tp_declined():
     check_model_layout(config, ModelFacts(source="", num_heads=4, num_kv_heads=2), 2, errors)
     assert errors and errors[0].startswith("parallel.tp_size: model_id minimax_m27")
     assert any(m.startswith("parallel.tp_size: model_id minimax_m27") for m in messages(config, world_size=2))
+
+
+def test_expert_bias_update_declined():
+    from tests.test_config import messages, pt_config
+
+    found = messages(pt_config(model={"model_id": "minimax_m27", "moe_router_enable_expert_bias": True}))
+    assert any(m.startswith("model.moe_router_enable_expert_bias (--moe-router-enable-expert-bias): model_id "
+                            "minimax_m27") for m in found), found

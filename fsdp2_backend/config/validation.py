@@ -375,6 +375,10 @@ def _router_errors(m) -> List[str]:
             m.model_id not in ("minimax_m27", "step35"):  # those score with sigmoid by themselves
         errors.append("model.moe_router_enable_expert_bias: the expert bias applies to sigmoid scores (megatron-core "
                       "asserts it) — set model.moe_router_score_function: sigmoid")
+    if m.moe_router_enable_expert_bias and m.model_id == "minimax_m27":
+        errors.append("model.moe_router_enable_expert_bias (--moe-router-enable-expert-bias): model_id minimax_m27 "
+                      "selects experts with the checkpoint's e_score_correction_bias, which this project does not "
+                      "update — drop the flag")
     return errors
 
 

@@ -32,7 +32,6 @@ from transformers.models.minimax_m2.modeling_minimax_m2 import (MiniMaxM2Experts
 from fsdp2_backend.models.moe.experts import GroupedExperts
 from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, collect_aux_loss
 from fsdp2_backend.models.qwen3_moe import configure_moe
-from usage_errors import UsageError
 
 _STACKED = re.compile(r"^(?P<layer>.*)\.mlp\.experts\.(?P<name>gate_up_proj|down_proj)$")
 _BLOCK = re.compile(r"^(?P<layer>.*)\.mlp\.(?P<rest>gate\.weight|e_score_correction_bias)$")
@@ -123,11 +122,8 @@ def build_minimax_m2(hf_config) -> MiniMaxM2GroupedForCausalLM:
 
 def configure_minimax(model: nn.Module, config) -> None:
     """The run's MoE switches and Megatron router fields (`qwen3_moe.configure_moe`). Megatron's expert-bias
-    update is declined: MiniMax-M2's selection bias is the checkpoint's `e_score_correction_bias`."""
-    if getattr(config.model, "moe_router_enable_expert_bias", False):
-        raise UsageError("model.moe_router_enable_expert_bias (--moe-router-enable-expert-bias): model_id "
-                         "minimax_m27 selects experts with the checkpoint's e_score_correction_bias, which this "
-                         "project does not update — drop the flag")
+    update is declined by config validation: MiniMax-M2's selection bias is the checkpoint's
+    `e_score_correction_bias`, passed to the router by the block and never updated."""
     configure_moe(model, moe_grouped_gemm=config.optimization.moe_grouped_gemm,
                   fix_router=config.optimization.fix_router, model_args=config.model)
 
