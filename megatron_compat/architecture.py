@@ -272,8 +272,9 @@ def _megatron_router(a: Arch) -> None:
     else:  # Megatron adds no load-balancing loss: nor does the model (transformers' aux loss stays off)
         for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "seq_aux"):
             a.note(dest, "no_effect", "no load-balancing loss (its coefficient is 0), as in Megatron")
-    for dest, target in _ROUTER_FIELDS:
-        a.field(dest, f"model.{target}", g(dest))
+    for dest, target in _ROUTER_FIELDS:  # only those given: Megatron's defaults are the HF model's routing
+        if dest in a.active:
+            a.field(dest, f"model.{target}", g(dest))
     if g("moe_router_enable_expert_bias"):
         a.field("moe_router_enable_expert_bias", "model.moe_router_enable_expert_bias", True)
         a.field("moe_router_bias_update_rate", "model.moe_router_bias_update_rate", g("moe_router_bias_update_rate"))

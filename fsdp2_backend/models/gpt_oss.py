@@ -27,7 +27,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import (GptOssExperts, GptOssF
 
 from fsdp2_backend.distributed.dtensor import local_tensor
 from fsdp2_backend.models.moe.experts import GroupedExperts
-from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, collect_aux_loss
+from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, attach_aux_loss
 from kernels.grouped_gemm import grouped_linear
 from kernels.sink_attention import register_sink_attention
 
@@ -110,12 +110,7 @@ class GptOssGroupedForCausalLM(GptOssForCausalLM):
     def forward(self, *args, **kwargs):
         """transformers' forward; with Megatron's losses on, `aux_loss` is their weighted sum over the layers."""
         out = super().forward(*args, **kwargs)
-        aux = collect_aux_loss(self)
-        if aux is not None:
-            out.aux_loss = aux
-            if out.loss is not None:
-                out.loss = out.loss + aux
-        return out
+        return attach_aux_loss(self, out)
 
     def _init_weights(self, module):
         if isinstance(module, GptOssGroupedExperts):  # as transformers initialises its GptOssExperts

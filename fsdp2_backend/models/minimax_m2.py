@@ -30,7 +30,7 @@ from transformers.models.minimax_m2.modeling_minimax_m2 import (MiniMaxM2Experts
                                                                 MiniMaxM2SparseMoeBlock, MiniMaxM2TopKRouter)
 
 from fsdp2_backend.models.moe.experts import GroupedExperts
-from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, collect_aux_loss
+from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, attach_aux_loss
 from fsdp2_backend.models.qwen3_moe import configure_moe
 
 _STACKED = re.compile(r"^(?P<layer>.*)\.mlp\.experts\.(?P<name>gate_up_proj|down_proj)$")
@@ -90,12 +90,7 @@ class MiniMaxM2GroupedForCausalLM(MiniMaxM2ForCausalLM):
     def forward(self, *args, **kwargs):
         """transformers' forward; with Megatron's losses on, `aux_loss` is their weighted sum over the layers."""
         out = super().forward(*args, **kwargs)
-        aux = collect_aux_loss(self)
-        if aux is not None:
-            out.aux_loss = aux
-            if out.loss is not None:
-                out.loss = out.loss + aux
-        return out
+        return attach_aux_loss(self, out)
 
     def _init_weights(self, module):
         if isinstance(module, GroupedExperts):  # as transformers initialises its MiniMaxM2Experts

@@ -32,7 +32,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeExperts, Q
                                                               Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter)
 
 from fsdp2_backend.models.moe.experts import GroupedExperts
-from fsdp2_backend.models.moe.router import (ROUTER_CONFIG_KEY, RouterSettings, TopKRouter, collect_aux_loss,
+from fsdp2_backend.models.moe.router import (ROUTER_CONFIG_KEY, RouterSettings, TopKRouter, attach_aux_loss,
                                             router_fields)
 
 _STACKED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<name>gate_up_proj|down_proj)$")
@@ -94,12 +94,7 @@ class Qwen3MoeGroupedForCausalLM(Qwen3MoeForCausalLM):
         """transformers' forward; with Megatron's losses on, `aux_loss` is their weighted sum over the layers
         (and `router_aux_loss_coef` is 1: the coefficients are already in)."""
         out = super().forward(*args, **kwargs)
-        aux = collect_aux_loss(self)
-        if aux is not None:
-            out.aux_loss = aux
-            if out.loss is not None:
-                out.loss = out.loss + aux
-        return out
+        return attach_aux_loss(self, out)
 
     def _init_weights(self, module):
         super()._init_weights(module)

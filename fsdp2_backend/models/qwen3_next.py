@@ -32,7 +32,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextExperts
                                                                 Qwen3NextTopKRouter, apply_mask_to_padding_states)
 
 from fsdp2_backend.models.moe.experts import GroupedExperts
-from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, collect_aux_loss
+from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, attach_aux_loss
 from fsdp2_backend.models.qwen3_moe import configure_moe
 from kernels.causal_conv1d import causal_conv1d
 from kernels.gated_delta_rule import chunk_gated_delta_rule
@@ -188,12 +188,7 @@ class Qwen3NextGroupedForCausalLM(Qwen3NextForCausalLM):
                 kwargs[CU_SEQLENS_KWARG] = cu_seqlens_from_position_ids(position_ids)[0]
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               **kwargs)
-        aux = collect_aux_loss(self)
-        if aux is not None:
-            out.aux_loss = aux
-            if out.loss is not None:
-                out.loss = out.loss + aux
-        return out
+        return attach_aux_loss(self, out)
 
     def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
         """transformers' save (per-expert layout on disk), naming transformers' own class in config.json."""

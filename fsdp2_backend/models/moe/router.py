@@ -349,6 +349,17 @@ def collect_aux_loss(model: nn.Module) -> Optional[torch.Tensor]:
     return total
 
 
+def attach_aux_loss(model: nn.Module, out):
+    """`out` (a transformers causal-LM output) with the routers' Megatron losses of this forward as `aux_loss`
+    (added to `out.loss` when there is one); unchanged when the routers hold none."""
+    aux = collect_aux_loss(model)
+    if aux is not None:
+        out.aux_loss = aux
+        if out.loss is not None:
+            out.loss = out.loss + aux
+    return out
+
+
 @torch.no_grad()
 def finish_router_step(model: nn.Module, num_microbatches: int, group: Optional[dist.ProcessGroup] = None
                        ) -> Dict[str, float]:
