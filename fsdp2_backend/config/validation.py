@@ -19,6 +19,7 @@ from fsdp2_backend.config.fault_rules import canonical_config, canonical_key, ch
 from fsdp2_backend.config.layout_rules import check_model_layout
 from fsdp2_backend.config.model_facts import ModelFacts, model_facts
 from fsdp2_backend.config.quant_rules import check_quantization, quant_notices
+from fsdp2_backend.config.router_rules import check_router_model, megatron_router_set, router_errors
 from fsdp2_backend.config.schema import Config, parallel_layout
 from fsdp2_backend.config.sft_rules import check_sft, normalise_sft, sft_notices
 from usage_errors import UsageError
@@ -116,7 +117,7 @@ def _check_seed_rules(config: Config, errors: List[str]) -> None:
     if prof.profile and prof.profile_export_type == "db" and importlib.util.find_spec("torch_npu") is None:
         errors.append("profiling.profile_export_type: db is torch_npu's format and this machine has no torch_npu "
                       "(Ascend) — use text (a Chrome trace)")
-    errors.extend(_router_errors(m))
+    errors.extend(router_errors(m))
     if m.model_id is not None:
         known = registered_model_ids()
         if m.model_id not in known:
@@ -288,7 +289,7 @@ def validate_with_notices(config: Config, world_size: int = 1) -> Tuple[Config, 
     facts = model_facts(config, errors)
     _check_model_defined(config, facts, errors)
     _check_architecture(config, facts, errors)
-    _check_router_model(config, facts, errors)
+    check_router_model(config, facts, errors)
     check_run_inputs(config, facts, world_size, errors)
     if not errors:
         check_model_layout(config, facts, world_size, errors)
@@ -341,53 +342,6 @@ def dataset_entries(dataset) -> List[str]:
     except (ValueError, IndexError):
         return [dataset]
     return words if len(words) > 1 else [dataset]
-
-
-_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
-
-
-def megatron_router_set(m) -> bool:
-    """True when a `model.moe_router_*` / `moe_*_loss_coeff` field asks for Megatron's router."""
-    return any(getattr(m, name) is not None for name in (
-        "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
-        "moe_router_num_groups", "moe_router_group_topk", "moe_router_load_balancing_type", "moe_z_loss_coeff",
-        "moe_router_dtype")) or m.moe_router_enable_expert_bias
-
-
-def _router_errors(m) -> List[str]:
-    """The Megatron router fields (models/moe/router.py), as megatron-core checks them."""
-    errors: List[str] = []
-    kinds = m.moe_router_load_balancing_type
-    kinds = [] if kinds is None else [kinds] if isinstance(kinds, str) else list(kinds)
-    for kind in kinds:
-        if kind not in _BALANCING:
-            errors.append(f"model.moe_router_load_balancing_type: '{kind}' is not one of {', '.join(_BALANCING)}")
-    coeffs = m.moe_aux_loss_coeff
-    if isinstance(coeffs, (list, tuple)) and len(coeffs) != len(kinds):
-        errors.append(f"model.moe_aux_loss_coeff: {len(coeffs)} coefficients for {len(kinds)} load-balancing types "
-                      f"— give one per type")
-    if "sinkhorn" in kinds and any(c for c in (coeffs if isinstance(coeffs, (list, tuple)) else [coeffs])):
-        errors.append("model.moe_aux_loss_coeff: Sinkhorn routing takes no aux loss (megatron-core asserts it) — "
-                      "set it to 0")
-    if (m.moe_router_num_groups is None) != (m.moe_router_group_topk is None):
-        errors.append("model.moe_router_num_groups / model.moe_router_group_topk: group-limited routing needs both")
-    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid" and \
-            m.model_id not in ("minimax_m27", "step35"):  # those score with sigmoid by themselves
-        errors.append("model.moe_router_enable_expert_bias: the expert bias applies to sigmoid scores (megatron-core "
-                      "asserts it) — set model.moe_router_score_function: sigmoid")
-    if m.moe_router_enable_expert_bias and m.model_id == "minimax_m27":
-        errors.append("model.moe_router_enable_expert_bias (--moe-router-enable-expert-bias): model_id minimax_m27 "
-                      "selects experts with the checkpoint's e_score_correction_bias, which this project does not "
-                      "update — drop the flag")
-    return errors
-
-
-def _check_router_model(config: Config, facts: ModelFacts, errors: List[str]) -> None:
-    """Megatron's router lives in this project's MoE models: a transformers model without a model id has none."""
-    m = config.model
-    if megatron_router_set(m) and m.model_id is None and facts.model_type not in (None, "qwen3_moe"):
-        errors.append(f"model.moe_router_*: Megatron's router options need this project's model implementation — "
-                      f"set model.model_id for this {facts.model_type} model, or drop them")
 
 
 def normalise(config: Config, world_size: int, facts: ModelFacts = None) -> Config:

@@ -1,0 +1,58 @@
+"""Config rules of Megatron's MoE router fields (`model.moe_router_*`, `moe_*_loss_coeff`), as megatron-core
+checks them, and where the router exists (`fsdp2_backend/models/moe/router.py`: this project's MoE models). Torch-free;
+called once from `validation`.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List
+
+if TYPE_CHECKING:
+    from fsdp2_backend.config.model_facts import ModelFacts
+    from fsdp2_backend.config.schema import Config
+
+
+_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+
+
+def megatron_router_set(m) -> bool:
+    """True when a `model.moe_router_*` / `moe_*_loss_coeff` field asks for Megatron's router."""
+    return any(getattr(m, name) is not None for name in (
+        "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+        "moe_router_num_groups", "moe_router_group_topk", "moe_router_load_balancing_type", "moe_z_loss_coeff",
+        "moe_router_dtype")) or m.moe_router_enable_expert_bias
+
+
+def router_errors(m) -> List[str]:
+    """The Megatron router fields (models/moe/router.py), as megatron-core checks them."""
+    errors: List[str] = []
+    kinds = m.moe_router_load_balancing_type
+    kinds = [] if kinds is None else [kinds] if isinstance(kinds, str) else list(kinds)
+    for kind in kinds:
+        if kind not in _BALANCING:
+            errors.append(f"model.moe_router_load_balancing_type: '{kind}' is not one of {', '.join(_BALANCING)}")
+    coeffs = m.moe_aux_loss_coeff
+    if isinstance(coeffs, (list, tuple)) and len(coeffs) != len(kinds):
+        errors.append(f"model.moe_aux_loss_coeff: {len(coeffs)} coefficients for {len(kinds)} load-balancing types "
+                      f"— give one per type")
+    if "sinkhorn" in kinds and any(c for c in (coeffs if isinstance(coeffs, (list, tuple)) else [coeffs])):
+        errors.append("model.moe_aux_loss_coeff: Sinkhorn routing takes no aux loss (megatron-core asserts it) — "
+                      "set it to 0")
+    if (m.moe_router_num_groups is None) != (m.moe_router_group_topk is None):
+        errors.append("model.moe_router_num_groups / model.moe_router_group_topk: group-limited routing needs both")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid" and \
+            m.model_id not in ("minimax_m27", "step35"):  # those score with sigmoid by themselves
+        errors.append("model.moe_router_enable_expert_bias: the expert bias applies to sigmoid scores (megatron-core "
+                      "asserts it) — set model.moe_router_score_function: sigmoid")
+    if m.moe_router_enable_expert_bias and m.model_id == "minimax_m27":
+        errors.append("model.moe_router_enable_expert_bias (--moe-router-enable-expert-bias): model_id minimax_m27 "
+                      "selects experts with the checkpoint's e_score_correction_bias, which this project does not "
+                      "update — drop the flag")
+    return errors
+
+
+def check_router_model(config: "Config", facts: "ModelFacts", errors: List[str]) -> None:
+    """Megatron's router lives in this project's MoE models: a transformers model without a model id has none."""
+    m = config.model
+    if megatron_router_set(m) and m.model_id is None and facts.model_type not in (None, "qwen3_moe"):
+        errors.append(f"model.moe_router_*: Megatron's router options need this project's model implementation — "
+                      f"set model.model_id for this {facts.model_type} model, or drop them")
