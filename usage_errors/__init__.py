@@ -7,6 +7,7 @@ prints each as `error: ...` on stderr and exits with code 2, never a traceback.
 from __future__ import annotations
 
 import os
+import time
 import sys
 from contextlib import contextmanager
 from typing import Iterable, Iterator
@@ -32,12 +33,19 @@ class RunStopped(Exception):
         super().__init__("\n".join(self.messages))
 
 
+USAGE_EXIT_GRACE_S = 5.0
+
+
 def report_and_exit(messages: Iterable[str], code: int = USAGE_EXIT_CODE) -> None:
     """Prints `error: <message>` lines on stderr and exits with code 2. Under torchrun every rank meets the same
     input, so only rank 0 prints: the user reads each problem once."""
     if os.environ.get("RANK", "0") == "0":
         for message in messages:
             print(f"error: {message}", file=sys.stderr)
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun stops the other workers as soon as one exits: a rank leaving first could take rank 0 down
+        # before its line is out (the user would see no error at all). The others leave a moment later.
+        time.sleep(USAGE_EXIT_GRACE_S)
     sys.stderr.flush()
     raise SystemExit(code)
 
