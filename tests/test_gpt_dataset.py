@@ -139,13 +139,16 @@ def test_mock_dataset_matches_megatron():
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_sample_index_matches_cpp_helper_on_awkward_lengths(seed):
-    """Zero-length documents, documents shorter than a sample, exact boundaries, kept partial samples."""
+    """Zero-length documents, documents shorter than a sample, exact boundaries, kept partial samples; 9000
+    positions, so the walk crosses the kernel's 4096-position length buffer."""
     from megatron.core.datasets import helpers
 
     rng = numpy.random.default_rng(seed)
-    sizes = rng.integers(0, 9, 400).astype(numpy.int32)
-    sizes[rng.integers(0, 400, 20)] = 64
-    document_index = rng.permutation(numpy.tile(numpy.arange(400, dtype=numpy.int32), 3))
+    sizes = rng.integers(0, 9, 3000).astype(numpy.int32)
+    sizes[rng.integers(0, 3000, 150)] = 64
+    document_index = rng.permutation(numpy.tile(numpy.arange(3000, dtype=numpy.int32), 3))
+    # megatron-core asserts (its end row would be -1) when a kept partial sample ends on an empty document
+    sizes[document_index[-1]] = max(1, sizes[document_index[-1]])
     tokens = int(sizes.sum())
     for seq_length in (2, 8, 13):
         for drop_last in (True, False):
