@@ -43,6 +43,7 @@ class TrainJob:
     start_time: Optional[float] = None
     epoch_save_interval: Optional[int] = None  # save_epochs in iterations, when training by epochs
     evaluate: Optional[Callable] = None       # SFT: evaluate(trainer, final) → {set: loss}, logs a block per set
+    batch_schedule: Any = None                # training.batch_rampup.BatchSizeSchedule: the batch changes per step
 
     def close(self) -> None:
         """Releases the checkpointer (waits for an async save) and the process group this job created."""
@@ -69,6 +70,10 @@ def effective_model_args(config: Config, resume) -> Any:
     from fsdp2_backend.training.checkpoint_io import HF_META_DIR
 
     model = config.model
+    if resume.megatron:  # a Megatron-LM checkpoint: the model its saved args describe (training/megatron_resume)
+        from fsdp2_backend.training.megatron_resume import megatron_model_args
+
+        return megatron_model_args(model, resume.checkpoint)
     if resume.checkpoint is None or model.model_name_or_path:
         return model
     # Architecture flags given too were checked against this config by validation: the checkpoint's wins.
@@ -90,7 +95,9 @@ def build_model(config: Config, ctx, resume):
     hf_config = load_hf_config(model_args)
     from_checkpoint = weights_available(model_args)
     config_vocab = hf_config.vocab_size
-    if resume.checkpoint is not None:
+    if resume.megatron:
+        from_checkpoint = True  # a Megatron-LM checkpoint's padded rows: hf_config's (from its tensors)
+    elif resume.checkpoint is not None:
         # A resumed run's embedding has the checkpoint's rows (at any tp): its saved config says how many.
         from fsdp2_backend.config.model_facts import read_config_json
         from fsdp2_backend.training.checkpoint_io import HF_META_DIR
@@ -124,16 +131,19 @@ def _with_mtp(model, config: Config, model_args=None):
     return model, dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, fsdp_modules=units))
 
 
-def train_length(config: Config, global_batch_size: int, build_data: Callable):
+def train_length(config: Config, global_batch_size: int, build_data: Callable, batch_schedule=None):
     """(train_iters, iterations per epoch or None). Megatron's length: max_steps (--train-iters),
-    train_samples // gbs, or num_train_epochs of the train split (its one-epoch sample count read from a
-    one-iteration build); only that last way knows an epoch's length."""
+    train_samples // gbs (counted step by step under a batch-size ramp-up: `batch_schedule`), or num_train_epochs
+    of the train split (its one-epoch sample count read from a one-iteration build); only that last way knows an
+    epoch's length."""
     from usage_errors import UsageError
 
     training = config.training
     if training.max_steps and training.max_steps > 0:
         return training.max_steps, None
     if training.train_samples:
+        if batch_schedule is not None:
+            return batch_schedule.train_iters(training.train_samples), None
         return training.train_samples // global_batch_size, None
     epoch_samples = len(build_data(1).datasets[0] or ())
     iters = int(training.num_train_epochs * epoch_samples) // global_batch_size
@@ -171,6 +181,7 @@ def build(config: Config) -> TrainJob:
     from fsdp2_backend.distributed.context import ParallelContext
     from fsdp2_backend.config.model_facts import resume_checkpoint
     from fsdp2_backend.training.checkpoint_io import print_rank0
+    from fsdp2_backend.training.batch_rampup import schedule_for
     from fsdp2_backend.training.checkpointer import Checkpointer
     from fsdp2_backend.training.save_dir_guard import SaveDirGuard
     from fsdp2_backend.training.logging import TrainLogger
@@ -195,6 +206,9 @@ def build(config: Config) -> TrainJob:
         tokenizer, model, hf_config = build_model(config, ctx, resume)
         mbs, micro_batches = training.per_device_train_batch_size, training.gradient_accumulation_steps
         gbs = mbs * micro_batches * ctx.dp_size
+        batch_schedule = schedule_for(config, ctx.dp_size)  # ramp-up / step schedule / rounding: gbs per step
+        if batch_schedule is not None:
+            gbs = batch_schedule.global_batch_size  # Megatron's args.global_batch_size (lr schedule, data, eval)
         state = TrainState()
 
         def build_data(iters: int):
@@ -206,7 +220,7 @@ def build(config: Config) -> TrainJob:
 
             build_data = sft_data_builder(config, tokenizer, ctx, state)
 
-        train_iters, epoch_iters = train_length(config, gbs, build_data)
+        train_iters, epoch_iters = train_length(config, gbs, build_data, batch_schedule)
         optimizer = build_optimizer(model, name=training.optimizer, lr=training.lr, weight_decay=training.weight_decay,
                                     betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_epsilon,
                                     decoupled_lr=training.decoupled_lr, decoupled_min_lr=training.decoupled_min_lr,
@@ -240,7 +254,7 @@ def build(config: Config) -> TrainJob:
                         valid_batches=data_iterator(data.valid_loader, dataloader_type),
                         test_batches=data_iterator(data.test_loader, dataloader_type), state=state,
                         loss_scaler=loss_scaler, checkpointer=checkpointer, logger=logger, profiler=profiler,
-                        start_time=start_time, evaluate=getattr(data, "evaluate", None),
+                        start_time=start_time, evaluate=getattr(data, "evaluate", None), batch_schedule=batch_schedule,
                         epoch_save_interval=epoch_iters * training.save_epochs if epoch_iters else None)
     except BaseException:
         if checkpointer is not None:

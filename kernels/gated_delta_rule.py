@@ -21,7 +21,7 @@ Implementations (chosen by the project, never by what happens to be importable):
 - "triton" (`use_triton_gdn`, CUDA only): flash-linear-attention's `chunk_gated_delta_rule` (chunked, triton fwd +
   bwd, with cu_seqlens) when that package is importable — this project does not install it, and transformers'
   own hub-kernel lookup is never used; otherwise this project's own kernel, `kernels/gated_delta_rule_triton.py`
-  (a fused recurrent triton forward, backward by recomputing this reference). fla's is preferred because it is
+  (fused recurrent triton forward and backward kernels). fla's is preferred because it is
   chunked (tensor-core matmuls) and has a triton backward; ours is the always-available triton path;
 - "npu": the AscendC op of torch_npu that MindSpeed calls (`use_flash_gdn`); a clear error elsewhere.
 """

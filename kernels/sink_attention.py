@@ -33,10 +33,11 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: Optional[
 
 def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor, *,
                    scale: Optional[float] = None, attention_mask: Optional[torch.Tensor] = None,
-                   sliding_window: Optional[int] = None, block: int = 1024) -> torch.Tensor:
+                   sliding_window: Optional[int] = None, block: int = 1024, dropout_p: float = 0.0) -> torch.Tensor:
     """softmax([q·kᵀ·scale + mask, sink]) · [v; 0] for `query` (B, H, Sq, D), `key`/`value` (B, H, Sk, D)
     (heads already repeated for GQA), `sinks` (H,). Without `attention_mask`: causal (queries are the last Sq
-    positions of the Sk keys) within `sliding_window`. Returns (B, H, Sq, D)."""
+    positions of the Sk keys) within `sliding_window`. `dropout_p`: attention dropout on the probabilities (SDPA's;
+    the sink column's value is zero, so dropping it changes nothing). Returns (B, H, Sq, D)."""
     b, h, sq, d = query.shape
     sk = key.shape[2]
     scale = d ** -0.5 if scale is None else scale
@@ -60,7 +61,7 @@ def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         bias = torch.cat([bias.to(dtype).expand(b, h, stop - start, sk), sink_col.expand(b, h, stop - start, 1)],
                          dim=-1)
         outs.append(F.scaled_dot_product_attention(query[:, :, start:stop], key_ext, value_ext, attn_mask=bias,
-                                                   scale=scale))
+                                                   scale=scale, dropout_p=dropout_p))
     return torch.cat(outs, dim=2)
 
 
@@ -94,14 +95,12 @@ def transformers_sink_attention(module, query, key, value, attention_mask, dropo
                                 scaling: Optional[float] = None, sliding_window: Optional[int] = None,
                                 s_aux: Optional[torch.Tensor] = None, **kwargs):
     """transformers' attention-function signature (`AttentionInterface`), for gpt_oss's attention: its sinks
-    (`s_aux`) and its layer's sliding window. Dropout must be 0 (gpt_oss trains without attention dropout)."""
-    if dropout:
-        raise ValueError("sink attention: attention dropout is not supported — set attention_dropout to 0")
+    (`s_aux`) and its layer's sliding window; `dropout` (transformers passes 0 in eval mode) as SDPA's."""
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     sinks = s_aux if s_aux is not None else query.new_full((query.shape[1],), float("-inf"))
     out = sink_attention(query, key, value, sinks, scale=scaling, attention_mask=attention_mask,
-                         sliding_window=sliding_window)
+                         sliding_window=sliding_window, dropout_p=dropout)
     return out.transpose(1, 2).contiguous(), None
 
 

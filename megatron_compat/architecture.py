@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
-from megatron_compat import architecture_gdn, architecture_mamba, architecture_mla
-from megatron_compat.architecture_router import ROUTER_FAMILIES, hf_router_keys, megatron_router
+from megatron_compat import (architecture_gdn, architecture_gpt_oss, architecture_hybrid, architecture_mamba,
+                             architecture_mla)
+from megatron_compat.architecture_router import ROUTER_FAMILIES, hf_router_keys, megatron_router, pai_aux_loss
 from megatron_compat.architecture_flags import (ARCHITECTURE_DESTS, FAMILY_DESTS, HF_DEFINED_DESTS, HF_REASONS,
                                                 MLA_ONLY, MOE_ONLY)
 
-_MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
+_MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss")
 
 
 class Arch:
@@ -65,6 +66,8 @@ def _family(a: Arch) -> str:
     g = a.get
     if architecture_gdn.selects_qwen3_next(a.ns, a.active):
         return "qwen3_next"
+    if architecture_gpt_oss.selects_gpt_oss(a.ns, a.active):
+        return "gpt_oss"
     if g("multi_latent_attention") or g("multi_head_latent_attention"):
         return "deepseek_v3"
     if g("num_experts"):
@@ -88,8 +91,8 @@ def _rotary(a: Arch) -> bool:
 def _check_buildable(a: Arch, family: str) -> None:
     """From scratch, the flags must describe the chosen HF model type exactly; decline what differs."""
     g = a.get
-    rope = _rotary(a)
-    gated = g("swiglu") or g("geglu")
+    rope = _rotary(a) or (family == "gpt_oss" and g("position_embedding_type") == "yarn")
+    gated = g("swiglu") or g("geglu") or (family == "gpt_oss" and g("quick_geglu"))  # gpt_oss: its own checks
     if family == "gpt2":
         if g("normalization") != "LayerNorm":
             a.decline("normalization", "RMSNorm with learned absolute positions has no HF model type to build — "
@@ -121,10 +124,10 @@ def _check_buildable(a: Arch, family: str) -> None:
                             "directory")
     if g("hidden_dropout"):
         a.decline("hidden_dropout", f"HF {family} models have no hidden dropout — set --hidden-dropout 0")
-    if g("add_bias_linear") and family != "llama":
+    if g("add_bias_linear") and family not in ("llama", "gpt_oss"):
         a.decline("add_bias_linear", f"HF {family} models have no biases on every linear layer (Megatron's "
                                      "default) — add --disable-bias-linear")
-    if g("add_qkv_bias") and not g("add_bias_linear") and family not in ("qwen2", "qwen2_moe"):
+    if g("add_qkv_bias") and not g("add_bias_linear") and family not in ("qwen2", "qwen2_moe", "gpt_oss"):
         a.decline("add_qkv_bias", f"HF {family} models put attention biases on q/k/v and o together — drop "
                                   "--add-qkv-bias, or give --load with an HF directory")
 
@@ -210,24 +213,25 @@ _GPT2_NAMES = {"num_hidden_layers": "n_layer", "hidden_size": "n_embd", "num_att
 
 def _moe_keys(a: Arch, family: str) -> None:
     g = a.get
-    experts_key = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts"}.get(family, "num_experts")
+    experts_key = {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts",
+                   "deepseek_v3": "n_routed_experts"}.get(family, "num_experts")
     a.put("num_experts", experts_key, g("num_experts"))
     a.put("moe_router_topk", "num_experts_per_tok", g("moe_router_topk"))
     moe_ffn = g("moe_ffn_hidden_size") or g("moe_intermediate_size") or _ffn(a)
     ffn_dest = "moe_intermediate_size" if g("moe_intermediate_size") else "moe_ffn_hidden_size"
-    if family == "mixtral":
+    if family in ("mixtral", "gpt_oss"):
         a.put(ffn_dest, "intermediate_size", moe_ffn)
     else:
         a.put(ffn_dest, "moe_intermediate_size", moe_ffn)
-    if family in ROUTER_FAMILIES:
-        megatron_router(a)
+    if family in _OWN_ROUTER:
+        megatron_router(a, family)
     else:
         hf_router_keys(a, family)
     norm = g("norm_topk_prob") or not g("moe_router_pre_softmax")  # Megatron: top-k then softmax = normalised
     for dest in ("norm_topk_prob", "moe_router_pre_softmax"):
-        a.put(dest, "norm_topk_prob", norm if family != "mixtral" else None)
-    if family == "mixtral" and g("moe_router_pre_softmax"):
-        a.decline("moe_router_pre_softmax", "Mixtral-style routing renormalises the top-k weights — drop it")
+        a.put(dest, "norm_topk_prob", norm if family not in ("mixtral", "gpt_oss") else None)
+    if family == "mixtral" and g("moe_router_pre_softmax"):  # Mixtral has no norm_topk_prob: the router's field
+        a.field("moe_router_pre_softmax", "model.moe_router_pre_softmax", True)
     shared = g("moe_shared_expert_intermediate_size")
     if family == "deepseek_v3":
         n_shared = g("n_shared_experts") or (shared // moe_ffn if shared and moe_ffn else None)
@@ -242,12 +246,19 @@ def _moe_keys(a: Arch, family: str) -> None:
                       ("moe_router_group_topk", "topk_group"), ("topk_group", "topk_group"),
                       ("moe_router_topk_scaling_factor", "routed_scaling_factor"),
                       ("routed_scaling_factor", "routed_scaling_factor")):
-        if family not in ROUTER_FAMILIES and (deepseek or not a.from_scratch):
+        if (deepseek and not pai_aux_loss(a)) or (family not in _OWN_ROUTER and not a.from_scratch):
             a.put(dest, key, g(dest))  # group-limited routing exists only in DeepSeek-V3-style HF models
+    if deepseek:  # from scratch, Megatron's defaults (no groups, no scaling), not transformers' (8 groups, 2.5)
+        for dest, key, default in (("moe_router_num_groups", "n_group", 1), ("moe_router_group_topk", "topk_group", 1),
+                                   ("moe_router_topk_scaling_factor", "routed_scaling_factor", 1.0)):
+            a.put(None, key, a.keys.get(key, default))
     _dense_layers(a, family)
 
 
 # Families whose model here is this project's (models/moe/router.py): Megatron's router flags are native fields.
+_OWN_ROUTER = tuple(ROUTER_FAMILIES) + ("gpt_oss",)
+
+
 def _dense_layers(a: Arch, family: str) -> None:
     """Which layers are dense: --first-k-dense-replace and --moe-layer-freq, in each family's own keys."""
     g = a.get
@@ -277,7 +288,7 @@ def _dense_layers(a: Arch, family: str) -> None:
 
 def _routing(a: Arch, family: str) -> None:
     """Router scoring is the model type's own; Megatron's per-step expert-bias update is not implemented."""
-    if not a.get("num_experts") or family in ROUTER_FAMILIES:  # those: megatron_router
+    if not a.get("num_experts") or family in _OWN_ROUTER:  # those: megatron_router
         return
     for dest in ("moe_router_enable_expert_bias", "moe_router_bias_update_rate"):
         if a.get("moe_router_enable_expert_bias"):
@@ -315,6 +326,8 @@ def missing_flags(ns, from_scratch: bool, active=()) -> List[str]:
     required = REQUIRED_FROM_SCRATCH
     if architecture_mamba.selects_mamba3(ns, active):
         required = architecture_mamba.REQUIRED
+    elif architecture_hybrid.selects_hybrid(ns, active):  # the layer pattern gives the count
+        required = architecture_hybrid.REQUIRED
     return ["--" + dest.replace("_", "-") for dest in required if getattr(ns, dest) is None]
 
 
@@ -325,6 +338,8 @@ def apply(ns, active, from_scratch: bool, record: Callable[[str, str, str], None
     a = Arch(ns, active, from_scratch, record, set_field)
     if from_scratch and architecture_mamba.selects_mamba3(ns, active):  # a pure Mamba stack → mamba3
         return architecture_mamba.apply(a)
+    if from_scratch and architecture_hybrid.selects_hybrid(ns, active):  # Megatron's hybrid stack → NemotronH
+        return architecture_hybrid.apply(a)
     family = _family(a)
     gdn = family == "qwen3_next"
     if gdn:  # Qwen3-Next: Qwen3-MoE's attention, MoE and router flags, plus the GDN ones (architecture_gdn)
@@ -347,6 +362,8 @@ def apply(ns, active, from_scratch: bool, record: Callable[[str, str, str], None
         a.put(dest, "shared_expert_gate", True if a.get(dest) else None)
     if gdn:
         architecture_gdn.apply(a)
+    if family == "gpt_oss":
+        architecture_gpt_oss.apply(a)
     _routing(a, family)
     _settle(a, family)
     for dest, why in a.declined.items():

@@ -1,15 +1,16 @@
 """Megatron's MoE router flags → native `model.moe_router_*` fields or HF config keys (part of `architecture`).
 
-Families in `ROUTER_FAMILIES` run this project's router (`fsdp2_backend/models/moe/router.py`, megatron-core's
-routing and losses exactly): the flags the script gives become `model.moe_router_*` fields — only those given,
-so Megatron's defaults leave the HF model's own routing in place. Other families run transformers' model: its
-router and aux loss with Megatron's coefficient (`router_aux_loss_coef`), and the options it lacks declined.
+Families in `ROUTER_FAMILIES` (every MoE family the flags build) run this project's router
+(`fsdp2_backend/models/moe/router.py`, megatron-core's routing and losses exactly; `models/qwen3_moe.py`,
+`models/moe/family_swap.py`): the flags the script gives become `model.moe_router_*` fields — only those given,
+so Megatron's defaults leave the HF model's own routing in place. `hf_router_keys` (transformers' router and aux
+loss with Megatron's coefficient, the options it lacks declined) is for a family outside that list.
 `a` is `architecture.Arch` (flag values, dispositions, fields).
 """
 from __future__ import annotations
 
 
-ROUTER_FAMILIES = ("qwen3_moe",)
+ROUTER_FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe")  # = config.router_rules.ROUTER_MODEL_TYPES
 _ROUTER_FIELDS = (("moe_router_score_function", "moe_router_score_function"),
                   ("moe_router_topk_scaling_factor", "moe_router_topk_scaling_factor"),
                   ("routed_scaling_factor", "moe_router_topk_scaling_factor"),
@@ -18,11 +19,48 @@ _ROUTER_FIELDS = (("moe_router_score_function", "moe_router_score_function"),
                   ("moe_z_loss_coeff", "moe_z_loss_coeff"), ("moe_router_dtype", "moe_router_dtype"))
 
 
-def megatron_router(a) -> None:
+_PAI_IGNORES = ("seq_aux", "moe_router_num_groups", "n_group", "moe_router_group_topk", "topk_group",
+                "moe_router_topk_scaling_factor", "routed_scaling_factor")
+
+
+def pai_aux_loss(a) -> bool:
+    """MindSpeed-LLM's `pai_megatron_aux_loss` balancing (`tasks/models/common/pai_megatron.py`): megatron-core's
+    `topk_softmax_with_capacity(logits, k, use_pre_softmax=True)` — softmax over all experts, top-k, no
+    renormalisation, no groups, no scaling — plus megatron-core's `aux_loss` (`switch_load_balancing_loss_func`
+    on the softmax scores). That is `aux_loss` with `--moe-router-pre-softmax`; `--seq-aux` is not read there."""
+    balancing = a.get("moe_router_load_balancing_type")
+    return "pai_megatron_aux_loss" in (balancing if isinstance(balancing, list) else [balancing])
+
+
+def megatron_router(a, family: str = "") -> None:
     """Megatron's router flags → `model.moe_router_*` (megatron-core's routing and losses, exactly)."""
     g = a.get
     balancing, coeff = g("moe_router_load_balancing_type"), g("moe_aux_loss_coeff")
-    if g("seq_aux"):  # MindSpeed's --seq-aux: the sequence-level loss in place of the batch-level one
+    pai = pai_aux_loss(a)
+    if pai:
+        balancing = [("aux_loss" if b == "pai_megatron_aux_loss" else b) for b in balancing] \
+            if isinstance(balancing, list) else "aux_loss"
+        a.field("moe_router_load_balancing_type", "model.moe_router_pre_softmax", True)
+        for dest in _PAI_IGNORES:
+            a.note(dest, "no_effect", "MindSpeed's pai_megatron_aux_loss routing reads no groups, scaling or "
+                   "--seq-aux (pre-softmax top-k with megatron-core's aux_loss)")
+    if a.from_scratch and family == "deepseek_v3" and not pai:  # the flags are the whole model: Megatron's
+        a.field("moe_router_score_function", "model.moe_router_score_function",  # default, not DeepSeek's sigmoid
+                g("moe_router_score_function"))
+    score = g("moe_router_score_function")
+    if score not in (None, "softmax", "sigmoid"):
+        a.decline("moe_router_score_function", f"MindSpeed's '{score}' router scores are not implemented (this "
+                  "router has megatron-core's softmax and sigmoid) — use --moe-router-score-function sigmoid or softmax")
+    # MindSpeed's --seq-aux: the sequence-level loss in place of the batch-level one. With balancing 'none' MindSpeed
+    # adds a loss of its own (core/transformer/moe/router.py: apply_seq_aux_loss): scores shifted by the expert bias,
+    # expert counts taken by histc over the boolean routing map — not megatron-core's seq_aux_loss
+    kinds = balancing if isinstance(balancing, list) else [balancing]
+    coeffs = coeff if isinstance(coeff, list) else [coeff] * len(kinds)
+    if g("seq_aux") and not pai and any(c for k, c in zip(kinds, coeffs) if k == "none"):
+        a.decline("seq_aux", "MindSpeed's --seq-aux with load-balancing type 'none' adds its own sequence loss (scores "
+                  "shifted by the expert bias, counts from the routing map), not megatron-core's seq_aux_loss — not "
+                  "implemented; use --moe-router-load-balancing-type seq_aux_loss")
+    if g("seq_aux") and not pai:
         balancing = [("seq_aux_loss" if b == "aux_loss" else b) for b in balancing] \
             if isinstance(balancing, list) else ("seq_aux_loss" if balancing == "aux_loss" else balancing)
         a.field("seq_aux", "model.moe_router_load_balancing_type", balancing)
@@ -33,9 +71,10 @@ def megatron_router(a) -> None:
         a.field("moe_aux_loss_coeff", "model.moe_aux_loss_coeff", coeff)
     else:  # Megatron adds no load-balancing loss: nor does the model (transformers' aux loss stays off)
         for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "seq_aux"):
-            a.note(dest, "no_effect", "no load-balancing loss (its coefficient is 0), as in Megatron")
+            if not (pai and dest == "seq_aux"):
+                a.note(dest, "no_effect", "no load-balancing loss (its coefficient is 0), as in Megatron")
     for dest, target in _ROUTER_FIELDS:  # only those given: Megatron's defaults are the HF model's routing
-        if dest in a.active:
+        if dest in a.active and not (pai and dest in _PAI_IGNORES):
             a.field(dest, f"model.{target}", g(dest))
     if g("moe_router_enable_expert_bias"):
         a.field("moe_router_enable_expert_bias", "model.moe_router_enable_expert_bias", True)
@@ -62,5 +101,5 @@ def hf_router_keys(a, family: str) -> None:
     elif "moe_z_loss_coeff" in a.active:
         a.note("moe_z_loss_coeff", "no_effect", "a z-loss coefficient of 0 adds nothing")
     if g("seq_aux"):
-        a.decline("seq_aux", "the sequence-level auxiliary loss needs this project's router (a qwen3_moe model) "
-                  "— drop --seq-aux")
+        a.decline("seq_aux", "the sequence-level auxiliary loss needs this project's router (a model of "
+                  f"{', '.join(ROUTER_FAMILIES)}) — drop --seq-aux")

@@ -109,6 +109,11 @@ _TYPES = {"int": int, "float": float, "str": str, None: None, "bool": _bool, "mo
           "_parse_cuda_graph_modules_arg": str, "enum_type_handler": str}
 
 
+# String arguments whose value has spaces ('0:384 200B:768'): a script that leaves it unquoted (or a YAML launcher
+# that splits it) passes several words; they are joined by the translation.
+_SEVERAL_WORDS = frozenset({"step_batch_size_schedule"})
+
+
 def _default(record: Dict[str, Any]) -> Any:
     """The JSON stores some defaults as their repr ('[]', "['p2p']", '<AttnBackend.auto: 5>')."""
     value = record["default"]
@@ -159,6 +164,8 @@ def _add_megatron(parser: argparse.ArgumentParser, extend: Dict[str, List[str]])
             kwargs["type"] = _TYPES[record["type"]]
             if record["nargs"] is not None:
                 kwargs["nargs"] = record["nargs"]
+            if record["dest"] in _SEVERAL_WORDS:  # one quoted string in Megatron; its words unquoted taken too
+                kwargs["nargs"] = "+"
             kwargs["choices"] = _choices(record, extend.get(flags[0], ()))
         parser.add_argument(*flags, **kwargs)
 

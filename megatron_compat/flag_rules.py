@@ -31,6 +31,9 @@ def _names(block: str):
 # --- no effect under FSDP2 -----------------------------------------------------------------------------------------
 
 _NO_EFFECT: Dict[str, str] = {
+    "sizes an inference KV cache (MindSpeed-LLM registers it with its DSA indexer; pretraining builds no such "
+    "cache), so training reads nothing from it":
+        """max_batch_size""",
     "selects a fused or vendor kernel for the same math; this backend picks its own kernels":
         """use_fused_mlp mla_fa_divide_qk cross_entropy_loss_fusion cross_entropy_fusion_impl no_masked_softmax_fusion
         no_bias_gelu_fusion no_bias_swiglu_fusion no_bias_dropout_fusion no_rope_fusion
@@ -200,9 +203,6 @@ _DECLINED: Dict[str, str] = {
     "this multi-token prediction (MTP) variant is not implemented (--mtp-num-layers and "
     "--mtp-loss-scaling-factor are) — drop the flag":
         """mtp_use_repeated_layer mtp_detach_heads mtp_hsm mtp_hybrid_override_pattern""",
-    "batch-size ramp-up changes the optimisation trajectory and is not implemented — train with a fixed "
-    "--global-batch-size":
-        """rampup_batch_size step_batch_size_schedule decrease_batch_size_if_needed""",
     "reinforcement learning, distillation, retrieval and vision training are not part of this backend — "
     "use Megatron-LM for them":
         """simpo_beta gamma_beta_ratio simpo_loss_type simpo_label_smoothing placeholder_token md5_validate
@@ -220,7 +220,7 @@ _DECLINED: Dict[str, str] = {
         use_coordinator model_provider use_flashinfer_fused_rope num_input_tokens num_output_tokens greedy
         max_new_tokens use_kv_cache max_length task task_data_path eval_language evaluation_batch_size
         max_eval_samples alternative_prompt origin_postprocess chain_of_thought broadcast hf_chat_template
-        reasoning_effort max_batch_size max_queue_size""",
+        reasoning_effort max_queue_size""",
     "LoRA fine-tuning is not implemented — train full weights, or use a LoRA-capable trainer":
         """qlora qlora_save_dequantize lora_r lora_alpha lora_target_modules lora_load lora_ckpt_filter
         lora_modules_to_save lora_register_forward_hook save_lora_to_hf lu_lora_final_layer_index lu_lora_lr
@@ -253,17 +253,14 @@ _DECLINED: Dict[str, str] = {
     "Megatron's µP (maximal update parametrisation) scaling is not implemented — drop it":
         """use_mup mup_width_mult mup_base_hidden_size mup_embedding_mult mup_output_mult mup_base_head_dim
         mup_attn_scale_power dim_model_base scale_depth scale_emb""",
-    "a data-pipeline feature that is not implemented (fill-in-the-middle, phase transitions, dataset argument "
-    "files, object storage) — prepare the data with tools/preprocess_data.py and pass --data-path":
-        """fim_data fim_rate fim_spm_rate fim_split_sample fim_fragment_rate fim_no_prefix fim_prefix_token
-        fim_middle_token fim_suffix_token fim_pad_token fim_eod_token phase_transition_iterations
-        data_args_path per_split_data_args_path object_storage_cache_path
+    "a data-pipeline feature that is not implemented (phase transitions, dataset argument files, object "
+    "storage) — prepare the data with tools/preprocess_data.py and pass --data-path":
+        """phase_transition_iterations data_args_path per_split_data_args_path object_storage_cache_path
         dataloader_inter_document_masking validation_set_names multiple_validation_sets full_validation
         eval_global_batch_size eval_micro_batch_size start_eval_at_iter""",
     "this Megatron tokenizer setting has no counterpart — convert the tokenizer to an HF tokenizer directory and "
     "pass --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR":
-        """tokenizer_kwargs tiktoken_pattern tiktoken_num_special_tokens tokenizer_metadata tokenizer_special_tokens
-        tokenizer_sentencepiece_legacy no_tokenizer_sentencepiece_ignore_extra_whitespaces
+        """tokenizer_kwargs tokenizer_metadata tokenizer_sentencepiece_legacy no_tokenizer_sentencepiece_ignore_extra_whitespaces
         tokenizer_hf_no_include_special_tokens null_tokenizer_eod_id null_tokenizer_pad_id chat_template
         use_gigatoken no_pad_vocab_size pad_vocab_size_to""",
     "an encoder-decoder / BERT model setting — this backend trains decoder-only causal LMs; use Megatron-LM":

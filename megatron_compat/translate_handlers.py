@@ -79,6 +79,24 @@ for _dest, _target in {
     _direct(_dest, _target)
 
 _direct("micro_batch_size", "training.per_device_train_batch_size")
+_direct("rampup_batch_size", "training.rampup_batch_size", lambda v: [int(x) for x in v])
+
+
+@handles("step_batch_size_schedule", "training.step_batch_size_schedule")
+def _step_batch_size_schedule(ctx, value):
+    if value is None:
+        return
+    if "global_batch_size" in ctx.active:  # Megatron-LM's own check (arguments.py)
+        ctx.decline("step_batch_size_schedule", "Megatron refuses it together with --global-batch-size (the schedule "
+                                                "gives every size) — drop --global-batch-size")
+    elif "train_iters" in ctx.active:  # config/batch_rules.py: the schedule and data would be sized for the wrong count
+        ctx.decline("step_batch_size_schedule", "a growing batch needs sample-based training — replace --train-iters "
+                                                "by --train-samples (and --lr-*-iters by --lr-*-samples)")
+    else:  # one quoted string, or its words split by the shell (arguments.py lets the flag take several)
+        ctx.set("training.step_batch_size_schedule", " ".join(value) if isinstance(value, (list, tuple)) else value)
+
+
+_direct("decrease_batch_size_if_needed", "training.decrease_batch_size_if_needed")
 for _dest in ("wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity"):  # Megatron's default '' = unset
     _direct(_dest, f"training.{_dest}", lambda v: v or None)
 _direct("batch_size", "training.per_device_train_batch_size")
@@ -268,7 +286,7 @@ _HF_TOKENIZERS = ("HuggingFaceTokenizer", "PretrainedFromHF")
 def _tokenizer_type(ctx, value):
     if value not in (None,) + _HF_TOKENIZERS:
         ctx.set("model.tokenizer_type", value)
-    if value == "NullTokenizer" and ctx.get("vocab_size") is not None:
+    if value in ("NullTokenizer", "TikTokenizer") and ctx.get("vocab_size") is not None:
         ctx.set("model.vocab_size", ctx.get("vocab_size"))
 
 
@@ -404,4 +422,5 @@ DERIVED_STEPS = (_pretraining,)
 
 # Handlers that live in modules of their own register themselves on import.
 from megatron_compat import translate_recompute  # noqa: E402,F401
+from megatron_compat import translate_tokenizer_data  # noqa: E402,F401
 

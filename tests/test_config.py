@@ -97,7 +97,6 @@ def test_valid_pretraining_config_passes():
     ({"parallel": {"fsdp_modules": []}}, "parallel.fsdp_modules: must not be empty"),
     ({"data": {"interleave_probs": "0.5,0.5"}}, "data.interleave_probs: only used with mix_strategy interleave"),
     ({"profiling": {"profile_step_start": 5, "profile_step_end": 5}}, "profiling.profile_step_end: must be -1 or"),
-    ({"model": {"model_id": "step35"}}, "model.model_id: 'step35' has no implementation yet — registered: "),
     ({"training": {"stage": "sft"}}, "training.stage: sft reads the fine-tuning data path — set "
                                      "data.data_manager_type: lf"),
     ({"model": {"quant_recipe_name": "mxfp8", "quant_converters": ["x"]}}, "model.quant_converters: unknown"),

@@ -1,5 +1,5 @@
-"""The triton gated delta rule (`kernels.gated_delta_rule_triton`: fused recurrent forward kernel, backward by the
-torch reference) on CPU tensors under the triton interpreter, in a fresh process: values, final states and
+"""The triton gated delta rule (`kernels.gated_delta_rule_triton`: fused recurrent forward and backward kernels) on
+CPU tensors under the triton interpreter, in a fresh process: values, final states and
 gradients against the float64 sequential oracle of `tests/test_gated_delta_rule.py` — lengths not a multiple of
 any block, value dims split over several programs, grouped value heads with q/k l2 norm, packed documents with
 per-document initial states, fp32 and bf16 inputs; and the dispatch's choice on each device.
@@ -47,25 +47,49 @@ weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
 for a, b in zip(_grads(out, [q, k, v, g, beta], weight), _grads(want, [q, k, v, g, beta], weight.double())):
     close(a, b, 5e-5, "grouped grads")
 
-# packed documents (lengths 3, 9, 1, 6, 5 over two rows of 12), one initial state per document
+# packed documents (lengths 3, 9, 1, 6, 5 over two rows of 12), one initial state per document; the loss reads
+# the final states too, so the backward's final-state and initial-state gradients are checked per document
 inputs = _inputs(2, 12, 2, 8, 4, torch.float32, seed=6)
 cu = torch.tensor([0, 3, 12, 13, 19, 24], dtype=torch.int32)
-init = torch.randn(5, 2, 8, 4, generator=torch.Generator().manual_seed(7)) * 0.1
+init = (torch.randn(5, 2, 8, 4, generator=torch.Generator().manual_seed(7)) * 0.1).requires_grad_()
 out, finals = gdn(*inputs, chunk_size=4, cu_seqlens=cu, initial_state=init, output_final_state=True)
 flat_out = out.reshape(24, 2, 4)
 flat = [x.reshape(1, 24, *x.shape[2:]) for x in inputs]
 weight = torch.randn(flat_out.shape, generator=torch.Generator().manual_seed(8))
-got = torch.autograd.grad((flat_out * weight).sum(), inputs)
-exp = [torch.zeros_like(x, dtype=torch.float64) for x in inputs]
+got = torch.autograd.grad((flat_out * weight).sum() + finals.pow(2).sum(), inputs + [init])
+exp = [torch.zeros_like(x, dtype=torch.float64) for x in inputs + [init]]
 for d in range(5):
     a, b = int(cu[d]), int(cu[d + 1])
     want, want_final = oracle(*[x[:, a:b] for x in flat], initial_state=init[d:d + 1])
     close(flat_out[a:b], want[0], 2e-5, f"doc {d}"); close(finals[d], want_final[0], 2e-5, f"final {d}")
-    for acc, grad in zip(exp, torch.autograd.grad((want[0] * weight[a:b].double()).sum(), inputs, allow_unused=True)):
+    loss = (want[0] * weight[a:b].double()).sum() + want_final.pow(2).sum()
+    for acc, grad in zip(exp, torch.autograd.grad(loss, inputs + [init], allow_unused=True)):
         if grad is not None:
             acc += grad
-for name, a, b in zip("q k v g beta".split(), got, exp):
+for name, a, b in zip("q k v g beta h0".split(), got, exp):
     close(a, b, 5e-5, f"packed grad of {name}")
+
+# grouped value heads (6 on 2 key heads: three value heads add into each key head's dq / dk), packed documents,
+# initial and final states, three value blocks (dv 72 = 32 + 32 + 8)
+q, k, v, g, beta = _inputs(1, 9, 6, 4, 72, torch.float32, seed=9, k_heads=2)
+cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+init = (torch.randn(2, 6, 4, 72, generator=torch.Generator().manual_seed(10)) * 0.1).requires_grad_()
+out, finals = gdn(q, k, v, g, beta, chunk_size=4, cu_seqlens=cu, initial_state=init, output_final_state=True)
+weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(11))
+leaves = [q, k, v, g, beta, init]
+got = torch.autograd.grad((out * weight).sum() + (finals * 0.5).pow(2).sum(), leaves)
+exp = [torch.zeros_like(x, dtype=torch.float64) for x in leaves]
+for d in range(2):
+    a, b = int(cu[d]), int(cu[d + 1])
+    qd, kd = (x[:, a:b].repeat_interleave(3, dim=2) for x in (q, k))
+    want, want_final = oracle(qd, kd, v[:, a:b], g[:, a:b], beta[:, a:b], initial_state=init[d:d + 1])
+    close(out[:, a:b], want, 2e-5, f"grouped doc {d}")
+    loss = (want * weight[:, a:b].double()).sum() + (want_final * 0.5).pow(2).sum()
+    for acc, grad in zip(exp, torch.autograd.grad(loss, leaves, allow_unused=True)):
+        if grad is not None:
+            acc += grad
+for name, a, b in zip("q k v g beta h0".split(), got, exp):
+    close(a, b, 5e-5, f"grouped packed grad of {name}")
 
 # bf16 inputs: fp32 inside, one bf16 rounding of the output
 inputs = _inputs(1, 9, 2, 16, 16, torch.bfloat16, seed=3)

@@ -144,3 +144,17 @@ def test_seeded_initialisation_equals_transformers_model():
     expected = hf.state_dict()
     for name, tensor in ours.state_dict().items():
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_sink_attention_dropout_is_unbiased_attention_dropout():
+    """Attention dropout (Megatron's default 0.1 on a GPT-OSS built from flags): each draw differs, the mean of
+    many draws is the eager formula without dropout (dropout on the probabilities, kept ones scaled by 1/(1-p))."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(2, dtype=torch.float64)
+    exact = sink_attention_reference(q, k, v, sinks, sliding_window=3)
+    n = 4000  # the draws as a batch: one SDPA call, an independent dropout mask per batch row
+    draws = sink_attention(q.expand(n, -1, -1, -1), k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), sinks,
+                           sliding_window=3, dropout_p=0.3)
+    assert not torch.allclose(draws[0], draws[1])
+    torch.testing.assert_close(draws.mean(0), exact[0], rtol=0, atol=0.05)

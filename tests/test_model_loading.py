@@ -67,8 +67,8 @@ def test_unknown_model_id_and_missing_weights_are_usage_errors(tmp_path, hf_dir)
     from fsdp2_backend.models.loading import create_model, load_hf_config
     from fsdp2_backend.models.registry import model_spec
 
-    with pytest.raises(UsageError, match="model.model_id: 'step35'"):
-        model_spec("step35")
+    with pytest.raises(UsageError, match="model.model_id: 'step36'"):
+        model_spec("step36")
     (tmp_path / "config.json").write_text((__import__("pathlib").Path(hf_dir) / "config.json").read_text())
     config = _config(str(tmp_path))
     with pytest.raises(UsageError, match="holds no \\*.safetensors"):

@@ -157,3 +157,67 @@ def test_gated_norm_kernel_swap_keeps_transformers_logits():
     assert ours.model.layers[0].linear_attn.fused_norm
     with torch.no_grad():
         torch.testing.assert_close(ours(**_batch()).logits, hf(**_batch()).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_transformers_class_streams_per_expert_checkpoints(tmp_path, ctx, meta):
+    """model_id unset (transformers' own Qwen3NextForCausalLM, as MindSpeed's YAMLs use): a transformers-saved
+    directory (per-expert keys) streams through `load_safetensors`, and the logits equal `from_pretrained`'s.
+    Without meta init, `create_model` itself calls `from_pretrained`, so the streaming loader is driven
+    directly on a freshly built transformers model (the path a resized vocabulary takes)."""
+    from transformers import Qwen3NextForCausalLM
+
+    from fsdp2_backend.config import Config
+    from fsdp2_backend.models.loading import create_model, load_hf_config, load_safetensors
+    from fsdp2_backend.parallel.apply import apply_parallelism
+
+    torch.manual_seed(5)
+    Qwen3NextForCausalLM(tiny_next_config()).save_pretrained(tmp_path)
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in _saved_keys(tmp_path)
+    reference = Qwen3NextForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    config = Config()
+    config.model.model_name_or_path = str(tmp_path)
+    config.model.init_model_with_meta_device = meta
+    config.parallel.param_dtype = "fp32"
+    hf_config = load_hf_config(config.model)
+    if meta:
+        model = create_model(config.model, hf_config, seed=0, device=torch.device("cpu"),
+                             parallelize=lambda m: apply_parallelism(m, config, ctx))
+    else:
+        torch.manual_seed(6)
+        model = Qwen3NextForCausalLM(hf_config).float()
+        load_safetensors(model, str(tmp_path), hf_config=hf_config)
+    assert type(model).__name__.endswith("Qwen3NextForCausalLM")
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits,
+                                   reference(input_ids=ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_transformers_qwen3_moe_class_streams_per_expert_checkpoints(tmp_path):
+    """The same gap for transformers' Qwen3MoeForCausalLM: its stacked experts from per-expert keys."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from fsdp2_backend.models.loading import load_safetensors
+
+    torch.manual_seed(7)
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
+    assert "model.layers.1.mlp.experts.2.gate_proj.weight" in _saved_keys(tmp_path)
+    reference = Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    torch.manual_seed(8)
+    model = Qwen3MoeForCausalLM(config).float().eval()
+    load_safetensors(model, str(tmp_path), hf_config=config)
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def _saved_keys(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), framework="pt") as handle:
+        return set(handle.keys())

@@ -30,7 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--tokenizer-name-or-path", help="HF tokenizer directory (MindSpeed's PretrainedFromHF)")
     group.add_argument("--vocab-file", help="GPT2BPETokenizer vocab.json")
     group.add_argument("--merge-file", help="GPT2BPETokenizer merges.txt")
-    group.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size (without eod)")
+    group.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size (without eod); TikTokenizer "
+                                                      "vocabulary size (default 131072)")
+    group.add_argument("--tiktoken-pattern", choices=("v1", "v2"), help="TikTokenizer pre-tokenizer regex (v2)")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                       help="TikTokenizer: ids reserved for special tokens before the BPE ranks")
+    group.add_argument("--tokenizer-special-tokens", nargs="+", dest="special_tokens",
+                       help="TikTokenizer special tokens (must include <unk> <s> </s> <mask> <pad> <cls> <sep>)")
     group.add_argument("--trust-remote-code", action="store_true")
     group.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
                        help="HuggingFaceTokenizer: add the tokenizer's special tokens (e.g. BOS) to each text")
@@ -75,7 +81,10 @@ def main(argv=None) -> None:
                                     vocab_file=args.vocab_file, merge_file=args.merge_file,
                                     vocab_size=args.vocab_size, trust_remote_code=args.trust_remote_code,
                                     use_fast=not args.tokenizer_not_use_fast,
-                                    include_special_tokens=args.tokenizer_hf_include_special_tokens or None)
+                                    include_special_tokens=args.tokenizer_hf_include_special_tokens or None,
+                                    tiktoken_pattern=args.tiktoken_pattern,
+                                    tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+                                    special_tokens=args.special_tokens)
         try:
             preprocess_files(args.input, args.output_prefix, json_keys=args.json_keys, tokenizer=tokenizer,
                              append_eod=args.append_eod, workers=args.workers,

@@ -4,11 +4,15 @@
 - tensor parallel: attention heads and key/value heads divisible by tp (`parallel.tp_cp_checks`);
 - context parallel: Ulysses' heads per tp rank divisible by cp, the sequence cut into cp (Ulysses) or 2 x cp
   (ring) equal chunks, no packed documents (reset_attention_mask / reset_position_ids), only full-attention
-  layers;
+  layers (and model_id qwen3_next's Gated DeltaNet layers: parallel/context_parallel/linear_attention.py; model_id
+  gpt_oss's sliding-window layers: parallel/context_parallel/attention.py);
 - sequence parallel: the sequence divisible by tp;
 - expert parallel: an MoE model whose experts divide by ep, and no tp with it;
 - model_id mamba3: no tp, no cp (declined with the reason).
 - model_id minimax_m27: no tp (q/k RMSNorm over all heads; declined with the reason).
+- model_type nemotron_h (Megatron's hybrid Mamba flags): no tp (no plan for the Mamba mixers).
+- model_id step35: no tp (head-wise gate, per-layer head counts; declined with the reason); its sliding-window
+  layers decline cp through the layer-type rule.
 Facts the model does not state (None) are not checked; the runtime stages then assert.
 """
 from __future__ import annotations
@@ -41,6 +45,15 @@ def check_model_layout(config: Config, facts: ModelFacts, world_size: int, error
         errors.append("parallel.tp_size: model_id minimax_m27 normalises q and k over all heads at once, which "
                       "tensor parallel would split — use tp_size 1 (FSDP, EP and CP still apply)")
         return
+    if config.model.model_id == "step35" and p.tp_size > 1:
+        # the head-wise output gate (g_proj) and the per-layer-type head counts are not in the tp plan
+        errors.append("parallel.tp_size: model_id step35 is not built for tensor parallel (its head-wise attention "
+                      "gate and per-layer-type head counts are not sharded) — use tp_size 1 (FSDP and EP apply)")
+        return
+    if facts.model_type == "nemotron_h" and p.tp_size > 1:  # Megatron's hybrid Mamba stack (NemotronH)
+        errors.append("parallel.tp_size: model_type nemotron_h (a hybrid Mamba stack) has no tensor-parallel plan "
+                      "for its Mamba mixers — use tp_size 1 (FSDP)")
+        return
     heads, kv_heads = facts.num_heads, facts.num_kv_heads
     if p.tp_size > 1 and heads:
         errors += _prefixed(tensor_parallel_problems(heads, kv_heads or heads, p.tp_size))
@@ -53,7 +66,9 @@ def check_model_layout(config: Config, facts: ModelFacts, world_size: int, error
             errors.append("parallel.cp_size: packed documents (data.reset_attention_mask / reset_position_ids, "
                           "Megatron --reset-attention-mask / --reset-position-ids) are not supported with context "
                           "parallel — drop them or use cp_size 1")
-        other = sorted(set(facts.layer_types) - CP_LAYER_TYPES)
+        handled = CP_LAYER_TYPES | ({"linear_attention"} if config.model.model_id == "qwen3_next" else set()) | \
+            ({"sliding_attention"} if config.model.model_id == "gpt_oss" else set())  # windows + sinks under CP
+        other = sorted(set(facts.layer_types) - handled)
         if other:
             errors.append(f"parallel.cp_size: layer types {other} of model_type {facts.model_type} are not "
                           f"supported by context parallel — use cp_size 1")

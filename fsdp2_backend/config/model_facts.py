@@ -65,7 +65,11 @@ def model_facts(config: Config, errors: List[str]) -> ModelFacts:
     base, source = read_config_json(m.model_name_or_path, errors), "hf directory"
     if base is None:
         resume = resume_checkpoint(config)
-        if resume.checkpoint is not None:
+        if resume.megatron:  # the HF config its saved args describe (reads the checkpoint with torch)
+            from fsdp2_backend.training.megatron_resume import megatron_architecture
+
+            base, source = dict(megatron_architecture(str(resume.checkpoint))[0]), "checkpoint"
+        elif resume.checkpoint is not None:
             base = read_config_json(str(resume.checkpoint / checkpoint_io.HF_META_DIR), errors)
             source = "checkpoint"
     arch = {k: v for k, v in (m.architecture or {}).items() if v is not None}
@@ -78,7 +82,7 @@ def model_facts(config: Config, errors: List[str]) -> ModelFacts:
     heads = _first(values, "num_attention_heads", "n_head")
     return ModelFacts(
         source=source, model_type=values.get("model_type"), num_heads=heads,
-        num_kv_heads=_first(values, "num_key_value_heads") or heads,
+        num_kv_heads=_first(values, "num_key_value_heads", "num_attention_groups") or heads,  # Step-3.5: groups
         num_layers=_first(values, "num_hidden_layers", "n_layer"), vocab_size=values.get("vocab_size"),
-        num_experts=_first(values, "num_experts", "num_local_experts", "n_routed_experts"),
+        num_experts=_first(values, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
         layer_types=tuple(values.get("layer_types") or ()), config_json=base)

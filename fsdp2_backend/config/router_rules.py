@@ -12,6 +12,9 @@ if TYPE_CHECKING:
 
 
 _BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+# HF model types whose model id (the same name) is transformers' model with this project's router and stacked
+# experts (models/qwen3_moe.py, models/moe/family_swap.py): selected by normalise() when a run asks for them.
+ROUTER_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe")
 
 
 def megatron_router_set(m) -> bool:
@@ -47,12 +50,16 @@ def router_errors(m) -> List[str]:
         errors.append("model.moe_router_enable_expert_bias (--moe-router-enable-expert-bias): model_id minimax_m27 "
                       "selects experts with the checkpoint's e_score_correction_bias, which this project does not "
                       "update — drop the flag")
+    if m.moe_router_enable_expert_bias and m.model_id == "step35":
+        errors.append("model.moe_router_enable_expert_bias (--moe-router-enable-expert-bias): model_id step35 "
+                      "selects experts with the checkpoint's moe.router_bias, which this project does not update "
+                      "— drop the flag")
     return errors
 
 
 def check_router_model(config: "Config", facts: "ModelFacts", errors: List[str]) -> None:
     """Megatron's router lives in this project's MoE models: a transformers model without a model id has none."""
     m = config.model
-    if megatron_router_set(m) and m.model_id is None and facts.model_type not in (None, "qwen3_moe"):
+    if megatron_router_set(m) and m.model_id is None and facts.model_type not in (None,) + ROUTER_MODEL_TYPES:
         errors.append(f"model.moe_router_*: Megatron's router options need this project's model implementation — "
                       f"set model.model_id for this {facts.model_type} model, or drop them")

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Literal, Optional, Union
 
-MODEL_IDS = ("gpt_oss", "qwen3", "qwen3_moe", "qwen3_next", "step35", "mamba3", "minimax_m27")
+MODEL_IDS = ("gpt_oss", "qwen3", "qwen3_moe", "qwen3_next", "step35", "mamba3", "minimax_m27", "deepseek_v3",
+             "mixtral", "qwen2_moe")
 DTYPES = ("bf16", "fp16", "fp32")
 
 
@@ -28,7 +29,7 @@ class ModelArguments:
     model_name_or_path: Optional[str] = _field(None, "Local path of the model (HF directory). Required, unless "
                                                "`architecture` describes a model to build from scratch.")
     model_id: Optional[Literal["gpt_oss", "qwen3", "qwen3_moe", "qwen3_next", "step35", "mamba3",
-                               "minimax_m27"]] = _field(
+                               "minimax_m27", "deepseek_v3", "mixtral", "qwen2_moe"]] = _field(
         None, "Model id of this project's own model implementation; unset runs the native transformers forward.")
     init_model_with_meta_device: bool = _field(False, "Build the model on the meta device, shard, then load or "
                                                "initialise it (saves memory at start-up).")
@@ -68,7 +69,11 @@ class ModelArguments:
     tokenizer_model: Optional[str] = _field(None, "(Megatron) --tokenizer-model (SentencePiece / HF).")
     vocab_file: Optional[str] = _field(None, "(Megatron) --vocab-file.")
     merge_file: Optional[str] = _field(None, "(Megatron) --merge-file.")
-    vocab_size: Optional[int] = _field(None, "(Megatron) --vocab-size for the NullTokenizer.")
+    vocab_size: Optional[int] = _field(None, "(Megatron) --vocab-size for the NullTokenizer and TikTokenizer.")
+    tiktoken_pattern: Optional[Literal["v1", "v2"]] = _field(None, "(Megatron) TikTokenizer regex; unset: v2.")
+    tiktoken_num_special_tokens: int = _field(1000, "(Megatron) TikTokenizer ids reserved for special tokens.")
+    tokenizer_special_tokens: Optional[List[str]] = _field(
+        None, "(Megatron) TikTokenizer special tokens; unset: <unk> <s> </s> <mask> <pad> <cls> <sep>.")
     make_vocab_size_divisible_by: int = _field(1, "(Megatron) Pad the embedding rows to a multiple of this "
                                                   "(Megatron's default is 128).")
     mtp_num_layers: Optional[int] = _field(
@@ -153,6 +158,15 @@ class DataArguments:
     mmap_bin_files: bool = _field(True, "(Megatron) Memory-map the .bin files.")
     mid_level_dataset_surplus: float = _field(0.005, "(Megatron) Extra fraction of samples each dataset of a "
                                                      "weighted blend builds beyond its share.")
+    fim_data: bool = _field(False, "(Megatron) Fill-in-the-middle samples (Megatron-LM's GPTFIMDataset).")
+    fim_rate: float = _field(0.5, "(Megatron) Probability that a sample (segment) becomes FIM.")
+    fim_spm_rate: float = _field(0.5, "(Megatron) Probability that a FIM sample uses SPM rather than PSM order.")
+    fim_split_sample: Optional[str] = _field(None, "(Megatron) Token splitting a sample into fragments for FIM.")
+    fim_fragment_rate: Optional[float] = _field(None, "(Megatron) FIM probability per fragment (fim_split_sample).")
+    fim_no_prefix: Optional[str] = _field(None, "(Megatron) Text prefix of fragments left without FIM.")
+    fim_tokens: Dict[str, str] = _field(
+        {"prefix": "<fim_prefix>", "middle": "<fim_middle>", "suffix": "<fim_suffix>", "pad": "<fim_pad>",
+         "eod": "<|endoftext|>"}, "(Megatron) FIM tokens: prefix, middle, suffix, pad, eod (--fim-*-token).")
 
 
 @dataclass
@@ -240,6 +254,13 @@ class TrainingArguments:
                                           "without --save).")
     global_batch_size: Optional[int] = _field(None, "(Megatron) --global-batch-size; derives "
                                                     "gradient_accumulation_steps = gbs / (mbs x dp).")
+    rampup_batch_size: Optional[List[int]] = _field(None, "(Megatron) [START, INCREMENT, SAMPLES]: the global batch "
+                                                          "grows from START by INCREMENT to global_batch_size over "
+                                                          "SAMPLES samples (needs train_samples).")
+    step_batch_size_schedule: Optional[str] = _field(None, "(Megatron) 'TOKENS:GBS ...' (K/M/B/T suffixes): the "
+                                                           "global batch from each threshold on (needs train_samples).")
+    decrease_batch_size_if_needed: bool = _field(False, "(Megatron) Round the global batch down to a multiple of "
+                                                        "micro batch x data-parallel size.")
     train_samples: Optional[int] = _field(None, "(Megatron) Train by samples instead of steps.")
     lr_warmup_iters: int = _field(0, "(Megatron) Warmup iterations (instead of warmup_ratio).")
     lr_warmup_samples: int = _field(0, "(Megatron) Warmup samples (when training by samples).")

@@ -15,11 +15,14 @@ import re
 from dataclasses import replace
 from typing import List, Tuple
 
+from fsdp2_backend.config.batch_rules import batch_schedule_errors
+from fsdp2_backend.config.fim_rules import fim_errors
 from fsdp2_backend.config.fault_rules import canonical_config, canonical_key, check_run_inputs
 from fsdp2_backend.config.layout_rules import check_model_layout
 from fsdp2_backend.config.model_facts import ModelFacts, model_facts
 from fsdp2_backend.config.quant_rules import check_quantization, quant_notices
-from fsdp2_backend.config.router_rules import check_router_model, megatron_router_set, router_errors
+from fsdp2_backend.config.router_rules import (ROUTER_MODEL_TYPES, check_router_model, megatron_router_set,
+                                               router_errors)
 from fsdp2_backend.config.schema import Config, parallel_layout
 from fsdp2_backend.config.sft_rules import check_sft, normalise_sft, sft_notices
 from usage_errors import UsageError
@@ -70,6 +73,10 @@ def _check_sizes(config: Config, world_size: int, errors: List[str]) -> None:
     mbs = t.per_device_train_batch_size
     if mbs < 1:
         errors.append(f"training.per_device_train_batch_size: must be at least 1, got {mbs}")
+    elif t.global_batch_size is not None and t.decrease_batch_size_if_needed:  # Megatron rounds it down
+        if t.global_batch_size < mbs * layout.dp:
+            errors.append(f"training.global_batch_size: {t.global_batch_size} is below one micro batch {mbs} per "
+                          f"data-parallel rank ({layout.dp}), even rounded down — raise --global-batch-size")
     elif t.global_batch_size is not None:
         if t.global_batch_size % (mbs * layout.dp):
             errors.append(f"training.global_batch_size: {t.global_batch_size} is not divisible by micro batch "
@@ -77,6 +84,7 @@ def _check_sizes(config: Config, world_size: int, errors: List[str]) -> None:
                           f"--micro-batch-size")
     if t.gradient_accumulation_steps < 1:
         errors.append("training.gradient_accumulation_steps: must be at least 1")
+    errors.extend(batch_schedule_errors(config, world_size))
 
 
 def _check_seed_rules(config: Config, errors: List[str]) -> None:
@@ -230,6 +238,7 @@ def _check_not_yet(config: Config, errors: List[str]) -> None:
             errors.append(f"{group}.{name}: {why} — unset it")
     check_sft(config, errors)  # stage sft / data_manager_type lf (sft_rules)
     check_quantization(config, errors)  # quant_recipe_name and its fields (quant_rules)
+    errors.extend(fim_errors(config))  # data.fim_* (fim_rules)
     if config.parallel.ep_dispatcher == "mc2":
         errors.append("parallel.ep_dispatcher: mc2 needs Ascend NPUs (torch_npu MC2 kernels) — use eager or fused")
 
@@ -346,15 +355,15 @@ def dataset_entries(dataset) -> List[str]:
 
 def normalise(config: Config, world_size: int, facts: ModelFacts = None) -> Config:
     """Fills derived values, once: packing implied by neat_packing, gradient accumulation from the global batch,
-    the pretraining dataset as a list, and the stacked-expert Qwen3-MoE (model_id qwen3_moe) when expert parallel
-    or MoE kernels ask for it."""
+    the pretraining dataset as a list, and the stacked-expert MoE model (model_id = the model type: qwen3_moe,
+    deepseek_v3, mixtral, qwen2_moe) when expert parallel, MoE kernels or Megatron's router options ask for it."""
     data, training, model = config.data, config.training, config.model
     wants_moe_model = (config.parallel.ep_size > 1 or config.optimization.moe_grouped_gemm
                        or config.optimization.fix_router or megatron_router_set(model))
     model_type = facts.model_type if facts is not None else (model.architecture or {}).get("model_type")
     recorded_router = facts is not None and bool((facts.config_json or {}).get("moe_router"))  # models/moe/router.py
-    if model.model_id is None and (wants_moe_model or recorded_router) and model_type == "qwen3_moe":
-        model = replace(model, model_id="qwen3_moe")
+    if model.model_id is None and (wants_moe_model or recorded_router) and model_type in ROUTER_MODEL_TYPES:
+        model = replace(model, model_id=model_type)
     if data.neat_packing and not data.packing:
         data = replace(data, packing=True)
     if data.data_manager_type == "mg" and data.dataset is not None:

@@ -29,6 +29,7 @@ from fsdp2_backend.data.sampler import MegatronPretrainingRandomSampler, Megatro
 from usage_errors import UsageError
 from megatron_compat.data.builder import BlendedMegatronDatasetBuilder
 from megatron_compat.data.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron_compat.data.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig
 from megatron_compat.data.token_range import check_token_ids
 from megatron_compat.data.utils import get_blend_from_list, progress_lines, rank_zero_first
 
@@ -66,7 +67,13 @@ def build_pretrain_data(config, tokenizer, dp_rank: int, dp_size: int, consumed_
                                     training.eval_interval, training.eval_iters)
     with progress_lines(not data.no_shared_storage):  # Megatron's lines, once, from the building rank
         blend, blend_per_split = _blends(data, tokenizer)
-        dataset_config = GPTDatasetConfig(
+        config_class, fim = GPTDatasetConfig, {}
+        if data.fim_data:  # Megatron-LM's GPTFIMDataset (megatron_compat.data.fim_dataset)
+            config_class, fim = GPTFIMDatasetConfig, dict(
+                fim_rate=data.fim_rate, fim_spm_rate=data.fim_spm_rate, fim_extra_tokens=dict(data.fim_tokens),
+                fim_split_sample=data.fim_split_sample, fim_fragment_rate=data.fim_fragment_rate,
+                fim_no_prefix=data.fim_no_prefix)
+        dataset_config = config_class(
             random_seed=training.seed, sequence_length=data.cutoff_len, blend=blend,
             blend_per_split=blend_per_split, split=None if blend_per_split else data.split,
             path_to_cache=data.data_cache_path, mmap_bin_files=data.mmap_bin_files,
@@ -74,8 +81,8 @@ def build_pretrain_data(config, tokenizer, dp_rank: int, dp_size: int, consumed_
             reset_attention_mask=bool(data.reset_attention_mask), eod_mask_loss=data.eod_mask_loss,
             create_attention_mask=bool(data.create_attention_mask_in_dataloader),
             shared_storage=not data.no_shared_storage, shuffle=not training.disable_shuffling,
-            mid_level_dataset_surplus=data.mid_level_dataset_surplus)
-        cls = MockGPTDataset if dataset_config.mock else GPTDataset
+            mid_level_dataset_surplus=data.mid_level_dataset_surplus, **fim)
+        cls = MockGPTDataset if dataset_config.mock else GPTFIMDataset if data.fim_data else GPTDataset
         datasets = BlendedMegatronDatasetBuilder(cls, list(counts), lambda: True, dataset_config).build()
     if data.max_samples:
         datasets = [None if d is None else Subset(d, range(min(len(d), data.max_samples))) for d in datasets]

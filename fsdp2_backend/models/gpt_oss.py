@@ -11,6 +11,9 @@ layers, `_init_weights`, the aux-loss bookkeeping) with three swaps:
   clamped above and up both ways at `swiglu_limit`);
 - `mlp.router` → `GptOssRouter` (`models.moe.router`): top-k of the biased logits, softmax over the k —
   Megatron's softmax routing — plus Megatron's router options and `fix_router`.
+`mlp_bias: false` in the config (Megatron's `--disable-bias-linear`, `megatron_compat/architecture_gpt_oss.py`):
+Megatron's GPT-OSS then has no expert or router biases, which transformers' GPT-OSS always has — they are kept
+at zero and frozen here (the same function; an export holds zeros, which transformers computes identically).
 Parameter names and shapes equal transformers' (and the bf16 checkpoints'), so `from_pretrained` /
 `save_pretrained` and the streaming loader need no key mapping. MXFP4 checkpoints (`*_blocks`, `*_scales`)
 are dequantised by transformers' own `convert_moe_packed_tensors` while streaming (`param_from_checkpoint`).
@@ -95,6 +98,13 @@ def _swap(config, mlp: GptOssMLP) -> None:
         setattr(router, name, torch.zeros_like(buf, device=router.weight.device))
     mlp.experts, mlp.router = experts, router
     mlp.__class__ = GptOssGroupedMLP
+    if not getattr(config, "mlp_bias", True):
+        for bias in _mlp_biases(mlp):
+            bias.requires_grad_(False)
+
+
+def _mlp_biases(mlp) -> List[nn.Parameter]:
+    return [mlp.experts.gate_up_proj_bias, mlp.experts.down_proj_bias, mlp.router.bias]
 
 
 class GptOssGroupedForCausalLM(GptOssForCausalLM):
@@ -121,6 +131,8 @@ class GptOssGroupedForCausalLM(GptOssForCausalLM):
         super()._init_weights(module)
         if isinstance(module, TopKRouter):
             module.reset_buffers()
+            if not getattr(self.config, "mlp_bias", True):  # Megatron's router without bias: zero, frozen
+                torch.nn.init.zeros_(module.bias)
 
     def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
         """transformers' save, naming transformers' own class and eager attention in config.json."""

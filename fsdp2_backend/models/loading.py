@@ -26,6 +26,7 @@ from fsdp2_backend.config import ModelArguments
 from fsdp2_backend.distributed.dtensor import local_tensor
 from usage_errors import UsageError
 from fsdp2_backend.models.registry import ModelSpec, model_spec, register_model_types
+from fsdp2_backend.models.nemotron_h import honour_time_step_limit
 
 Parallelize = Callable[[nn.Module], nn.Module]
 
@@ -238,8 +239,10 @@ def load_safetensors(model: nn.Module, path: str, new_rows: Optional[Callable] =
 def native_checkpoint_layout(hf_config) -> Optional[ModelSpec]:
     """For transformers' own class (`model_id` unset): the spec whose checkpoint key mapping matches that
     class's in-memory names to its checkpoints' keys, where transformers converts them in `from_pretrained`
-    (MiniMax-M2: `block_sparse_moe.experts.{e}.w1/w3/w2` → stacked experts)."""
-    model_id = {"minimax_m2": "minimax_m27"}.get(getattr(hf_config, "model_type", None))
+    (MiniMax-M2: `block_sparse_moe.experts.{e}.w1/w3/w2` → stacked experts; Qwen3-MoE / Qwen3-Next:
+    `mlp.experts.{e}.gate_proj/up_proj/down_proj` → stacked `gate_up_proj` / `down_proj`)."""
+    model_id = {"minimax_m2": "minimax_m27", "qwen3_moe": "qwen3_moe",
+                "qwen3_next": "qwen3_next"}.get(getattr(hf_config, "model_type", None))
     return model_spec(model_id) if model_id else None
 
 
@@ -257,7 +260,7 @@ def create_model(model_args: ModelArguments, hf_config, *, seed: int, device: to
         raise UsageError(f"model.model_name_or_path (--load): {model_args.model_name_or_path} holds no "
                          f"*.safetensors weights — convert the checkpoint to safetensors, or set train_from_scratch")
     if model_args.init_model_with_meta_device:
-        model = parallelize(build_model(model_args, hf_config, on_meta=True))
+        model = parallelize(honour_time_step_limit(build_model(model_args, hf_config, on_meta=True)))
         model.to_empty(device=device)
         if load:
             load_safetensors(model, model_args.model_name_or_path, new_rows, spec, hf_config)
@@ -284,7 +287,7 @@ def create_model(model_args: ModelArguments, hf_config, *, seed: int, device: to
             load_safetensors(model, model_args.model_name_or_path, new_rows, spec, hf_config)
         else:
             seeded_initialize(model, seed)
-    return parallelize(model.to(device))
+    return parallelize(honour_time_step_limit(model).to(device))  # models/nemotron_h.py: why
 
 
 def _checkpoint_vocab(model_args: ModelArguments) -> Optional[int]:

@@ -32,6 +32,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeExperts, Q
                                                               Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter)
 
 from fsdp2_backend.models.moe.experts import GroupedExperts
+from fsdp2_backend.models.moe.family_swap import Family, swap_blocks
 from fsdp2_backend.models.moe.router import (ROUTER_CONFIG_KEY, RouterSettings, TopKRouter, attach_aux_loss,
                                             router_fields)
 
@@ -62,33 +63,12 @@ class Qwen3MoeGroupedBlock(Qwen3MoeSparseMoeBlock):
         return out.reshape(batch_size, sequence_length, hidden_dim)
 
 
-def _grouped_experts(config, hf_experts: Qwen3MoeExperts) -> GroupedExperts:
-    with torch.device("meta"):  # the parameters are replaced by the HF module's own below
-        experts = GroupedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
-                                 hf_experts.act_fn)
-    experts.gate_up_proj, experts.down_proj = hf_experts.gate_up_proj, hf_experts.down_proj
-    return experts
-
-
-def _router(config, hf_router: Qwen3MoeTopKRouter) -> Qwen3MoeRouter:
-    with torch.device("meta"):
-        router = Qwen3MoeRouter(config)
-    router.weight = hf_router.weight
-    for name, buf in router.named_buffers():  # routing buffers (expert bias): zeros where the weight lives
-        setattr(router, name, torch.zeros_like(buf, device=router.weight.device))
-    return router
-
-
 class Qwen3MoeGroupedForCausalLM(Qwen3MoeForCausalLM):
     """`Qwen3MoeForCausalLM` whose sparse blocks use `GroupedExperts` and `Qwen3MoeRouter` (same weights)."""
 
     def __init__(self, config):
         super().__init__(config)
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock):
-                layer.mlp.experts = _grouped_experts(config, layer.mlp.experts)
-                layer.mlp.gate = _router(config, layer.mlp.gate)
-                layer.mlp.__class__ = Qwen3MoeGroupedBlock
+        swap_blocks(self, _FAMILY)  # the one block swap of every MoE family (models/moe/family_swap.py)
 
     def forward(self, *args, **kwargs):
         """transformers' forward; with Megatron's losses on, `aux_loss` is their weighted sum over the layers
@@ -113,6 +93,10 @@ class Qwen3MoeGroupedForCausalLM(Qwen3MoeForCausalLM):
         if is_main_process:
             self.config.architectures = [Qwen3MoeForCausalLM.__name__]
             self.config.save_pretrained(save_directory)
+
+
+_FAMILY = Family(Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock, Qwen3MoeExperts, Qwen3MoeGroupedBlock, Qwen3MoeRouter,
+                 lambda c: c.num_experts)
 
 
 def build_qwen3_moe(hf_config) -> Qwen3MoeGroupedForCausalLM:

@@ -131,6 +131,35 @@ def _minimax_m2_spec() -> ModelSpec:
     return ModelSpec(build=build, checkpoint_keys=keys, from_checkpoint=param, configure=configure)
 
 
+def _moe_family_spec() -> ModelSpec:
+    """deepseek_v3 / mixtral / qwen2_moe: transformers' model with stacked experts and the project's router
+    (models/moe/family_swap.py; the family is the config's model_type)."""
+    def build(hf_config):
+        from fsdp2_backend.models.moe.family_swap import build as build_family
+        return build_family(hf_config)
+
+    def keys(name, hf_config):
+        from fsdp2_backend.models.moe.family_swap import checkpoint_keys
+        return checkpoint_keys(name, hf_config)
+
+    def param(name, tensors, hf_config):
+        from fsdp2_backend.models.moe.family_swap import param_from_checkpoint
+        return param_from_checkpoint(name, tensors, hf_config)
+
+    return ModelSpec(build=build, checkpoint_keys=keys, from_checkpoint=param, configure=_configure_qwen3_moe)
+
+
+def _step35_spec() -> ModelSpec:
+    def module():
+        from fsdp2_backend.models import step35
+        return step35
+
+    return ModelSpec(build=lambda c: module().build_step35(c),
+                     checkpoint_keys=lambda n, c: module().checkpoint_keys(n, c),
+                     from_checkpoint=lambda n, t, c: module().param_from_checkpoint(n, t, c),
+                     configure=lambda m, c: module().configure_step35(m, c))
+
+
 _SPECS: Mapping[str, ModelSpec] = MappingProxyType({
     "qwen3": ModelSpec(build=_build_qwen3),
     "qwen3_moe": ModelSpec(build=_build_qwen3_moe, checkpoint_keys=_qwen3_moe_keys,
@@ -140,6 +169,8 @@ _SPECS: Mapping[str, ModelSpec] = MappingProxyType({
     "mamba3": ModelSpec(build=_build_mamba3, register_hf=_register_mamba3),
     "gpt_oss": _gpt_oss_spec(),  # models/gpt_oss.py: sink attention, grouped experts, the project's router
     "minimax_m27": _minimax_m2_spec(),  # models/minimax_m2.py: grouped experts, sigmoid router + checkpoint bias
+    "step35": _step35_spec(),  # models/step35.py: transformers' Step-3.5 text model + lm head, grouped experts
+    **{family: _moe_family_spec() for family in ("deepseek_v3", "mixtral", "qwen2_moe")},  # models/moe/family_swap.py
 })
 
 

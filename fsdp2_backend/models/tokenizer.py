@@ -45,7 +45,10 @@ def load_tokenizer(model_args: ModelArguments):
                                     tokenizer_name_or_path=model_args.tokenizer_name_or_path,
                                     vocab_file=model_args.vocab_file, merge_file=model_args.merge_file,
                                     vocab_size=model_args.vocab_size, trust_remote_code=model_args.trust_remote_code,
-                                    use_fast=model_args.use_fast_tokenizer)
+                                    use_fast=model_args.use_fast_tokenizer,
+                                    tiktoken_pattern=model_args.tiktoken_pattern,
+                                    tiktoken_num_special_tokens=model_args.tiktoken_num_special_tokens,
+                                    special_tokens=model_args.tokenizer_special_tokens)
     else:
         tokenizer = HuggingFaceTokenizer.from_hf(_load_hf_tokenizer(model_args))
     hf = getattr(tokenizer, "hf", None)

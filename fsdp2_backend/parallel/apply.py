@@ -24,6 +24,7 @@ from fsdp2_backend.distributed.context import ParallelContext
 from fsdp2_backend.parallel.fsdp import apply_fsdp
 from fsdp2_backend.parallel.kernel_swaps import apply_fused_ops
 from fsdp2_backend.parallel.recompute import apply_recompute
+from fsdp2_backend.parallel.router_groups import set_router_groups
 
 
 def _tensor_parallel(model: nn.Module, config: Config, ctx: ParallelContext) -> Set[nn.Parameter]:
@@ -87,6 +88,7 @@ def apply_parallelism(model: nn.Module, config: Config, ctx: ParallelContext) ->
 
         enable_packed_attention(model)
     _model_switches(model, config)
+    set_router_groups(model, ctx)  # the groups the MoE routers' load-balancing losses reduce over
     fsdp_ignored: Set[nn.Parameter] = set()
     if parallel.tp_size > 1:
         fsdp_ignored |= _tensor_parallel(model, config, ctx)

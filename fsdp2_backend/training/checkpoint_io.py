@@ -159,6 +159,7 @@ class ResumePoint(NamedTuple):
     checkpoint: Optional[Path]
     finetune: bool
     reason: str
+    megatron: bool = False  # `checkpoint` is a Megatron-LM iteration directory (training/megatron_resume.py)
 
 
 def resume_point(save_dir: Optional[str], resume_from_checkpoint: Optional[str], model_dir: Optional[str] = None,
@@ -171,11 +172,18 @@ def resume_point(save_dir: Optional[str], resume_from_checkpoint: Optional[str],
     3. `resume_from_checkpoint` naming a save directory (Megatron's `--load`): its newest checkpoint; a directory
        that holds none yet, or does not exist yet, starts the run from scratch, as Megatron's --load does.
     4. `model_dir` (model_name_or_path) when it is one of our checkpoints instead of an HF directory.
-    A Megatron-LM checkpoint in any of these places is refused with what it is.
+    A Megatron-LM checkpoint (torch_dist or legacy) in any of these places resumes as Megatron-LM would; another
+    foreign one is refused with what it is.
     """
     def refuse_foreign(path, flag):
         kind = foreign_checkpoint(path)
         if kind:
+            from fsdp2_backend.training.megatron_checkpoint import megatron_iteration_dir  # imports torch
+
+            it_dir = megatron_iteration_dir(path)
+            if it_dir is not None:
+                return ResumePoint(it_dir, finetune, f"resuming from the Megatron-LM checkpoint {it_dir} ({flag})"
+                                   + (" for finetuning" if finetune else ""), True)
             raise UsageError(f"{flag}: {path} holds {kind} — it does not load directly yet: convert it with "
                              f"`python tools/convert_checkpoint.py {path} HF_DIR` and give HF_DIR as the model "
                              f"(--load HF_DIR / model.model_name_or_path), with --save pointing elsewhere")
@@ -183,7 +191,9 @@ def resume_point(save_dir: Optional[str], resume_from_checkpoint: Optional[str],
     explicit = Path(resume_from_checkpoint) if resume_from_checkpoint else None
     if explicit is not None and _ITER_RE.match(explicit.name):
         if not is_complete_checkpoint(explicit):
-            refuse_foreign(explicit, "training.resume_from_checkpoint (--load)")
+            megatron = refuse_foreign(explicit, "training.resume_from_checkpoint (--load)")
+            if megatron is not None:
+                return megatron
             raise UsageError(f"training.resume_from_checkpoint (--load): {explicit} is not a complete checkpoint "
                              f"(no {META_FILE} or .metadata: an interrupted save?) — give another iter_* directory "
                              f"or the save directory itself")
@@ -194,13 +204,17 @@ def resume_point(save_dir: Optional[str], resume_from_checkpoint: Optional[str],
         if found is not None:
             return ResumePoint(found, False, f"resuming from the newest complete checkpoint {found} (found under "
                                              f"the save directory)")
-        refuse_foreign(save_dir, "training.output_dir (--save)")
+        megatron = refuse_foreign(save_dir, "training.output_dir (--save)")
+        if megatron is not None:
+            return megatron
     if explicit is not None:
         found = newest_checkpoint(explicit)
         if found is not None:
             return ResumePoint(found, finetune and not is_restart(found, save_dir),
                                f"resuming from the newest complete checkpoint {found} (found under {explicit})")
-        refuse_foreign(explicit, "training.resume_from_checkpoint (--load)")
+        megatron = refuse_foreign(explicit, "training.resume_from_checkpoint (--load)")
+        if megatron is not None:
+            return megatron
         return ResumePoint(None, False, f"no checkpoint found in {explicit}: training starts from scratch (as "
                                         f"Megatron's --load does)")
     if model_dir and Path(model_dir).is_dir() and not (Path(model_dir) / "config.json").is_file():
@@ -209,7 +223,9 @@ def resume_point(save_dir: Optional[str], resume_from_checkpoint: Optional[str],
             return ResumePoint(found, finetune and not is_restart(found, save_dir),
                                f"resuming from the newest complete checkpoint {found} (found under the model "
                                f"directory)")
-        refuse_foreign(model_dir, "model.model_name_or_path (--load)")
+        megatron = refuse_foreign(model_dir, "model.model_name_or_path (--load)")
+        if megatron is not None:
+            return megatron
     return ResumePoint(None, False, "")
 
 

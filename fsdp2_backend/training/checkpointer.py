@@ -60,6 +60,13 @@ class Checkpointer:
         if self.resume.checkpoint is None:
             return
         training = self.config.training
+        if self.resume.megatron:  # a Megatron-LM checkpoint: what maps of it (megatron_resume)
+            from fsdp2_backend.training.megatron_resume import load_megatron_checkpoint
+
+            load_megatron_checkpoint(self.resume.checkpoint, self.model, self.optimizer, self.scheduler, self.state,
+                                     self.loss_scaler, no_load_optim=training.no_load_optim,
+                                     no_load_rng=training.no_load_rng, finetune=self.resume.finetune)
+            return
         # the train state (a TrainState: load_state_dict) is restored in place
         load_checkpoint(self.resume.checkpoint, self.model, self.optimizer, self.scheduler, self.state,
                         no_load_optim=training.no_load_optim, no_load_rng=training.no_load_rng,

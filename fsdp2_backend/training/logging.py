@@ -247,6 +247,16 @@ class TrainLogger:
         finally:
             self._interval_start += time.perf_counter() - start
 
+    def set_global_batch_size(self, global_batch_size: int) -> None:
+        """A batch-size ramp-up changed the global batch: the line's `global batch size`, tokens/s and FLOPs follow
+        it from the next record on (Megatron prints the current size)."""
+        if global_batch_size != self.global_batch_size:
+            scale = global_batch_size / self.global_batch_size
+            self.tokens_per_iteration = int(round(self.tokens_per_iteration * scale))
+            if self.flops_per_iteration is not None:
+                self.flops_per_iteration *= scale
+            self.global_batch_size = global_batch_size
+
     def timer(self, name: str):
         """Times a phase of the iteration (e.g. "forward-backward", "optimizer") for --log-timers-to-tensorboard;
         a no-op (no device synchronisation) without it."""

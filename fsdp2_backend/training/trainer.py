@@ -38,7 +38,7 @@ from fsdp2_backend.models.moe.router import finish_router_step
 from fsdp2_backend.training.chunked_forward import check_chunked_loss_model, chunked_loss_forward
 from fsdp2_backend.training.exit_conditions import ExitTimer
 from fsdp2_backend.training.exit_signal import ExitSignal
-from usage_errors import RunStopped
+from usage_errors import RunStopped, UsageError
 from fsdp2_backend.training.grad_clip import clip_grad_norm
 from fsdp2_backend.training.loss import GlobalBatchLoss, masked_loss_sum
 from fsdp2_backend.training.logging import TrainLogger
@@ -77,6 +77,7 @@ class StepResult:
     got_nan: bool
     moe_losses: Dict[str, float] = field(default_factory=dict)  # Megatron's names (load_balancing_loss, z_loss)
     mtp_losses: Dict[str, float] = field(default_factory=dict)  # "mtp_1 loss", ... (models/mtp.py)
+    global_batch_size: int = 0  # the samples this step consumed (changes under a batch-size ramp-up)
 
 
 @dataclass
@@ -122,6 +123,7 @@ class Trainer:
         if self.chunk_loss_size:
             check_chunked_loss_model(model)
         self.mtp_layers = config.model.mtp_num_layers or 0  # multi-token prediction (models/mtp.py)
+        self.batch_schedule = getattr(job, "batch_schedule", None)  # training/batch_rampup.py
         self._mtp_means: Optional[torch.Tensor] = None
 
     # -- one iteration -------------------------------------------------------------------------------------
@@ -179,10 +181,10 @@ class Trainer:
             aux = aux * getattr(self.model, "router_aux_loss_coef", self.model.config.router_aux_loss_coef)
         return loss_sum, count, aux
 
-    def _finish_mtp(self) -> Dict[str, float]:
+    def _finish_mtp(self, micro_batches: int) -> Dict[str, float]:
         if self._mtp_means is None:
             return {}
-        means = self._all_reduce(self._mtp_means) / (self.micro_batches * self.ctx.loss_mesh.size())
+        means = self._all_reduce(self._mtp_means) / (micro_batches * self.ctx.loss_mesh.size())
         self._mtp_means = None
         return {f"mtp_{k + 1} loss": v for k, v in enumerate(means.tolist())}
 
@@ -191,16 +193,29 @@ class Trainer:
             dist.all_reduce(tensor, group=self.loss_group)
         return tensor
 
+    def step_batch(self) -> Tuple[int, int]:
+        """(micro-batches, global batch size) of the next step: fixed, or Megatron's calculator at the consumed
+        samples (ramp-up, step schedule, rounding: batch_rampup.py), whose consistency check stops the run."""
+        if self.batch_schedule is None:
+            return self.micro_batches, self.global_batch_size
+        consumed = self.state.consumed_train_samples
+        problem = self.batch_schedule.inconsistent(consumed)
+        if problem:
+            raise UsageError(f"training.step_batch_size_schedule: {problem} — change the schedule or the micro batch "
+                             f"/ data-parallel size")
+        return self.batch_schedule.micro_batches(consumed), self.batch_schedule.running_global_batch_size(consumed)
+
     def train_step(self) -> StepResult:
         """One global batch: forward/backward of every micro-batch, then clip and (maybe) step."""
         self.model.train()
-        accounting = GlobalBatchLoss(num_microbatches=self.micro_batches, dp_size=self.ctx.loss_mesh.size(),
+        micro_batches, global_batch_size = self.step_batch()
+        accounting = GlobalBatchLoss(num_microbatches=micro_batches, dp_size=self.ctx.loss_mesh.size(),
                                      calculate_per_token_loss=self.config.training.calculate_per_token_loss,
                                      dp_group=self.loss_group, cp_size=self.cp_size,
                                      cp_group=self.ctx.cp_mesh.get_group())
         tokens = 0
         self.logger.start_timer("forward-backward")  # Megatron's timer names (--log-timers-to-tensorboard)
-        for _ in range(self.micro_batches):
+        for _ in range(micro_batches):
             batch = next(self.train_batches)
             tokens += batch["tokens"].numel()
             loss_sum, count, aux = self._forward_loss(batch, accounting)
@@ -214,16 +229,17 @@ class Trainer:
         self.loss_scaler.update(non_finite)
         if not non_finite:
             self.optimizer.step()
-            self.scheduler.step(self.global_batch_size)
+            self.scheduler.step(global_batch_size)
         self.optimizer.zero_grad(set_to_none=True)
         # MoE: expert biases moved by the step's global token counts; the step's router losses for the log line
-        moe_losses = finish_router_step(self.model, self.micro_batches, self.loss_group)
+        moe_losses = finish_router_step(self.model, micro_batches, self.loss_group)
         self.logger.stop_timer("optimizer")
         # A nan iteration: its loss is not finite, or its gradients are without fp16's dynamic loss scale (an fp16
         # overflow in the gradients alone is skipped but not nan: the scale backs off).
         got_nan = not math.isfinite(loss) or (not self.loss_scaler.dynamic and not math.isfinite(grad_norm))
         return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, skipped=non_finite, got_nan=got_nan,
-                          moe_losses=moe_losses, mtp_losses=self._finish_mtp())
+                          moe_losses=moe_losses, mtp_losses=self._finish_mtp(micro_batches),
+                          global_batch_size=global_batch_size)
 
     def _unscale_and_clip(self, params) -> float:
         if self.loss_scaler.scale != 1.0:
@@ -251,11 +267,19 @@ class Trainer:
         training = self.config.training
         result = TrainResult(state=self.state)
         exited = False
+        micro_batches = self.step_batch()[0]
         while self.state.iteration < self.train_iters:
+            # Megatron saves a checkpoint when a ramp-up changes the micro-batches (training.py's loop)
+            if self.batch_schedule is not None and self.step_batch()[0] != micro_batches:
+                micro_batches = self.step_batch()[0]
+                if self.state.iteration and not self._save_due(self.state.iteration):  # not saved just now
+                    self._save("interval")
             step = self.train_step()
             self.state.iteration += 1
             iteration = self.state.iteration
-            self.state.consumed_train_samples += self.global_batch_size
+            self.state.consumed_train_samples += step.global_batch_size
+            if self.batch_schedule is not None:
+                self.logger.set_global_batch_size(step.global_batch_size)
             self.state.skipped_iterations += int(step.skipped)
             self.state.nan_iterations += int(step.got_nan)
             lr = self.optimizer.param_groups[0]["lr"]

@@ -16,6 +16,8 @@ tokenizer library for many texts, same ids as `tokenize` on each). The ids are t
 - GPT2BPETokenizer (`--vocab-file`, `--merge-file`): GPT-2's byte-level BPE, `<|endoftext|>` is the eod
   and is recognised in text.
 - NullTokenizer (`--vocab-size N`): ids written as space-separated integers; eod = N, vocab_size = N + 1.
+- TikTokenizer (`--tokenizer-model VOCAB.json`, `--tiktoken-pattern`, `--tiktoken-num-special-tokens`,
+  `--tokenizer-special-tokens`, `--vocab-size`): Megatron's tiktoken vocabulary, see `tiktoken_tokenizer`.
 
 Tokenizers pickle as their construction arguments, so worker processes rebuild rather than copy them.
 """
@@ -29,7 +31,7 @@ from usage_errors import UsageError
 
 HF_TYPES = ("HuggingFaceTokenizer", "PretrainedFromHF")
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
-TOKENIZER_TYPES = HF_TYPES + SENTENCEPIECE_TYPES + ("GPT2BPETokenizer", "NullTokenizer")
+TOKENIZER_TYPES = HF_TYPES + SENTENCEPIECE_TYPES + ("GPT2BPETokenizer", "NullTokenizer", "TikTokenizer")
 
 
 class _Tokenizer:
@@ -218,12 +220,17 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
                     tokenizer_name_or_path: Optional[str] = None, vocab_file: Optional[str] = None,
                     merge_file: Optional[str] = None, vocab_size: Optional[int] = None,
                     trust_remote_code: bool = False, use_fast: bool = True,
-                    include_special_tokens: Optional[bool] = None, **_ignored):
+                    include_special_tokens: Optional[bool] = None, tiktoken_pattern: Optional[str] = None,
+                    tiktoken_num_special_tokens: Optional[int] = None, special_tokens: Optional[Sequence[str]] = None,
+                    **_ignored):
     """The tokenizer Megatron builds for `--tokenizer-type` (see the module docstring for each type).
 
     `include_special_tokens` (HF types only) defaults to False for HuggingFaceTokenizer (megatron-core) and
     True for PretrainedFromHF (MindSpeed). Extra keyword arguments (e.g. the rest of an argparse namespace's tokenizer fields) are ignored.
     """
+    if special_tokens and tokenizer_type != "TikTokenizer":
+        raise UsageError(f"--tokenizer-special-tokens: only read for --tokenizer-type TikTokenizer here, not "
+                         f"{tokenizer_type} — add the tokens to the tokenizer directory instead")
     if tokenizer_type in ("HuggingFaceTokenizer", "PretrainedFromHF"):
         flag, path = (("--tokenizer-model", tokenizer_model or tokenizer_name_or_path)
                       if tokenizer_type == "HuggingFaceTokenizer"
@@ -241,6 +248,11 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
+    if tokenizer_type == "TikTokenizer":
+        from megatron_compat.data.tiktoken_tokenizer import TikTokenizer
+
+        return TikTokenizer(tokenizer_model, pattern=tiktoken_pattern, vocab_size=vocab_size,
+                            num_special_tokens=tiktoken_num_special_tokens, special_tokens=special_tokens)
     raise UsageError(f"--tokenizer-type: {tokenizer_type!r} is not supported — use one of "
                      f"{', '.join(TOKENIZER_TYPES)}")
 
@@ -248,7 +260,8 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
 def build_tokenizer_from_args(args) -> "_Tokenizer":
     """`build_tokenizer` from an argparse namespace or config object with Megatron's field names."""
     fields = ("tokenizer_type", "tokenizer_model", "tokenizer_name_or_path", "vocab_file", "merge_file",
-              "vocab_size", "trust_remote_code", "include_special_tokens")
+              "vocab_size", "trust_remote_code", "include_special_tokens", "tiktoken_pattern",
+              "tiktoken_num_special_tokens", "special_tokens")
     values = {name: getattr(args, name, None) for name in fields if getattr(args, name, None) is not None}
     if "tokenizer_type" not in values and "tokenizer_name_or_path" in values:
         values["tokenizer_type"] = "PretrainedFromHF"  # the seed's native configs name only a path

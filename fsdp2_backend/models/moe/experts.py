@@ -47,7 +47,11 @@ class GroupedExperts(nn.Module):
         gemm = self.gemm or (lambda rows, weight, n: grouped_linear(rows, weight, n, self.use_grouped_gemm))
         gate_up = gemm(x, local_tensor(self.gate_up_proj), counts)
         gate, up = gate_up.chunk(2, dim=-1)
-        return gemm(self.act_fn(gate) * up, local_tensor(self.down_proj), counts)
+        return gemm(self.activation(gate, up), local_tensor(self.down_proj), counts)
+
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The gated activation between the two GEMMs (a model with a clamped SwiGLU overrides it)."""
+        return self.act_fn(gate) * up
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """`hidden` (T, H); `top_k_index`, `top_k_weights` (T, k) → the weighted sum of each token's experts."""

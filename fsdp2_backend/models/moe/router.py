@@ -223,8 +223,11 @@ class TopKRouter(nn.Module):
     """Router logits `x @ weight.T (+ bias)` → (logits, top-k weights, top-k index), HF routers' return value.
 
     `settings` say how to route; `fixed` (fix_router) takes the experts from `balanced_assignment` (balanced
-    load for performance tuning — different results) and weights them as the router would. `token_group`, set
-    from outside, is the data-parallel group `global_aux_loss` sums token counts over (None: this rank only).
+    load for performance tuning — different results) and weights them as the router would. Groups set from
+    outside (`parallel/router_groups.py`; None: this rank only): `sequence_group` (cp ranks; Megatron's tp_cp,
+    tp ranks here see the same tokens) sums `aux_loss` / `seq_aux_loss` token counts, `token_group` (dp x cp)
+    `global_aux_loss`'s. A rank's loss is its share (own scores, group counts), weighted x cp as megatron-core
+    scales aux losses, and logged so that the engine's mean over dp x cp is Megatron's logged value.
     Input of shape (B, S, H) lets `seq_aux_loss` tell the sequences apart; (T, H) is one sequence.
     """
 
@@ -237,6 +240,7 @@ class TopKRouter(nn.Module):
         self.bias = nn.Parameter(torch.zeros(settings.num_experts)) if bias else None
         self.fixed = False
         self.token_group: Optional[dist.ProcessGroup] = None
+        self.sequence_group: Optional[dist.ProcessGroup] = None
         self.pending_loss: Optional[torch.Tensor] = None
         self.logged: Dict[str, torch.Tensor] = {}
         self.apply_settings(settings)
@@ -248,8 +252,9 @@ class TopKRouter(nn.Module):
         device = self.weight.device
         if settings.expert_bias and getattr(self, "expert_bias", None) is None:
             self.register_buffer("expert_bias", torch.zeros(settings.num_experts, device=device))
+        if settings.expert_bias and getattr(self, "local_tokens_per_expert", None) is None:  # (a model's own bias
             self.register_buffer("local_tokens_per_expert", torch.zeros(settings.num_experts, device=device),
-                                 persistent=False)
+                                 persistent=False)                                   # may be the expert bias)
         if any(kind == "global_aux_loss" for kind, _ in settings.load_balancing):
             self.register_buffer("global_tokens_per_expert", torch.zeros(settings.num_experts, device=device),
                                  persistent=False)
@@ -303,36 +308,51 @@ class TopKRouter(nn.Module):
         s = self.settings
         routing_map, scores = aux_loss_scores(logits, s.top_k, s.score_function)
         tokens = logits.shape[0]
+        cp = _size(self.sequence_group)
         for kind, coeff in s.load_balancing:
             if coeff <= 0:
                 continue
+            log_scale = cp
             if kind == "aux_loss":
-                loss = switch_load_balancing_loss(scores, routing_map.sum(0), tokens, s.top_k, s.num_experts, coeff)
+                counts = _summed(routing_map.sum(0), self.sequence_group)
+                loss = switch_load_balancing_loss(scores, counts, tokens * cp, s.top_k, s.num_experts, coeff)
             elif kind == "seq_aux_loss":  # per sequence: (B, S, E) → (S, B·E), Megatron's [s, b] layout
                 seq = tokens // batch
                 per_seq = lambda t: t.view(batch, seq, -1).transpose(0, 1).reshape(seq, -1)  # noqa: E731
-                loss = switch_load_balancing_loss(per_seq(scores), per_seq(routing_map).sum(0), seq, s.top_k,
-                                                  s.num_experts, coeff) / batch
+                counts = _summed(per_seq(routing_map).sum(0), self.sequence_group)
+                loss = switch_load_balancing_loss(per_seq(scores), counts, seq * cp, s.top_k, s.num_experts,
+                                                  coeff) / batch
             else:  # global_aux_loss: the global batch's token counts, averaged over its micro-batches so far
-                counts = routing_map.sum(0).float()
-                size = 1
-                if self.token_group is not None:
-                    dist.all_reduce(counts, group=self.token_group)
-                    size = dist.get_world_size(self.token_group)
+                counts = _summed(routing_map.sum(0), self.token_group)
+                log_scale = _size(self.token_group)  # Megatron logs the sum over dp x cp, not a dp mean
                 with torch.no_grad():
                     self.global_tokens_per_expert += counts
                     self.ga_steps += 1
                 loss = switch_load_balancing_loss(scores, self.global_tokens_per_expert / self.ga_steps,
-                                                  tokens * size, s.top_k, s.num_experts, coeff)
-            self._add_loss(LOSS_NAMES[kind], loss, coeff)
+                                                  tokens * log_scale, s.top_k, s.num_experts, coeff)
+            self._add_loss(LOSS_NAMES[kind], loss, coeff, scale=cp, log_scale=log_scale)
 
-    def _add_loss(self, name: str, weighted: torch.Tensor, coeff: float) -> None:
+    def _add_loss(self, name: str, weighted: torch.Tensor, coeff: float, scale: int = 1,
+                  log_scale: int = 1) -> None:
+        value = (weighted / coeff).detach().float() * log_scale
+        weighted = weighted * scale
         self.pending_loss = weighted if self.pending_loss is None else self.pending_loss + weighted
-        value = (weighted / coeff).detach().float()
         self.logged[name] = self.logged[name] + value if name in self.logged else value
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, top_k={self.top_k}, {self.settings.score_function}"
+
+
+def _size(group: Optional[dist.ProcessGroup]) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _summed(counts: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Token counts (no gradient) summed over `group` (this rank's alone when None)."""
+    counts = counts.detach().float()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    return counts
 
 
 def routers(model: nn.Module) -> Iterator[TopKRouter]:

@@ -6,7 +6,9 @@ registers one function under `ATTENTION_NAME`, switches the model to it, and att
 (the cp group, the algorithm, the attention the model used before) to every attention module — the model code
 stays untouched and no state is global: the function reads the spec from the module it is called with.
 Ulysses wraps the model's previous attention (eager is run as SDPA: the same math, and it needs no mask);
-ring uses `ring.ring_attention`.
+ring uses `ring.ring_attention`. Sliding-window layers and attention sinks (gpt_oss, `s_aux`): Ulysses hands
+both to the sink attention (`kernels.sink_attention`, which builds the window over the gathered sequence) with
+the sinks of this rank's heads; ring masks the window by global positions and merges the sinks last.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from fsdp2_backend.parallel.tp_cp_checks import context_parallel_problems, norma
 ATTENTION_NAME = "fsdp2_context_parallel"
 SPEC_ATTRIBUTE = "context_parallel_spec"
 _SUPPORTED_LAYER_TYPES = {"full_attention"}
+_SINK_ATTENTION = "sink_attention"  # kernels.sink_attention's name: takes the sinks and the window
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
@@ -75,8 +78,11 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
     if attention_mask is not None:
         raise UsageError("attention_mask: padding or packed-document masks are not supported with context "
                          "parallel — train on full, unpadded sequences (no reset_attention_mask) with cp_size > 1")
-    if sliding_window is not None:
-        raise UsageError("context parallel: sliding-window attention layers are not supported — use cp_size 1")
+    sinks = kwargs.pop("s_aux", None)
+    if (sliding_window is not None or sinks is not None) and spec.cp_type == "ulysses" and \
+            spec.inner_attention != _SINK_ATTENTION:
+        raise UsageError("context parallel: sliding-window layers / attention sinks under Ulysses need the sink "
+                         "attention (model_id gpt_oss) — use cp_type ring, or cp_size 1")
     if dropout:
         raise UsageError("attention_dropout: must be 0 with context parallel — set it to 0")
     if any(kwargs.get(name) is not None for name in _PACKING_KWARGS):
@@ -84,7 +90,7 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
                          "cp_size > 1 — drop --reset-attention-mask / --reset-position-ids or use cp_size 1")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if spec.cp_type == "ring":
-        return ring_attention(query, key, value, scale, spec.group).transpose(1, 2), None
+        return ring_attention(query, key, value, scale, spec.group, sinks, sliding_window).transpose(1, 2), None
     cp = dist.get_world_size(spec.group)
     query = seq_to_heads(query, spec.group)
     key = seq_to_heads(replicate_kv_heads(key, cp), spec.group)
@@ -101,6 +107,10 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
             raise UsageError("context parallel: packed documents (restarting position_ids) need the packed "
                              "attention — use data.neat_packing (SFT), or cp_size 1")
     view = _LocalHeadsView(module, query.shape[1] // key.shape[1])
+    if spec.inner_attention == _SINK_ATTENTION:  # this rank's heads: chunk `rank` of the heads, as seq_to_heads
+        heads, rank = query.shape[1], dist.get_rank(spec.group)
+        kwargs.update(sliding_window=sliding_window,
+                      s_aux=None if sinks is None else sinks[rank * heads:(rank + 1) * heads])
     out, _ = _inner_attention(spec.inner_attention)(view, query, key, value, None, dropout=0.0, scaling=scale,
                                                     is_causal=True, **kwargs)
     return heads_to_seq(out, spec.group), None
@@ -137,6 +147,8 @@ def enable_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: str,
         raise UsageError(problems)
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     supported = _SUPPORTED_LAYER_TYPES | set(handled_layer_types)  # e.g. linear attention, made CP by the caller
+    if cp_type == "ring" or config._attn_implementation == _SINK_ATTENTION:  # windows: see the module docstring
+        supported |= {"sliding_attention"}
     if not layer_types <= supported:
         unsupported = sorted(layer_types - supported)
         raise UsageError(f"cp_size (--context-parallel-size): layer types {unsupported} of model_type "

@@ -5,7 +5,9 @@ partial results with their log-sum-exp (online softmax); its backward needs, per
 *merged* output and log-sum-exp. torch's public SDPA returns neither, so: on CPU we call the flash kernel that
 SDPA itself dispatches to (`aten._scaled_dot_product_flash_attention_for_cpu` and its backward, which take the
 merged `out`/`lse`), elsewhere an exact fp32 math version. Layout: [batch, heads, seq, head_dim]; key/value may
-have fewer heads (GQA) — they are expanded here and their gradients summed back.
+have fewer heads (GQA) — they are expanded here and their gradients summed back. A boolean `mask` (True = attend;
+sliding windows, whose blocks the causal flag cannot describe) always takes the math version; a row it masks
+entirely gets lse -inf and a zero output (no NaN into the merge).
 """
 from __future__ import annotations
 
@@ -31,8 +33,10 @@ def _use_cpu_flash(q: Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def _math_scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
+def _math_scores(q: Tensor, k: Tensor, causal: bool, scale: float, mask=None) -> Tensor:
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     if causal:
         # top-left aligned, like SDPA's is_causal: query i sees keys 0..i
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
@@ -40,10 +44,15 @@ def _math_scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
     return scores
 
 
-def block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
+def block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask=None) -> Tuple[Tensor, Tensor]:
     """Attention of `q` over one key/value block: (out in q's dtype, lse in fp32 [b, h, sq])."""
     groups = q.shape[1] // k.shape[1]
     k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+    if mask is not None:
+        scores = _math_scores(q, k, causal, scale, mask)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))  # masked rows: 0
+        return torch.matmul(probs, v.float()).to(q.dtype), lse
     if _use_cpu_flash(q):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
@@ -55,16 +64,16 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -
 
 
 def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                   scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+                   scale: float, mask=None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the merged `out` and `lse` of these query rows: (dq, dk, dv)."""
     groups = q.shape[1] // k.shape[1]
     ke, ve = _expand_kv(k, groups), _expand_kv(v, groups)
-    if _use_cpu_flash(q):
+    if _use_cpu_flash(q) and mask is None:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q.contiguous(), ke.contiguous(), ve.contiguous(), out.contiguous(),
             lse.to(torch.float32).contiguous(), 0.0, causal, scale=scale)
     else:
-        probs = torch.exp(_math_scores(q, ke, causal, scale) - lse.unsqueeze(-1))
+        probs = torch.exp(_math_scores(q, ke, causal, scale, mask) - lse.unsqueeze(-1))
         dout32 = dout.float()
         dv = torch.matmul(probs.transpose(-1, -2), dout32)
         dprobs = torch.matmul(dout32, ve.float().transpose(-1, -2))

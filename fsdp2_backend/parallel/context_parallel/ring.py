@@ -7,6 +7,10 @@ the same amount of causal work. With that layout, at ring step s rank r holds th
 - src < r: all local queries see the *first* chunk of src, not its second;
 - src > r: only the local *second* chunk of queries sees src, and it sees both of src's chunks.
 So no step needs a mask other than the diagonal one. Partial results merge by log-sum-exp.
+Sliding windows (`window`: a query sees keys q - k < window, transformers' convention) add a mask from the
+global positions of both blocks. Attention sinks (gpt_oss: one logit per head with a zero value) merge last, as
+one more block with output 0 and lse = sink; the backward's formulas then hold unchanged for the keys (the sink
+column adds nothing to out), and d sink = -Σ P_sink · (dout · out).
 
 The backward is a second ring pass (custom autograd.Function): K/V travel again together with their gradient
 accumulators; after cp steps each accumulator has visited every rank and one last hop brings it home.
@@ -44,9 +48,30 @@ def _step_slices(step: int, rank: int, size: int, half: int) -> Tuple[slice, sli
     return slice(half, None), slice(None), False
 
 
+def _positions(rank: int, size: int, half: int, device) -> Tensor:
+    """Global positions of rank `rank`'s head-tail shard: chunks rank and 2*size-1-rank."""
+    first = torch.arange(rank * half, (rank + 1) * half, device=device)
+    return torch.cat([first, first + (2 * size - 1 - 2 * rank) * half])
+
+
+def _window_mask(window, step: int, rank: int, size: int, half: int, rows: slice, cols: slice, device):
+    """(rows, cols) bool mask of causal attention within `window`, or None without a window."""
+    if not window:
+        return None
+    q_pos = _positions(rank, size, half, device)[rows]
+    k_pos = _positions((rank - step) % size, size, half, device)[cols]
+    diff = q_pos[:, None] - k_pos[None, :]
+    return (diff >= 0) & (diff < window)
+
+
+def _sink_lse(sinks: Tensor, lse: Tensor) -> Tensor:
+    return sinks.float().view(1, -1, 1).expand_as(lse)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup):
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup, sinks=None,
+                window=None):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         half = q.shape[2] // 2
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -54,20 +79,24 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         for step in range(size):
             rows, cols, causal = _step_slices(step, rank, size, half)
-            block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale)
+            mask = _window_mask(window, step, rank, size, half, rows, cols, q.device)
+            block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                                 causal and mask is None, scale, mask)
             merge_into(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             # The hop is synchronous (not overlapped with the block): simpler, and exactness does not depend on it.
             if step + 1 < size:
                 kv = _ring_exchange(kv, group)
+        if sinks is not None:  # the sink column: output 0, logit = sink
+            merge_into(out, lse, torch.zeros_like(out), _sink_lse(sinks, lse))
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.group = scale, group
+        ctx.save_for_backward(q, k, v, out, lse, sinks if sinks is not None else torch.empty(0))
+        ctx.scale, ctx.group, ctx.window, ctx.has_sinks = scale, group, window, sinks is not None
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        group, scale, window = ctx.group, ctx.scale, ctx.window
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         half = q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -75,9 +104,10 @@ class _RingAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for step in range(size):
             rows, cols, causal = _step_slices(step, rank, size, half)
+            mask = _window_mask(window, step, rank, size, half, rows, cols, q.device)
             block_dq, block_dk, block_dv = block_backward(
                 dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
-                lse[:, :, rows], causal, scale)
+                lse[:, :, rows], causal and mask is None, scale, mask)
             dq[:, :, rows] += block_dq.float()
             dkv[0][:, :, cols] += block_dk.float()
             dkv[1][:, :, cols] += block_dv.float()
@@ -87,7 +117,11 @@ class _RingAttention(torch.autograd.Function):
                 kv, dkv = _exchange_pair(kv, dkv, group)
             else:
                 dkv = _ring_exchange(dkv, group)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        dsinks = None
+        if ctx.has_sinks:  # d sink = -Σ P_sink (dout · out), over batch and rows
+            delta = (dout.float() * out.float()).sum(-1)
+            dsinks = -(torch.exp(_sink_lse(sinks, lse) - lse) * delta).sum(dim=(0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, dsinks, None
 
 
 def _exchange_pair(kv: Tensor, dkv: Tensor, group: dist.ProcessGroup) -> Tuple[Tensor, Tensor]:
@@ -98,8 +132,10 @@ def _exchange_pair(kv: Tensor, dkv: Tensor, group: dist.ProcessGroup) -> Tuple[T
     return kv_part.view(kv.shape).to(kv.dtype), dkv_part.view(dkv.shape)
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup) -> Tensor:
-    """Causal attention of this rank's head-tail shard; q [b, h, 2c, d], k/v [b, hkv, 2c, d] → [b, h, 2c, d]."""
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup, sinks=None,
+                   window=None) -> Tensor:
+    """Causal attention of this rank's head-tail shard; q [b, h, 2c, d], k/v [b, hkv, 2c, d] → [b, h, 2c, d];
+    `sinks` [h] (this rank's heads), `window` (sliding window: keys q - k < window)."""
     if q.shape[2] % 2:
         raise ValueError(f"ring attention needs an even local sequence (two chunks), got {q.shape[2]}")
-    return _RingAttention.apply(q, k, v, scale, group)
+    return _RingAttention.apply(q, k, v, scale, group, sinks, window)
