@@ -13,8 +13,9 @@ their cache) on a tiny input, freed heap is returned and the peak-RSS mark reset
 then the stage runs once: peak = the process's high-water RSS above what it held before the stage, outputs
 included (the C++ helpers' allocations are invisible to tracemalloc, not to RSS). `--repeats` rounds
 alternate the two implementations (this machine is shared: both see the same load); the best time counts.
-Results are compared by a digest of their bytes, shape and dtype. Prints one table: seconds and MiB for
-both, and ours / megatron-core.
+Results are compared by a digest of their bytes, shape and dtype. Prints one table: wall seconds and MiB for
+both, ours / megatron-core, and the process CPU seconds with their ratio (every stage is single-threaded on
+both sides, so on a loaded machine the CPU-time ratio is the steadier figure).
 """
 from __future__ import annotations
 
@@ -117,11 +118,12 @@ def child(impl: str, stage: str, size: int, seq: int, blend_datasets: int, diges
     run = _stage(impl, stage, size, seq, blend_datasets)
     _reset_peak()
     before = _kib("VmRSS")
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     result = run()
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak_mib = (_kib("VmHWM") - before) / 1024
-    print(json.dumps({"seconds": seconds, "peak_mib": peak_mib, "digest": _digest(result) if digest else None}))
+    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_mib": peak_mib,
+                      "digest": _digest(result) if digest else None}))
 
 
 def _measure(impl, stage, size, args, digest):
@@ -138,7 +140,8 @@ def _best_of(stage, size, args):
     for round_ in range(args.repeats):
         for impl in results:
             results[impl].append(_measure(impl, stage, size, args, digest=round_ == 0))
-    return [dict(runs[0], seconds=min(r["seconds"] for r in runs)) for runs in results.values()]
+    return [dict(runs[0], seconds=min(r["seconds"] for r in runs), cpu_seconds=min(r["cpu_seconds"] for r in runs))
+            for runs in results.values()]
 
 
 def main() -> None:
@@ -158,14 +161,15 @@ def main() -> None:
     print(f"seq {args.seq}; documents of 1..{2 * args.seq - 1} tokens, samples / 4 of them; blend of "
           f"{args.blend_datasets} datasets; best of {args.repeats}; peak = RSS high-water above the inputs")
     print(f"{'samples':>12} {'stage':<15}{'mcore s':>9}{'ours s':>9}{'time x':>8}{'mcore MiB':>11}"
-          f"{'ours MiB':>10}{'mem x':>7}  identical")
+          f"{'ours MiB':>10}{'mem x':>7}{'mcore cpu':>11}{'ours cpu':>10}{'cpu x':>7}  identical")
     for size in (int(s) for s in args.sizes.split(",")):
         for stage in [s.strip() for s in args.stages.split(",")]:
             m, o = _best_of(stage, size, args)
             same = m["digest"] == o["digest"]
             print(f"{size:>12} {stage:<15}{m['seconds']:>9.3f}{o['seconds']:>9.3f}"
                   f"{o['seconds'] / m['seconds']:>8.2f}{m['peak_mib']:>11.1f}{o['peak_mib']:>10.1f}"
-                  f"{o['peak_mib'] / max(m['peak_mib'], 0.1):>7.2f}  {'yes' if same else 'NO'}", flush=True)
+                  f"{o['peak_mib'] / max(m['peak_mib'], 0.1):>7.2f}{m['cpu_seconds']:>11.3f}{o['cpu_seconds']:>10.3f}"
+                  f"{o['cpu_seconds'] / max(m['cpu_seconds'], 1e-9):>7.2f}  {'yes' if same else 'NO'}", flush=True)
 
 
 if __name__ == "__main__":
