@@ -58,6 +58,29 @@ def _chunk_layout(cu_seqlens: Tensor, chunk_size: int) -> Tuple[Tensor, Tensor, 
     return destination, padded_offsets[-1], first_chunks, lengths.numel()
 
 
+class _UnitLowerInverse(torch.autograd.Function):
+    """(I + A)^-1 for A strictly lower triangular [..., C, C] (what A holds on and above the diagonal is ignored).
+
+    Forward: a triangular solve against the identity (C right-hand sides, where solving for u and w directly
+    takes K + V: a quarter of the solve at head dim 128, and no concatenated right-hand side); backward:
+    d(M^-1) = -M^-1 dM M^-1, so dA = -M^-T dInv M^-T on the strictly lower part — two matmuls, where autograd
+    through a solve would solve again. (A hand-written backward for the chunk loop was tried as well and was
+    not faster than autograd's on CPU: the loop is matmul-bound.)"""
+
+    @staticmethod
+    def forward(ctx, a: Tensor) -> Tensor:
+        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device).expand_as(a)
+        inverse = torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
+        ctx.save_for_backward(inverse)
+        return inverse
+
+    @staticmethod
+    def backward(ctx, d_inverse: Tensor) -> Tensor:
+        (inverse,) = ctx.saved_tensors
+        inverse_t = inverse.transpose(-1, -2)
+        return (-(inverse_t @ d_inverse @ inverse_t)).tril(-1)
+
+
 def _scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int,
           doc_first_chunks: Optional[List[int]], initial_state: Optional[Tensor]):
     """The chunked rule on fp32 [B, heads, T, D] tensors — q, k with Hk heads, v, g, beta with H (a multiple of
@@ -79,11 +102,11 @@ def _scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: 
     # decay[i, j] = prod of exp(g) over (j, i] for j <= i, 0 above the diagonal (masked before the exp).
     decay = (g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
     k_t = k.transpose(-1, -2)
-    # UT transform: (I + strictly_lower(beta k k^T * decay)) [u, w] = [beta v, beta k exp(g_cum)].
-    system = (k @ k_t) * (beta.unsqueeze(-1) * decay)
-    rhs = torch.cat([v * beta.unsqueeze(-1), k * (beta * g_cum.exp()).unsqueeze(-1)], dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).flatten(1, 2)
-    u, w = solved.split([dv, dk], dim=-1)
+    # UT transform: (I + strictly_lower(beta k k^T * decay)) [u, w] = [beta v, beta k exp(g_cum)], by the
+    # explicit inverse (one C-wide triangular solve, then two batched matmuls; see `_UnitLowerInverse`).
+    inverse = _UnitLowerInverse.apply((k @ k_t) * (beta.unsqueeze(-1) * decay))
+    u = (inverse @ (v * beta.unsqueeze(-1))).flatten(1, 2)
+    w = (inverse @ (k * (beta * g_cum.exp()).unsqueeze(-1))).flatten(1, 2)
     intra = ((q @ k_t) * decay).flatten(1, 2)  # causal inside the chunk, diagonal included
     q_decayed = (q * g_cum.exp().unsqueeze(-1)).flatten(1, 2)
     k_decayed = (k * (g_cum[..., -1:] - g_cum).exp().unsqueeze(-1)).flatten(1, 2)

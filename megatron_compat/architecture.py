@@ -277,6 +277,8 @@ def _dense_layers(a: Arch, family: str) -> None:
     elif "moe_layer_freq" in a.active:
         a.note("moe_layer_freq", "no_effect", "every layer is an MoE layer, as the HF model builds it")
     if k is None:
+        if family == "deepseek_v3":  # from scratch Megatron's default, every layer MoE (transformers': 3 dense first)
+            a.put(None, "first_k_dense_replace", a.keys.get("first_k_dense_replace", 0))
         return
     if k <= 0:
         a.note("first_k_dense_replace", "no_effect", "no dense layers first, as the HF model builds it")

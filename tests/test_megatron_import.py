@@ -115,7 +115,6 @@ def _class_that_disappears(tmp_path):
 def test_megatron_checkpoint_converts_with_equal_logits(megatron, tmp_path, fmt, qk_layernorm, tied):
     from fsdp2_backend.training.checkpoint_io import resume_point
     from tools.convert_checkpoint import main as convert
-    from usage_errors import UsageError
 
     model, args = _megatron_gpt(qk_layernorm, tied, seed=3)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
@@ -131,9 +130,9 @@ def test_megatron_checkpoint_converts_with_equal_logits(megatron, tmp_path, fmt,
     assert hf_model.config.tie_word_embeddings == tied
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-    # --load of the Megatron-LM directory itself is still refused, naming the converter
-    with pytest.raises(UsageError, match="holds a Megatron-LM .* tools/convert_checkpoint.py"):
-        resume_point(str(tmp_path / "new"), str(tmp_path / "mg"))
+    # --load of the Megatron-LM directory itself resumes from its iteration directory (tests/test_megatron_resume.py)
+    resume = resume_point(str(tmp_path / "new"), str(tmp_path / "mg"))
+    assert resume.megatron and resume.checkpoint == tmp_path / "mg" / "iter_0000005"
 
 
 def test_a_checkpoint_it_cannot_convert_is_one_error_line_exit_2(megatron, tmp_path):

@@ -1,0 +1,251 @@
+"""The `deepseek_v3`, `mixtral` and `qwen2_moe` model ids: transformers' model of that family with stacked
+experts and this project's router (Megatron's router options), by one swap applied to every sparse block.
+
+As `models/qwen3_moe.py` does for Qwen3-MoE, each family's model is transformers' own causal LM (attention,
+norms, rotary, shared experts and their gate, the aux-loss bookkeeping, `_init_weights`) with, in every sparse
+block:
+- `experts` → `GroupedExperts` (transformers' in-memory layout: `gate_up_proj` (E, 2I, H), `down_proj`
+  (E, H, I)), open to expert parallelism and the grouped GEMM;
+- `gate` → a `TopKRouter` (`models.moe.router`) that is also transformers' router class of the family (its
+  `router_logits` recorder hooks that class). Its defaults are the family's routing in transformers:
+  Mixtral softmax, top-k, renormalised; Qwen2-MoE softmax, renormalised when `norm_topk_prob` (else
+  pre-softmax); DeepSeek-V3 sigmoid scores in fp32, selection on `scores + e_score_correction_bias`,
+  group-limited (`n_group` / `topk_group`) when n_group > 1, renormalised, times `routed_scaling_factor`.
+  The `model.moe_router_*` fields (Megatron's flags) override them. DeepSeek-V3's `e_score_correction_bias`
+  stays the router's buffer under transformers' name (checkpoints, exports); it is Megatron's expert bias:
+  with `moe_router_enable_expert_bias` it is updated after each step from the global token counts.
+- the block's forward → the same computation, handing the router the (batch, seq, hidden) input so that the
+  sequence-level aux loss can tell the sequences apart.
+
+Differences from transformers, on purpose: group-limited selection scores each group by its top
+(k / group_topk) scores (megatron-core's rule; transformers' DeepSeek-V3 always sums the top 2 — the same for
+DeepSeek-V2/V3's own configs, k 6 / 3 groups and 8 / 4); Megatron's sigmoid routing always renormalises the
+top-k (a DeepSeek-V3 config with `norm_topk_prob: false` is refused).
+
+Per-expert checkpoint keys: DeepSeek-V3 and Qwen2-MoE hold `mlp.experts.{e}.gate_proj/up_proj/down_proj`
+(qwen3_moe's layout, same functions), Mixtral `block_sparse_moe.experts.{e}.w1/w3/w2` (MiniMax-M2's layout).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+from transformers.models.mixtral import modeling_mixtral as mx
+from transformers.models.qwen2_moe import modeling_qwen2_moe as q2
+
+from fsdp2_backend.models.moe.experts import GroupedExperts
+from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, attach_aux_loss
+from usage_errors import UsageError
+
+
+# -- routers: the project's router, recognised by transformers as the family's own ------------------------------
+class _FamilyRouter(TopKRouter):
+    """`TopKRouter` built from the HF config with the family's routing (`defaults`), with transformers' router
+    signature (hidden states in; logits, weights, index out)."""
+
+    def __init__(self, config):
+        settings = self.defaults(config)
+        TopKRouter.__init__(self, replace(settings, expert_bias=False), config.hidden_size)
+        self._setup(config)
+        self.apply_settings(settings)
+
+    def _setup(self, config) -> None:
+        """Registers the family's own router buffers (before the settings)."""
+
+    def selection_bias(self):
+        return None
+
+    def forward(self, hidden_states: torch.Tensor):
+        batch = hidden_states.shape[0] if hidden_states.dim() == 3 else 1
+        logits = self.gating(hidden_states.reshape(-1, self.hidden_dim))
+        weights, index = self.route(logits, batch, selection_bias=self.selection_bias())
+        return logits, weights, index
+
+
+class MixtralRouter(_FamilyRouter, mx.MixtralTopKRouter):
+    """Mixtral's routing (softmax, top-k, renormalised) with Megatron's options."""
+
+    @staticmethod
+    def defaults(config) -> RouterSettings:
+        return RouterSettings.from_hf(config)
+
+
+class Qwen2MoeRouter(_FamilyRouter, q2.Qwen2MoeTopKRouter):
+    """Qwen2-MoE's routing (softmax; renormalised top-k when `norm_topk_prob`) with Megatron's options."""
+
+    @staticmethod
+    def defaults(config) -> RouterSettings:
+        return RouterSettings.from_hf(config)
+
+
+class DeepseekV3Router(_FamilyRouter, ds.DeepseekV3TopkRouter):
+    """DeepSeek-V3's routing with Megatron's options; `e_score_correction_bias` (the checkpoint's, fp32) selects
+    with sigmoid scores and is Megatron's `expert_bias` when the run updates it."""
+
+    @staticmethod
+    def defaults(config) -> RouterSettings:
+        if not config.norm_topk_prob and config.num_experts_per_tok > 1:
+            raise UsageError("model.model_id: this DeepSeek-V3 config has norm_topk_prob false; Megatron's sigmoid "
+                             "router always renormalises the top-k — leave model_id unset and drop the MoE router "
+                             "flags, expert parallel and grouped GEMM")
+        groups = config.n_group if (config.n_group or 1) > 1 else None
+        return RouterSettings.from_hf(config, score_function="sigmoid", dtype="fp32", num_groups=groups,
+                                      group_topk=config.topk_group if groups else None,
+                                      scaling_factor=config.routed_scaling_factor)
+
+    def _setup(self, config) -> None:
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
+
+    @property
+    def expert_bias(self):  # Megatron's expert bias is the checkpoint's correction bias (updated only when asked)
+        return self.e_score_correction_bias if self.settings.expert_bias else None
+
+    def selection_bias(self):
+        return self.e_score_correction_bias if self.settings.score_function == "sigmoid" else None
+
+
+# -- blocks: transformers' computation, the router given (batch, seq, hidden) ----------------------------------------
+class MixtralGroupedBlock(mx.MixtralSparseMoeBlock):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        b, s, h = hidden_states.shape
+        if self.training and self.jitter_noise > 0:
+            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
+                1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        _, weights, index = self.gate(hidden_states)
+        return self.experts(hidden_states.reshape(-1, h), index, weights).reshape(b, s, h)
+
+
+class Qwen2MoeGroupedBlock(q2.Qwen2MoeSparseMoeBlock):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        b, s, h = hidden_states.shape
+        flat = hidden_states.reshape(-1, h)
+        shared = F.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        _, weights, index = self.gate(hidden_states)
+        return (self.experts(flat, index, weights) + shared).reshape(b, s, h)
+
+
+class DeepseekV3GroupedBlock(ds.DeepseekV3MoE):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        b, s, h = hidden_states.shape
+        _, weights, index = self.gate(hidden_states)
+        out = self.experts(hidden_states.reshape(-1, h), index, weights).reshape(b, s, h)
+        return out + self.shared_experts(hidden_states)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One transformers MoE family: its classes and the project's replacements."""
+
+    causal_lm: type
+    block: type
+    experts: type
+    grouped_block: type
+    router: type
+    num_experts: Callable[[object], int]
+
+
+FAMILIES: Mapping[str, Family] = {
+    "mixtral": Family(mx.MixtralForCausalLM, mx.MixtralSparseMoeBlock, mx.MixtralExperts, MixtralGroupedBlock,
+                      MixtralRouter, lambda c: c.num_local_experts),
+    "qwen2_moe": Family(q2.Qwen2MoeForCausalLM, q2.Qwen2MoeSparseMoeBlock, q2.Qwen2MoeExperts,
+                        Qwen2MoeGroupedBlock, Qwen2MoeRouter, lambda c: c.num_experts),
+    "deepseek_v3": Family(ds.DeepseekV3ForCausalLM, ds.DeepseekV3MoE, ds.DeepseekV3Experts,
+                          DeepseekV3GroupedBlock, DeepseekV3Router, lambda c: c.n_routed_experts),
+}
+
+
+def grouped_experts(hf_experts: nn.Module) -> GroupedExperts:
+    """`GroupedExperts` holding transformers' stacked expert parameters themselves (same names and shapes)."""
+    num_experts, two_inter, hidden = hf_experts.gate_up_proj.shape
+    with torch.device("meta"):  # the parameters are replaced by the HF module's own below
+        experts = GroupedExperts(num_experts, hidden, two_inter // 2, hf_experts.act_fn)
+    experts.gate_up_proj, experts.down_proj = hf_experts.gate_up_proj, hf_experts.down_proj
+    return experts
+
+
+def swap_router(router_cls: type, config, hf_router: nn.Module) -> TopKRouter:
+    """A project router holding transformers' router weight and buffers (e.g. the correction bias); its own
+    buffers (expert bias, token counts) zeros where the weight lives."""
+    with torch.device("meta"):
+        router = router_cls(config)
+    router.weight = hf_router.weight
+    for name, buf in list(router.named_buffers()):
+        own = getattr(hf_router, name, None)
+        setattr(router, name, own if isinstance(own, torch.Tensor) else
+                torch.zeros_like(buf, device=router.weight.device))
+    return router
+
+
+def swap_blocks(model: nn.Module, family: Family) -> None:
+    """Every sparse block of `model`: stacked experts, the project's router, the grouped block's forward."""
+    for module in list(model.modules()):
+        if type(module) is family.block:
+            module.experts = grouped_experts(module.experts)
+            module.gate = swap_router(family.router, model.config, module.gate)
+            module.__class__ = family.grouped_block
+
+
+class _GroupedMixin:
+    """The causal-LM methods the swapped models share (mixed in before transformers' class)."""
+
+    _family: Family
+
+    def forward(self, *args, **kwargs):
+        """transformers' forward; with Megatron's losses on, `aux_loss` is their weighted sum over the layers."""
+        return attach_aux_loss(self, super().forward(*args, **kwargs))
+
+    def _init_weights(self, module):
+        if isinstance(module, GroupedExperts):  # as transformers initialises its experts class
+            hf = object.__new__(self._family.experts)
+            hf.__dict__.update(module.__dict__)
+            return super()._init_weights(hf)
+        super()._init_weights(module)
+        if isinstance(module, TopKRouter):
+            module.reset_buffers()
+
+    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+        """transformers' save (its per-expert on-disk layout), naming transformers' own class in config.json."""
+        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        if is_main_process:
+            self.config.architectures = [self._family.causal_lm.__name__]
+            self.config.save_pretrained(save_directory)
+
+
+def _grouped_class(model_type: str) -> type:
+    family = FAMILIES[model_type]
+
+    def __init__(self, config):
+        family.causal_lm.__init__(self, config)
+        swap_blocks(self, family)
+
+    name = family.causal_lm.__name__.replace("ForCausalLM", "GroupedForCausalLM")
+    return type(name, (_GroupedMixin, family.causal_lm), {"__init__": __init__, "_family": family})
+
+
+GROUPED_CLASSES: Dict[str, type] = {model_type: _grouped_class(model_type) for model_type in FAMILIES}
+
+
+def build(hf_config) -> nn.Module:
+    """The registry builder for `hf_config.model_type` (deepseek_v3, mixtral, qwen2_moe)."""
+    return GROUPED_CLASSES[hf_config.model_type](hf_config)
+
+
+# -- per-expert checkpoint keys (streaming loader) ----------------------------------------------------------------
+def checkpoint_keys(name: str, hf_config) -> List[str]:
+    if hf_config.model_type == "mixtral":
+        from fsdp2_backend.models import minimax_m2
+        return minimax_m2.checkpoint_keys(name, hf_config)
+    from fsdp2_backend.models import qwen3_moe
+    return qwen3_moe.checkpoint_keys(name, FAMILIES[hf_config.model_type].num_experts(hf_config))
+
+
+def param_from_checkpoint(name: str, tensors: Mapping[str, torch.Tensor], hf_config) -> torch.Tensor:
+    if hf_config.model_type == "mixtral":
+        from fsdp2_backend.models import minimax_m2
+        return minimax_m2.param_from_checkpoint(name, tensors, hf_config)
+    from fsdp2_backend.models import qwen3_moe
+    return qwen3_moe.param_from_checkpoint(name, tensors, FAMILIES[hf_config.model_type].num_experts(hf_config))
