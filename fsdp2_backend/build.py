@@ -224,7 +224,8 @@ def build(config: Config) -> TrainJob:
         optimizer = build_optimizer(model, name=training.optimizer, lr=training.lr, weight_decay=training.weight_decay,
                                     betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_epsilon,
                                     decoupled_lr=training.decoupled_lr, decoupled_min_lr=training.decoupled_min_lr,
-                                    apply_wd_to_qk_layernorm=training.apply_wd_to_qk_layernorm)
+                                    apply_wd_to_qk_layernorm=training.apply_wd_to_qk_layernorm,
+                                    o2=training.o2_optimizer)
         scheduler = ParamScheduler(optimizer, **scheduler_steps(training, gbs, train_iters))
         loss_scaler = LossScaler.for_dtype(config.parallel.param_dtype)
         checkpointer = Checkpointer(config, resume, model=model, optimizer=optimizer, scheduler=scheduler,

@@ -284,8 +284,6 @@ _DECLINED: Dict[str, str] = {
     "non-persistent (local) checkpoints are not supported — use --save-interval with --save":
         """non_persistent_save_interval non_persistent_ckpt_type non_persistent_global_ckpt_dir
         non_persistent_local_ckpt_dir non_persistent_local_ckpt_algo""",
-    "bf16 optimizer states (MindSpeed O2) change the results and are not implemented — drop --o2-optimizer":
-        """o2_optimizer""",
     "hybrid/heterogeneous layer stacks (Mamba, per-layer configs) cannot be described by an HF config here — "
     "give --load with an HF directory of that model":
         """heterogeneous_layers_config_path heterogeneous_layers_config_encoded_json""",

@@ -97,6 +97,7 @@ def _step_batch_size_schedule(ctx, value):
 
 
 _direct("decrease_batch_size_if_needed", "training.decrease_batch_size_if_needed")
+_direct("o2_optimizer", "training.o2_optimizer")  # MindSpeed's bf16 AdamW moments (training/o2_adamw.py)
 for _dest in ("wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity"):  # Megatron's default '' = unset
     _direct(_dest, f"training.{_dest}", lambda v: v or None)
 _direct("batch_size", "training.per_device_train_batch_size")

@@ -168,3 +168,15 @@ def test_disable_bias_linear_is_megatrons_bias_free_gpt_oss():
     assert not missing
     model.eval(), reference.eval()
     torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_is_declined_with_its_reason():
+    from fsdp2_backend.config import validation
+
+    fields = translate_megatron(_edit(LINE, drop=tuple(FP8), tensor_model_parallel_size=2,
+                                      pipeline_model_parallel_size=1, global_batch_size=4)).fields
+    config = Config(**{group: GROUPS[group](**values) for group, values in fields.items()})
+    with pytest.raises(UsageError) as info:
+        validation.validate(config, 2)
+    assert any(m.startswith("parallel.tp_size: gpt_oss's attention sinks") for m in info.value.messages), \
+        info.value.messages

@@ -39,7 +39,8 @@ def test_every_megatron_argument_is_known_with_its_spec(record):
             "BooleanOptionalAction": argparse.BooleanOptionalAction, "_StoreAction": argparse._StoreAction}
     assert isinstance(action, kind[record["action"]])
     if record["action"] == "_StoreAction":
-        assert action.nargs == record["nargs"]
+        # a spaced string value takes its unquoted words too (arguments._SEVERAL_WORDS), joined by the translation
+        assert action.nargs == ("+" if record["dest"] in arguments._SEVERAL_WORDS else record["nargs"])
         assert action.type is {"int": int, "float": float, "str": str}.get(record["type"], action.type)
         if record["choices"] and record["type"] != "enum_type_handler":
             assert set(record["choices"]) <= set(action.choices)

@@ -222,8 +222,10 @@ def test_what_cannot_be_mapped_is_one_line(megatron, tmp_path_factory, tmp_path)
     saved = torch.load(common, weights_only=False)
     saved["optimizer"]["param_state_sharding_type"] = "dp_reshardable"  # as Megatron-LM saves by default
     torch.save(saved, common)
-    cases = [((), "dp_reshardable"), (("--no-load-optim", "--num-layers", "3", "--hidden-size", "64",
-                                       "--num-attention-heads", "4"), "num_layers value from checkpoint (2) is not equal to the input num_layers value (3)")]
+    shape = ("--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--max-position-embeddings", "64")
+    cases = [((), "dp_reshardable"),
+             (("--no-load-optim", *shape), "num_layers value from checkpoint (2) is not equal to the input num_layers "
+                                           "value (3)")]
     for extra, words in cases:
         result = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_fsdp2.py"),
                                  *_flags(tmp_path, prefix, *extra), "--save", str(tmp_path / "out")],

@@ -190,3 +190,62 @@ def test_mixtral_expert_parallel_2_equals_one_rank(tmp_path):
     assert sorted(runs[0]) == sorted(runs[1]) == [1, 2, 3, 4]
     for it in runs[0]:
         assert runs[1][it] == pytest.approx(runs[0][it], rel=1e-4), (it, runs[0][it], runs[1][it])
+
+
+# -- Megatron / MindSpeed flags on these families -------------------------------------------------------------------
+MLA = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 64 "
+       "--micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data --tokenizer-type "
+       "NullTokenizer --vocab-size 128 --swiglu --normalization RMSNorm --disable-bias-linear "
+       "--position-embedding-type rope --hidden-dropout 0 --multi-latent-attention --kv-lora-rank 16 --qk-head-dim 16 "
+       "--qk-pos-emb-head-dim 8 --v-head-dim 16 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
+       "--moe-shared-expert-intermediate-size 32").split()
+
+
+def _validated(argv):
+    from fsdp2_backend.config import GROUPS, Config
+    from fsdp2_backend.config import validation
+    from megatron_compat.translate import translate_megatron
+
+    translation = translate_megatron(argv)
+    config = Config(**{group: GROUPS[group](**values) for group, values in translation.fields.items()})
+    return validation.validate(config, 1), translation
+
+
+def test_deepseek_flags_from_scratch_are_megatron_defaults_not_transformers():
+    """No router flag: Megatron's softmax scores, every layer MoE, no groups, no scaling (transformers' DeepSeek-V3
+    defaults would be sigmoid, 3 dense layers, 8 groups, 2.5)."""
+    config, _ = _validated(MLA + ["--moe-aux-loss-coeff", "0.01"])
+    arch = config.model.architecture
+    assert (arch["first_k_dense_replace"], arch["n_group"], arch["topk_group"], arch["routed_scaling_factor"]) == \
+        (0, 1, 1, 1.0)
+    assert (config.model.model_id, config.model.moe_router_score_function) == ("deepseek_v3", "softmax")
+    config, _ = _validated(MLA + "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+                                 "--moe-router-num-groups 2 --moe-router-group-topk 1".split())
+    assert (config.model.moe_router_enable_expert_bias, config.model.moe_router_num_groups) == (True, 2)
+    assert (config.model.architecture["n_group"], config.model.architecture["topk_group"]) == (2, 1)
+
+
+def test_pai_megatron_aux_loss_is_pre_softmax_aux_loss():
+    """MindSpeed-LLM's pai_megatron_aux_loss: megatron-core's aux_loss on pre-softmax top-k routing; its routing
+    reads no groups, scaling or --seq-aux (reported as without effect)."""
+    argv = MLA + ("--moe-router-load-balancing-type pai_megatron_aux_loss --moe-aux-loss-coeff 0.01 --seq-aux "
+                  "--moe-router-num-groups 2 --moe-router-group-topk 1 --moe-router-topk-scaling-factor 1.0").split()
+    config, translation = _validated(argv)
+    m = config.model
+    assert (m.moe_router_load_balancing_type, m.moe_aux_loss_coeff, m.moe_router_pre_softmax) == \
+        (["aux_loss"], [0.01], True)
+    assert m.moe_router_num_groups is None and m.architecture["n_group"] == 1
+    reasons = translation.report.no_effect_reasons
+    assert "--seq-aux" in translation.report.no_effect and "pai_megatron_aux_loss" in reasons["--seq-aux"]
+    assert "--moe-router-num-groups" in translation.report.no_effect
+
+
+def test_max_batch_size_has_no_effect_and_mindspeed_none_seq_aux_is_declined():
+    from megatron_compat.translate import translate_megatron
+    from usage_errors import UsageError
+
+    _, translation = _validated(MLA + ["--max-batch-size", "4"])
+    assert "--max-batch-size" in translation.report.no_effect
+    with pytest.raises(UsageError) as err:
+        translate_megatron(MLA + "--moe-router-load-balancing-type none --moe-aux-loss-coeff 0.01 --seq-aux".split())
+    assert [m.split(":")[0] for m in err.value.messages] == ["--seq-aux"]

@@ -10,6 +10,7 @@
 - expert parallel: an MoE model whose experts divide by ep, and no tp with it;
 - model_id mamba3: no tp, no cp (declined with the reason).
 - model_id minimax_m27: no tp (q/k RMSNorm over all heads; declined with the reason).
+- gpt_oss (model id or model type): no tp (per-head sinks not in the tp plan; declined with the reason).
 - model_type nemotron_h (Megatron's hybrid Mamba flags): no tp (no plan for the Mamba mixers).
 - model_id step35: no tp (head-wise gate, per-layer head counts; declined with the reason); its sliding-window
   layers decline cp through the layer-type rule.
@@ -44,6 +45,12 @@ def check_model_layout(config: Config, facts: ModelFacts, world_size: int, error
         # summed over the tp ranks, which is not built
         errors.append("parallel.tp_size: model_id minimax_m27 normalises q and k over all heads at once, which "
                       "tensor parallel would split — use tp_size 1 (FSDP, EP and CP still apply)")
+        return
+    if (config.model.model_id == "gpt_oss" or facts.model_type == "gpt_oss") and p.tp_size > 1:
+        # the per-head sinks (and the stacked experts' biases) are not in the tp plan: a head-sharded attention
+        # would pair every rank's heads with all the sinks
+        errors.append("parallel.tp_size: gpt_oss's attention sinks (one per head) are not sharded by the "
+                      "tensor-parallel plan — use tp_size 1 (FSDP, EP and Ulysses/ring CP apply)")
         return
     if config.model.model_id == "step35" and p.tp_size > 1:
         # the head-wise output gate (g_proj) and the per-layer-type head counts are not in the tp plan

@@ -212,6 +212,7 @@ class TrainingArguments:
     output_dir: Optional[str] = _field(None, "Output directory (checkpoints, logs, exports). Required unless "
                                              "save_checkpoints is false.")
     optimizer: Literal["adamw", "muon"] = _field("adamw", "Optimizer.")
+    o2_optimizer: bool = _field(False, "(MindSpeed) Keep the AdamW moments in bf16 (--o2-optimizer; bf16 training).")
     lr: float = _field(1e-5, "Peak learning rate.")
     weight_decay: float = _field(0.01, "Weight decay (not applied to biases and 1-D parameters).")
     adam_beta1: float = _field(0.9, "AdamW beta1.")

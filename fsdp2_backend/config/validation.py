@@ -17,6 +17,7 @@ from typing import List, Tuple
 
 from fsdp2_backend.config.batch_rules import batch_schedule_errors
 from fsdp2_backend.config.fim_rules import fim_errors
+from fsdp2_backend.config.optimizer_rules import optimizer_errors
 from fsdp2_backend.config.fault_rules import canonical_config, canonical_key, check_run_inputs
 from fsdp2_backend.config.layout_rules import check_model_layout
 from fsdp2_backend.config.model_facts import ModelFacts, model_facts
@@ -292,6 +293,7 @@ def validate_with_notices(config: Config, world_size: int = 1) -> Tuple[Config, 
     errors: List[str] = []
     _check_seed_rules(config, errors)
     _check_optimizer_schedule(config, errors)
+    errors.extend(optimizer_errors(config))
     _check_monitoring(config, errors)
     _check_not_yet(config, errors)
     _check_sizes(config, world_size, errors)

@@ -184,7 +184,7 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, weight_
                     betas: Tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, muon_momentum: float = 0.95,
                     muon_adjust_lr_fn: str = "match_rms_adamw", decoupled_lr: Optional[float] = None,
                     decoupled_min_lr: Optional[float] = None,
-                    apply_wd_to_qk_layernorm: bool = False) -> CombinedOptimizer:
+                    apply_wd_to_qk_layernorm: bool = False, o2: bool = False) -> CombinedOptimizer:
     """AdamW (`name="adamw"`) or Muon + AdamW (`name="muon"`) over `model`'s trainable parameters.
 
     Build it after FSDP sharding (the optimizers hold the DTensor parameters). From TrainingArguments:
@@ -193,12 +193,13 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, weight_
     decoupled_min_lr=t.decoupled_min_lr, apply_wd_to_qk_layernorm=t.apply_wd_to_qk_layernorm)`. Muon's default lr
     adjustment "match_rms_adamw" (Moonshot) scales its update to AdamW's RMS so the same lr and weight decay
     serve both. The embedding and output layer are never Muon's, so the decoupled lr always lands on AdamW groups.
+    `o2` (MindSpeed's --o2-optimizer): the AdamW moments are kept in bf16 (o2_adamw.BF16StateAdamW).
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     group_options = dict(decoupled=embedding_or_output_params(model), decoupled_lr=decoupled_lr,
                          decoupled_min_lr=decoupled_min_lr, apply_wd_to_qk_layernorm=apply_wd_to_qk_layernorm)
     if name == "adamw":
-        return CombinedOptimizer([_adamw(named, lr, weight_decay, betas, eps, group_options)])
+        return CombinedOptimizer([_adamw(named, lr, weight_decay, betas, eps, group_options, o2)])
     if name != "muon":
         raise UsageError(f"optimizer: unknown optimizer {name!r} — use adamw or muon")
     muon_names = set(muon_param_names(model))
@@ -209,10 +210,15 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, weight_
         optimizers.append(ShardedMuon([{"params": matrices, "wd_mult": 1.0}], lr=lr, weight_decay=weight_decay,
                                       momentum=muon_momentum, adjust_lr_fn=muon_adjust_lr_fn))
     if rest:
-        optimizers.append(_adamw(rest, lr, weight_decay, betas, eps, group_options))
+        optimizers.append(_adamw(rest, lr, weight_decay, betas, eps, group_options, o2))
     return CombinedOptimizer(optimizers)
 
 
-def _adamw(named, lr, weight_decay, betas, eps, group_options) -> torch.optim.AdamW:
+def _adamw(named, lr, weight_decay, betas, eps, group_options, o2=False) -> torch.optim.AdamW:
+    if o2:
+        from fsdp2_backend.training.o2_adamw import BF16StateAdamW
+
+        return BF16StateAdamW(adamw_param_groups(named, **group_options), lr=lr, weight_decay=weight_decay,
+                              betas=betas, eps=eps)
     return torch.optim.AdamW(adamw_param_groups(named, **group_options), lr=lr, weight_decay=weight_decay,
                              betas=betas, eps=eps)

@@ -221,6 +221,9 @@ def _grouped_class(model_type: str) -> type:
     def __init__(self, config):
         family.causal_lm.__init__(self, config)
         swap_blocks(self, family)
+        if not hasattr(config, "router_aux_loss_coef"):  # DeepSeek-V3 has no aux loss of its own: Megatron's
+            self.router_aux_loss_coef = 1.0               # losses come weighted (trainers read this coefficient)
+            config.router_aux_loss_coef = 1.0
 
     name = family.causal_lm.__name__.replace("ForCausalLM", "GroupedForCausalLM")
     return type(name, (_GroupedMixin, family.causal_lm), {"__init__": __init__, "_family": family})
