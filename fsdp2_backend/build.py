@@ -182,6 +182,7 @@ def build(config: Config) -> TrainJob:
     from fsdp2_backend.config.model_facts import resume_checkpoint
     from fsdp2_backend.training.checkpoint_io import print_rank0
     from fsdp2_backend.training.batch_rampup import schedule_for
+    from fsdp2_backend.training.muon import megatron_muon_options
     from fsdp2_backend.training.checkpointer import Checkpointer
     from fsdp2_backend.training.save_dir_guard import SaveDirGuard
     from fsdp2_backend.training.logging import TrainLogger
@@ -225,7 +226,8 @@ def build(config: Config) -> TrainJob:
                                     betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_epsilon,
                                     decoupled_lr=training.decoupled_lr, decoupled_min_lr=training.decoupled_min_lr,
                                     apply_wd_to_qk_layernorm=training.apply_wd_to_qk_layernorm,
-                                    o2=training.o2_optimizer)
+                                    o2=training.o2_optimizer, muon_momentum=training.muon_momentum,
+                                    megatron_muon=megatron_muon_options(training))
         scheduler = ParamScheduler(optimizer, **scheduler_steps(training, gbs, train_iters))
         loss_scaler = LossScaler.for_dtype(config.parallel.param_dtype)
         checkpointer = Checkpointer(config, resume, model=model, optimizer=optimizer, scheduler=scheduler,

@@ -230,8 +230,8 @@ def _moe_keys(a: Arch, family: str) -> None:
     norm = g("norm_topk_prob") or not g("moe_router_pre_softmax")  # Megatron: top-k then softmax = normalised
     for dest in ("norm_topk_prob", "moe_router_pre_softmax"):
         a.put(dest, "norm_topk_prob", norm if family not in ("mixtral", "gpt_oss") else None)
-    if family == "mixtral" and g("moe_router_pre_softmax"):  # Mixtral has no norm_topk_prob: the router's field
-        a.field("moe_router_pre_softmax", "model.moe_router_pre_softmax", True)
+    if family in ("mixtral", "deepseek_v3") and g("moe_router_pre_softmax"):  # their norm_topk_prob is no pre-softmax
+        a.field("moe_router_pre_softmax", "model.moe_router_pre_softmax", True)  # switch: the router's own field
     shared = g("moe_shared_expert_intermediate_size")
     if family == "deepseek_v3":
         n_shared = g("n_shared_experts") or (shared // moe_ffn if shared and moe_ffn else None)

@@ -68,8 +68,8 @@ def _attention(a) -> None:
     g = a.get
     softmax = g("softmax_type") or "vanilla"
     if softmax != "learnable" and a.from_scratch:
-        a.decline(_selector(a), f"GPT-OSS attention has learnable sinks; softmax type '{softmax}' is not buildable — use "
-                  f"--softmax-type learnable, {_LOAD}")
+        a.decline(_selector(a), f"GPT-OSS attention has learnable sinks; softmax type '{softmax}' is not "
+                                f"buildable — use --softmax-type learnable, {_LOAD}")
     window, freq = g("window_size"), g("window_attn_skip_freq")
     if window is not None and (len(window) != 2 or window[1] != 0 or window[0] < 0):
         a.decline("window_size", f"{window}: only a causal window (left,0) is buildable — e.g. --window-size 127,0")
@@ -122,8 +122,8 @@ def _mlp(a) -> None:
     g = a.get
     if a.from_scratch and not g("quick_geglu"):
         a.decline(next((d for d in ("swiglu", "geglu") if d in a.active), _selector(a)),
-                  "GPT-OSS experts use quick-GEGLU (x·σ(1.702x)·(y+1)) — use --quick-geglu --glu-linear-offset 1.0, "
-                  + _LOAD)
+                  "GPT-OSS experts use quick-GEGLU (x·σ(1.702x)·(y+1)) — use --quick-geglu --glu-linear-offset "
+                  "1.0, " + _LOAD)
     a.put("quick_geglu", "swiglu_alpha", QUICK_GELU_ALPHA if g("quick_geglu") else None)
     offset = g("glu_linear_offset") or 0.0
     if offset != 1.0 and (a.from_scratch or "glu_linear_offset" in a.active):

@@ -275,9 +275,6 @@ _DECLINED: Dict[str, str] = {
         """warmup""",
     "--skip-train replaces training by evaluation — run evaluation separately":
         """skip_train""",
-    "this Muon setting has no counterpart in the native config (only the default Muon is available) — drop it":
-        """muon_momentum muon_no_split_qkv muon_nesterov muon_scale_mode muon_fp32_matmul_prec muon_coefficient_type
-        muon_num_ns_steps muon_tp_mode muon_use_syrk muon_extra_scale_factor muon_scalar_optimizer""",
     "loading pretrained weights from a second checkpoint, or pinning the checkpoint iteration, is not supported "
     "— pass the HF weights with --load":
         """pretrained_checkpoint ckpt_step override_ckpt_iteration""",

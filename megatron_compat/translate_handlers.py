@@ -357,6 +357,35 @@ def _num_workers(ctx, value):
 
 
 # --- optimizer and batch ----------------------------------------------------------------------------------------
+# Megatron's Muon (fsdp2_backend/training/muon.py): its options, read only with --optimizer muon.
+_MUON_FIELDS = ("muon_momentum", "muon_nesterov", "muon_scale_mode", "muon_coefficient_type", "muon_num_ns_steps",
+                "muon_extra_scale_factor", "muon_fp32_matmul_prec")
+_MUON_DECLINES = {  # dest: (value that cannot be honoured, why — what to do)
+    "muon_split_qkv": (False, "HF models keep q, k and v as separate matrices, each orthogonalised on its own "
+                              "(Megatron's default split) — drop --muon-no-split-qkv"),
+    "muon_tp_mode": ("blockwise", "blockwise orthogonalises each tensor-parallel shard; here every matrix is "
+                                  "orthogonalised whole (duplicated) — use --muon-tp-mode duplicated"),
+    "muon_scalar_optimizer": ("lion", "Lion is not available for the non-matrix parameters — use adam"),
+    "muon_fp32_matmul_prec": ("low", "'low' has no torch matmul precision here — use medium (bf16) or high (fp32)"),
+}
+
+
+def _muon_handler(dest):
+    def handler(ctx, value):
+        if ctx.get("optimizer") != "muon":
+            ctx.record(dest, "no_effect", "read only by --optimizer muon")
+            return
+        bad = _MUON_DECLINES.get(dest)
+        if bad is not None and value == bad[0] and (dest != "muon_tp_mode" or ctx.get("tensor_model_parallel_size") > 1):
+            ctx.decline(dest, bad[1])
+        elif dest in _MUON_FIELDS:
+            ctx.set(f"training.{dest}", value)
+    return handler
+
+
+for _dest in _MUON_FIELDS + tuple(d for d in _MUON_DECLINES if d not in _MUON_FIELDS) + ("muon_use_syrk",):
+    HANDLERS[_dest] = (f"training.{_dest}" if _dest in _MUON_FIELDS else "Megatron's Muon (training/muon.py)",
+                       _muon_handler(_dest))
 _OPTIMIZERS = {"adam": "adamw", "muon": "muon"}  # Megatron's adam is AdamW (decoupled weight decay)
 
 

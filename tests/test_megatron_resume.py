@@ -189,6 +189,9 @@ def test_resumes_a_megatron_core_run_as_megatron_core_continues_it(megatron, tmp
     assert set(expected) <= set(ours)
     for name, value in expected.items():
         torch.testing.assert_close(ours[name].float(), value.float(), rtol=0, atol=2e-6, msg=name)
+    print(f"\n{fmt} ({ranks} rank(s)): |loss - megatron-core| at K+1, K+2 = "  # figures for `pytest -s`
+          f"{[abs(got[i][2] - reference['loss'][i]) for i in (K + 1, K + 2)]}, max |weight diff| after K+2 = "
+          f"{max((ours[n].float() - v.float()).abs().max().item() for n, v in expected.items()):.2e}")
     assert isinstance(AutoConfig.from_pretrained(tmp_path / "out" / "hf"), type(config))
 
 

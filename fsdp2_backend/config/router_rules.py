@@ -63,3 +63,11 @@ def check_router_model(config: "Config", facts: "ModelFacts", errors: List[str])
     if megatron_router_set(m) and m.model_id is None and facts.model_type not in (None,) + ROUTER_MODEL_TYPES:
         errors.append(f"model.moe_router_*: Megatron's router options need this project's model implementation — "
                       f"set model.model_id for this {facts.model_type} model, or drop them")
+    norm = (m.architecture or {}).get("norm_topk_prob", (facts.config_json or {}).get("norm_topk_prob"))
+    swapped = m.model_id == "deepseek_v3" or megatron_router_set(m) or config.parallel.ep_size > 1 or \
+        config.optimization.moe_grouped_gemm or config.optimization.fix_router
+    if facts.model_type == "deepseek_v3" and norm is False and swapped and m.moe_router_score_function != "softmax":
+        errors.append("model.model_id deepseek_v3: this DeepSeek-V3 config has norm_topk_prob false, and Megatron's "
+                      "sigmoid router (models/moe/family_swap.py) always renormalises the top-k — set "
+                      "model.moe_router_score_function softmax, or run transformers' model (no router options, EP, "
+                      "grouped GEMM or fix_router)")

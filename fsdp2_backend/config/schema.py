@@ -213,6 +213,17 @@ class TrainingArguments:
                                              "save_checkpoints is false.")
     optimizer: Literal["adamw", "muon"] = _field("adamw", "Optimizer.")
     o2_optimizer: bool = _field(False, "(MindSpeed) Keep the AdamW moments in bf16 (--o2-optimizer; bf16 training).")
+    muon_momentum: float = _field(0.95, "Muon momentum (Megatron --muon-momentum).")
+    muon_scale_mode: Optional[Literal["spectral", "unit_rms_norm", "shape_scaling"]] = _field(
+        None, "(Megatron) Set: Megatron's Muon with this update scale (and the muon_* fields below); unset: "
+              "torch.optim.Muon with Moonshot's AdamW-rms lr matching.")
+    muon_nesterov: bool = _field(False, "(Megatron) Nesterov momentum in Megatron's Muon.")
+    muon_coefficient_type: Literal["quintic", "simple", "polar_express"] = _field(
+        "quintic", "(Megatron) Newton-Schulz coefficient schedule of Megatron's Muon.")
+    muon_num_ns_steps: int = _field(5, "(Megatron) Newton-Schulz iterations of Megatron's Muon.")
+    muon_extra_scale_factor: float = _field(1.0, "(Megatron) Extra factor on Megatron's Muon update.")
+    muon_fp32_matmul_prec: Literal["medium", "high"] = _field(
+        "medium", "(Megatron) Newton-Schulz matmuls of Megatron's Muon: medium bf16, high fp32.")
     lr: float = _field(1e-5, "Peak learning rate.")
     weight_decay: float = _field(0.01, "Weight decay (not applied to biases and 1-D parameters).")
     adam_beta1: float = _field(0.9, "AdamW beta1.")

@@ -313,8 +313,11 @@ def _set_states(model, optimizer, hf_weights: dict, config, moments: Optional[di
     for fqn in current["state"]:
         if fqn not in hf_moments["exp_avg"]:
             raise UsageError(f"the Megatron-LM checkpoint has no Adam state for {fqn} — resume with --no-load-optim")
-        optim_sd["state"][fqn] = {"step": torch.tensor(float(step), dtype=torch.float32),
-                                  **{kind: hf_moments[kind][fqn].to(torch.float32) for kind in hf_moments}}
+        own = current["state"][fqn]  # our optimizer's dtypes (fp32, or bf16 states under --o2-optimizer)
+        optim_sd["state"][fqn] = {
+            "step": torch.tensor(float(step), dtype=own["step"].dtype if torch.is_tensor(own.get("step"))
+                                 else torch.float32),
+            **{kind: hf_moments[kind][fqn].to(own[kind].dtype if kind in own else torch.float32) for kind in hf_moments}}
     set_state_dict(model, optimizer, model_state_dict=hf_weights, optim_state_dict=optim_sd, options=full)
 
 

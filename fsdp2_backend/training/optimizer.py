@@ -184,7 +184,8 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, weight_
                     betas: Tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, muon_momentum: float = 0.95,
                     muon_adjust_lr_fn: str = "match_rms_adamw", decoupled_lr: Optional[float] = None,
                     decoupled_min_lr: Optional[float] = None,
-                    apply_wd_to_qk_layernorm: bool = False, o2: bool = False) -> CombinedOptimizer:
+                    apply_wd_to_qk_layernorm: bool = False, o2: bool = False,
+                    megatron_muon: Optional[Dict[str, Any]] = None) -> CombinedOptimizer:
     """AdamW (`name="adamw"`) or Muon + AdamW (`name="muon"`) over `model`'s trainable parameters.
 
     Build it after FSDP sharding (the optimizers hold the DTensor parameters). From TrainingArguments:
@@ -194,6 +195,8 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, weight_
     adjustment "match_rms_adamw" (Moonshot) scales its update to AdamW's RMS so the same lr and weight decay
     serve both. The embedding and output layer are never Muon's, so the decoupled lr always lands on AdamW groups.
     `o2` (MindSpeed's --o2-optimizer): the AdamW moments are kept in bf16 (o2_adamw.BF16StateAdamW).
+    `megatron_muon` (keyword arguments of muon.MegatronMuon: scale_mode, nesterov, ...): Megatron's Muon for the
+    matrices instead of torch.optim.Muon.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     group_options = dict(decoupled=embedding_or_output_params(model), decoupled_lr=decoupled_lr,
@@ -206,7 +209,12 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, weight_
     matrices = [p for n, p in named if n in muon_names]
     rest = [(n, p) for n, p in named if n not in muon_names]
     optimizers: List[torch.optim.Optimizer] = []
-    if matrices:
+    if matrices and megatron_muon is not None:
+        from fsdp2_backend.training.muon import MegatronMuon
+
+        optimizers.append(MegatronMuon([{"params": matrices, "wd_mult": 1.0}], lr=lr, weight_decay=weight_decay,
+                                       momentum=muon_momentum, **megatron_muon))
+    elif matrices:
         optimizers.append(ShardedMuon([{"params": matrices, "wd_mult": 1.0}], lr=lr, weight_decay=weight_decay,
                                       momentum=muon_momentum, adjust_lr_fn=muon_adjust_lr_fn))
     if rest:

@@ -20,7 +20,8 @@ block:
 Differences from transformers, on purpose: group-limited selection scores each group by its top
 (k / group_topk) scores (megatron-core's rule; transformers' DeepSeek-V3 always sums the top 2 — the same for
 DeepSeek-V2/V3's own configs, k 6 / 3 groups and 8 / 4); Megatron's sigmoid routing always renormalises the
-top-k (a DeepSeek-V3 config with `norm_topk_prob: false` is refused).
+top-k (a DeepSeek-V3 config with `norm_topk_prob: false` is refused by config validation, `router_rules`, unless
+softmax scores are asked for).
 
 Per-expert checkpoint keys: DeepSeek-V3 and Qwen2-MoE hold `mlp.experts.{e}.gate_proj/up_proj/down_proj`
 (qwen3_moe's layout, same functions), Mixtral `block_sparse_moe.experts.{e}.w1/w3/w2` (MiniMax-M2's layout).
@@ -39,7 +40,6 @@ from transformers.models.qwen2_moe import modeling_qwen2_moe as q2
 
 from fsdp2_backend.models.moe.experts import GroupedExperts
 from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, attach_aux_loss
-from usage_errors import UsageError
 
 
 # -- routers: the project's router, recognised by transformers as the family's own ------------------------------
@@ -88,10 +88,6 @@ class DeepseekV3Router(_FamilyRouter, ds.DeepseekV3TopkRouter):
 
     @staticmethod
     def defaults(config) -> RouterSettings:
-        if not config.norm_topk_prob and config.num_experts_per_tok > 1:
-            raise UsageError("model.model_id: this DeepSeek-V3 config has norm_topk_prob false; Megatron's sigmoid "
-                             "router always renormalises the top-k — leave model_id unset and drop the MoE router "
-                             "flags, expert parallel and grouped GEMM")
         groups = config.n_group if (config.n_group or 1) > 1 else None
         return RouterSettings.from_hf(config, score_function="sigmoid", dtype="fp32", num_groups=groups,
                                       group_topk=config.topk_group if groups else None,
