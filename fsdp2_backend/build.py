@@ -87,6 +87,7 @@ def build_model(config: Config, ctx, resume):
     """(tokenizer, parallelised model, its HF config): the tokenizer, then the HF config with its vocabulary sized
     for it, then the model through the fixed plan of `parallel.apply`."""
     from fsdp2_backend.models.loading import create_model, load_hf_config, weights_available
+    from fsdp2_backend.models.mup import apply_mup
     from fsdp2_backend.models.tokenizer import load_tokenizer, model_vocab_size, new_token_rows
     from fsdp2_backend.parallel.apply import apply_parallelism
 
@@ -111,6 +112,7 @@ def build_model(config: Config, ctx, resume):
     model = create_model(model_args, hf_config, seed=config.training.seed, device=ctx.device.torch_device,
                          parallelize=lambda m: apply_parallelism(*_with_mtp(m, config, model_args), ctx),
                          new_rows=new_token_rows(model_args, tokenizer, config.training.seed))
+    apply_mup(model, config.model, hf_config, seed=config.training.seed, initialise=not from_checkpoint)  # µP
     return tokenizer, model, hf_config
 
 
@@ -188,6 +190,7 @@ def build(config: Config) -> TrainJob:
     from fsdp2_backend.training.logging import TrainLogger
     from fsdp2_backend.training.loss_scaler import LossScaler
     from fsdp2_backend.training.optimizer import build_optimizer
+    from fsdp2_backend.config.mup_rules import width_mult
     from fsdp2_backend.training.profiler import StepProfiler
     from fsdp2_backend.training.scheduler import ParamScheduler, scheduler_steps
     from fsdp2_backend.training.throughput import model_flops_per_token
@@ -227,7 +230,8 @@ def build(config: Config) -> TrainJob:
                                     decoupled_lr=training.decoupled_lr, decoupled_min_lr=training.decoupled_min_lr,
                                     apply_wd_to_qk_layernorm=training.apply_wd_to_qk_layernorm,
                                     o2=training.o2_optimizer, muon_momentum=training.muon_momentum,
-                                    megatron_muon=megatron_muon_options(training))
+                                    megatron_muon=megatron_muon_options(training), min_lr=training.min_lr,
+                                    mup_width_mult=width_mult(config.model, hf_config.hidden_size))
         scheduler = ParamScheduler(optimizer, **scheduler_steps(training, gbs, train_iters))
         loss_scaler = LossScaler.for_dtype(config.parallel.param_dtype)
         checkpointer = Checkpointer(config, resume, model=model, optimizer=optimizer, scheduler=scheduler,

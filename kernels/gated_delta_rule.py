@@ -6,7 +6,8 @@ The recurrence, per head, with state S (K x V), for t = 1..T (q scaled by 1/sqrt
 The reference computes it chunk by chunk (WY / UT form, as in the Gated DeltaNet paper): inside a chunk of C
 tokens everything is batched matmuls and one unit-triangular solve; only the C x-smaller state hand-off runs as a
 loop over chunks (never one per token). Everything runs in fp32 whatever the input dtype; the output is cast
-back. Gradients come from autograd through these ops: the per-chunk states are the only thing kept per chunk,
+back. Gradients come from autograd through these ops (the chunk's UT inverse has a two-matmul backward of its
+own, `_UnitLowerInverse`): the per-chunk states are the only thing kept per chunk,
 so memory stays linear in the sequence length. transformers' own torch fallback writes each chunk's output into
 one preallocated tensor in place, whose backward copies the whole gradient once per chunk (quadratic); here
 chunk outputs are computed after the state scan in one batched matmul.

@@ -227,7 +227,8 @@ def _moe_keys(a: Arch, family: str) -> None:
         megatron_router(a, family)
     else:
         hf_router_keys(a, family)
-    norm = g("norm_topk_prob") or not g("moe_router_pre_softmax")  # Megatron: top-k then softmax = normalised
+    norm = g("norm_topk_prob") or not g("moe_router_pre_softmax") or \
+        g("moe_router_score_function") == "sigmoid"  # Megatron: top-k then softmax, or sigmoid = normalised
     for dest in ("norm_topk_prob", "moe_router_pre_softmax"):
         a.put(dest, "norm_topk_prob", norm if family not in ("mixtral", "gpt_oss") else None)
     if family in ("mixtral", "deepseek_v3") and g("moe_router_pre_softmax"):  # their norm_topk_prob is no pre-softmax

@@ -5,6 +5,10 @@ Families in `ROUTER_FAMILIES` (every MoE family the flags build) run this projec
 `models/moe/family_swap.py`): the flags the script gives become `model.moe_router_*` fields — only those given,
 so Megatron's defaults leave the HF model's own routing in place. `hf_router_keys` (transformers' router and aux
 loss with Megatron's coefficient, the options it lacks declined) is for a family outside that list.
+Two exceptions to "only those given": a DeepSeek-V3 built from flags gets Megatron's default score function
+(softmax; transformers' DeepSeek-V3 scores with sigmoid), and MindSpeed's `pai_megatron_aux_loss` is mapped to
+what it computes (`pai_aux_loss`). MindSpeed's own score functions and its `--seq-aux` loss under balancing
+'none' are declined.
 `a` is `architecture.Arch` (flag values, dispositions, fields).
 """
 from __future__ import annotations
@@ -50,7 +54,8 @@ def megatron_router(a, family: str = "") -> None:
     score = g("moe_router_score_function")
     if score not in (None, "softmax", "sigmoid"):
         a.decline("moe_router_score_function", f"MindSpeed's '{score}' router scores are not implemented (this "
-                  "router has megatron-core's softmax and sigmoid) — use --moe-router-score-function sigmoid or softmax")
+                  "router has megatron-core's softmax and sigmoid) — use --moe-router-score-function sigmoid or "
+                  "softmax")
     # MindSpeed's --seq-aux: the sequence-level loss in place of the batch-level one. With balancing 'none' MindSpeed
     # adds a loss of its own (core/transformer/moe/router.py: apply_seq_aux_loss): scores shifted by the expert bias,
     # expert counts taken by histc over the boolean routing map — not megatron-core's seq_aux_loss

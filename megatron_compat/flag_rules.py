@@ -250,9 +250,9 @@ _DECLINED: Dict[str, str] = {
     "implemented — drop it":
         """iterations_to_skip moe_input_jitter_eps input_jitter moe_router_force_load_balancing moe_router_force_biased
         moe_enable_routing_replay data_parallel_random_init init_method_xavier_uniform noisy_gate_policy""",
-    "Megatron's µP (maximal update parametrisation) scaling is not implemented — drop it":
-        """use_mup mup_width_mult mup_base_hidden_size mup_embedding_mult mup_output_mult mup_base_head_dim
-        mup_attn_scale_power dim_model_base scale_depth scale_emb""",
+    "MiniCPM's µP-style scaling (MindSpeed's --dim-model-base / --scale-depth / --scale-emb) is not implemented "
+    "— drop it, or use Megatron's --use-mup":
+        """dim_model_base scale_depth scale_emb""",
     "a data-pipeline feature that is not implemented (phase transitions, dataset argument files, object "
     "storage) — prepare the data with tools/preprocess_data.py and pass --data-path":
         """phase_transition_iterations data_args_path per_split_data_args_path object_storage_cache_path

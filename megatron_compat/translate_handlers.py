@@ -453,4 +453,5 @@ DERIVED_STEPS = (_pretraining,)
 # Handlers that live in modules of their own register themselves on import.
 from megatron_compat import translate_recompute  # noqa: E402,F401
 from megatron_compat import translate_tokenizer_data  # noqa: E402,F401
+from megatron_compat import translate_mup  # noqa: E402,F401
 

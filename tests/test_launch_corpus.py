@@ -68,7 +68,7 @@ VALIDATION_DECLINES = ("training.global_batch_size", "model.mtp_num_layers: not 
 
 
 def test_corpus_figures():
-    """A floor against regressions: 46 of the 60 lines translate today (the rest are declined with reasons)."""
+    """A floor against regressions: 47 of the 60 lines translate today (the rest are declined with reasons)."""
     translated = 0
     for argv in LINES.values():
         try:
@@ -77,7 +77,7 @@ def test_corpus_figures():
         except UsageError:
             pass
     assert len(LINES) == 60
-    assert translated >= 46
+    assert translated >= 47
 
 
 # Lines that needed the decoupled lr, the QK-norm weight decay, the scheduler resume policy or the time-based exit.

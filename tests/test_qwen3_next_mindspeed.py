@@ -15,7 +15,8 @@ import sys
 import pytest
 
 from tests.helpers import REPO, free_port
-from tests.test_mindspeed_yaml import DATA, _failure, _run, _with_paths, _yaml_file, train_lines
+from tests.test_mindspeed_yaml import (DATA, _failure, _run, _with_paths, _yaml_file, assets,  # noqa: F401
+                                      train_lines)
 from tests.test_qwen3_next_e2e import _tiny_next_dir
 
 SCALED = ["--training.max_steps", "3", "--data.cutoff_len", "64", "--training.per_device_train_batch_size", "1",
@@ -106,4 +107,23 @@ def _error_lines(result):
     return sorted({line[len("error: "):] for line in result.stderr.splitlines() if line.startswith("error: ")})
 
 
-from tests.test_mindspeed_yaml import assets  # noqa: E402,F401  (the raw-text parquet fixture)
+
+def test_context_parallel_layout_rule_accepts_gdn_layers_of_the_model_id_only():
+    """Validation lets cp run over Gated DeltaNet layers where the project makes them context parallel (model_id
+    qwen3_next, parallel/context_parallel/linear_attention.py), and still declines them for transformers' own
+    class, whose GDN layers have no CP."""
+    from fsdp2_backend.config.layout_rules import check_model_layout
+    from fsdp2_backend.config.model_facts import ModelFacts
+    from tests.test_config import pt_config
+
+    facts = ModelFacts(source="hf directory", model_type="qwen3_next", num_heads=4, num_kv_heads=2,
+                       layer_types=("linear_attention", "full_attention"))
+    found = {}
+    for model_id in ("qwen3_next", None):
+        config = pt_config(model={"model_id": model_id}, parallel={"cp_size": 2, "cp_type": "ulysses"},
+                           data={"cutoff_len": 64})
+        found[model_id] = []
+        check_model_layout(config, facts, 2, found[model_id])
+    assert found["qwen3_next"] == []
+    assert found[None] == ["parallel.cp_size: layer types ['linear_attention'] of model_type qwen3_next are not "
+                           "supported by context parallel — use cp_size 1"]

@@ -49,8 +49,9 @@ def step35_config(**overrides):
     return config
 
 
-def _reference(config):
-    """transformers' Step text model + lm head, with weights that make every feature matter."""
+def _reference(config, large_mlp: bool = True):
+    """transformers' Step text model + lm head, with weights that make every feature matter (`large_mlp` False:
+    transformers' init for the MLP / expert weights, for training runs)."""
     from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
 
     torch.manual_seed(0)
@@ -62,7 +63,7 @@ def _reference(config):
                 t.normal_(0, 0.3)  # changes the selection (sigmoid scores are ~0.5 ± 0.1)
             elif "norm" in name:
                 t.normal_(0, 0.2)  # zero-centred norms: 0 is the identity scale
-            elif "experts" in name or "mlp" in name:
+            elif large_mlp and ("experts" in name or "mlp" in name):
                 t.normal_(0, 0.2)  # activations large enough for the small clamp limits to bite
     return text.train(), head
 

@@ -36,7 +36,7 @@ def assets(tmp_path_factory):
     model = root / "tiny-step35"
     tokenizer = train_bytelevel_tokenizer(model, vocab_size=300)
     vocab = len(tokenizer)
-    text, head = _reference(step35_config(vocab_size=vocab))
+    text, head = _reference(step35_config(vocab_size=vocab), large_mlp=False)
     written = _write_step35_checkpoint(model, text, head, step35_config_dict(vocab_size=vocab))
     return {"model": str(model), "dataset": json.dumps({"file_name": str(parquet)}), "keys": set(written)}
 
@@ -73,7 +73,7 @@ def test_step35_yamls_ep2_and_ep_fsdp2_equal_one_rank_and_continue(assets, tmp_p
     assert sorted(ep2) == list(range(1, 9)), log[-3000:]
     ep_fsdp, log = _train(assets, PIPELINE, tmp_path / "ep_fsdp", 2, 1, 2, "--parallel.recompute", "True")
     assert sorted(ep_fsdp) == list(range(1, 9)), log[-3000:]
-    assert one[8] < one[1] - 0.1  # it trains
+    assert one[8] < one[1]  # it trains
     for it in one:
         assert ep2[it] == pytest.approx(one[it], rel=1e-4), (it, one[it], ep2[it])
         assert ep_fsdp[it] == pytest.approx(one[it], rel=1e-4), (it, one[it], ep_fsdp[it])

@@ -80,6 +80,17 @@ class ModelArguments:
         None, "(Megatron) Multi-token prediction depths (DeepSeek-V3 style, models/mtp.py); unset: none.")
     mtp_loss_scaling_factor: float = _field(0.1, "(Megatron) Weight of the MTP loss (averaged over depths) in the "
                                                  "training loss.")
+    # Megatron's µP (maximal update parametrisation; models/mup.py, config/mup_rules.py)
+    use_mup: bool = _field(False, "(Megatron) µP: attention scale 1/d, logits × mup_output_mult, µP init from "
+                                  "scratch, Adam lr/eps of hidden matrices ÷ width multiplier.")
+    mup_base_hidden_size: Optional[int] = _field(None, "(Megatron) µP base width; width multiplier = hidden_size / "
+                                                       "this. Unset: hidden_size (multiplier 1).")
+    mup_embedding_mult: float = _field(1.0, "(Megatron) µP multiplier of the embedding output.")
+    mup_output_mult: Optional[float] = _field(None, "(Megatron) µP multiplier of the logits; unset: 1 / width "
+                                                    "multiplier.")
+    mup_base_head_dim: Optional[float] = _field(None, "(Megatron) µP attention scale = sqrt(this or 1) / "
+                                                      "head_dim ** mup_attn_scale_power.")
+    mup_attn_scale_power: float = _field(1.0, "(Megatron) µP attention-scale power (0.5: standard 1/sqrt(d)).")
     # Megatron's MoE router (megatron-core's TopKRouter); unset fields keep the model's own routing
     moe_router_score_function: Optional[Literal["softmax", "sigmoid"]] = _field(
         None, "(Megatron) Router score function; unset: the model's own.")

@@ -21,6 +21,7 @@ from fsdp2_backend.config.optimizer_rules import optimizer_errors
 from fsdp2_backend.config.fault_rules import canonical_config, canonical_key, check_run_inputs
 from fsdp2_backend.config.layout_rules import check_model_layout
 from fsdp2_backend.config.model_facts import ModelFacts, model_facts
+from fsdp2_backend.config.mup_rules import mup_errors
 from fsdp2_backend.config.quant_rules import check_quantization, quant_notices
 from fsdp2_backend.config.router_rules import (ROUTER_MODEL_TYPES, check_router_model, megatron_router_set,
                                                router_errors)
@@ -301,6 +302,7 @@ def validate_with_notices(config: Config, world_size: int = 1) -> Tuple[Config, 
     _check_model_defined(config, facts, errors)
     _check_architecture(config, facts, errors)
     check_router_model(config, facts, errors)
+    errors.extend(mup_errors(config, facts))  # model.use_mup / mup_* (mup_rules)
     check_run_inputs(config, facts, world_size, errors)
     if not errors:
         check_model_layout(config, facts, world_size, errors)

@@ -159,7 +159,11 @@ class ResumePoint(NamedTuple):
     checkpoint: Optional[Path]
     finetune: bool
     reason: str
-    megatron: bool = False  # `checkpoint` is a Megatron-LM iteration directory (training/megatron_resume.py)
+
+    @property
+    def megatron(self) -> bool:
+        """`checkpoint` is a Megatron-LM iteration directory (training/megatron_resume.py), not one of ours."""
+        return self.checkpoint is not None and not is_complete_checkpoint(self.checkpoint)
 
 
 def resume_point(save_dir: Optional[str], resume_from_checkpoint: Optional[str], model_dir: Optional[str] = None,
@@ -183,10 +187,10 @@ def resume_point(save_dir: Optional[str], resume_from_checkpoint: Optional[str],
             it_dir = megatron_iteration_dir(path)
             if it_dir is not None:
                 return ResumePoint(it_dir, finetune, f"resuming from the Megatron-LM checkpoint {it_dir} ({flag})"
-                                   + (" for finetuning" if finetune else ""), True)
-            raise UsageError(f"{flag}: {path} holds {kind} — it does not load directly yet: convert it with "
-                             f"`python tools/convert_checkpoint.py {path} HF_DIR` and give HF_DIR as the model "
-                             f"(--load HF_DIR / model.model_name_or_path), with --save pointing elsewhere")
+                                   + (" for finetuning" if finetune else ""))
+            raise UsageError(f"{flag}: {path} holds {kind} that cannot be read (incomplete: no metadata.json and "
+                             f".metadata, no mp_rank_*/model_optim_rng.pt) — point it at a complete checkpoint, or "
+                             f"--save elsewhere")
 
     explicit = Path(resume_from_checkpoint) if resume_from_checkpoint else None
     if explicit is not None and _ITER_RE.match(explicit.name):

@@ -71,7 +71,8 @@ def checkpoint_format(it_dir: Path) -> Optional[str]:
         except (ValueError, AttributeError):
             return None
         return "torch_dist" if backend == "torch_dist" else None
-    if any(_LEGACY_RE.match(c.name) for c in it_dir.iterdir() if c.is_dir()):
+    if any(_LEGACY_RE.match(c.name) and any((c / n).is_file() for n in ("model_optim_rng.pt", "model_rng.pt"))
+           for c in it_dir.iterdir() if c.is_dir()):
         return "torch"
     return None
 

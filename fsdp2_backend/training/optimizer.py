@@ -72,23 +72,26 @@ def embedding_or_output_params(model: nn.Module) -> set:
 
 def adamw_param_groups(named_params: Iterable[Tuple[str, nn.Parameter]], *, decoupled: Container[int] = (),
                        decoupled_lr: Optional[float] = None, decoupled_min_lr: Optional[float] = None,
-                       apply_wd_to_qk_layernorm: bool = False) -> List[Dict[str, Any]]:
+                       apply_wd_to_qk_layernorm: bool = False, mup: Container[int] = (),
+                       mup_override: Optional[Dict[str, float]] = None) -> List[Dict[str, Any]]:
     """Megatron's param groups: [decay, no-decay] on the default schedule, then the same two for the params whose
     id is in `decoupled` carrying `max_lr` = decoupled_lr (and `min_lr` = decoupled_min_lr when given) — only
-    when decoupled_lr is set. Empty groups are dropped; each group has `wd_mult` for the scheduler."""
+    when decoupled_lr is set — then (µP, `mup_override` given) the params whose id is in `mup` carrying its
+    `max_lr` / `min_lr` / `eps`. Empty groups are dropped; each group has `wd_mult` for the scheduler."""
     override: Dict[str, float] = {}
     if decoupled_lr is not None:
         override["max_lr"] = decoupled_lr
         if decoupled_min_lr is not None:
             override["min_lr"] = decoupled_min_lr
-    buckets: Dict[Tuple[bool, float], List[nn.Parameter]] = {
-        (False, 1.0): [], (False, 0.0): [], (True, 1.0): [], (True, 0.0): []}
+    buckets: Dict[Tuple[int, float], List[nn.Parameter]] = {
+        (own, wd_mult): [] for own in (0, 1, 2) for wd_mult in (1.0, 0.0)}
     for name, p in named_params:
         if p.requires_grad:
             wd_mult = 0.0 if no_weight_decay(name, p, apply_wd_to_qk_layernorm) else 1.0
-            buckets[(bool(override) and id(p) in decoupled, wd_mult)].append(p)
-    groups = [{"params": params, "wd_mult": wd_mult, **(override if own else {})}
-              for (own, wd_mult), params in buckets.items()]
+            own = 1 if override and id(p) in decoupled else 2 if mup_override and id(p) in mup else 0
+            buckets[(own, wd_mult)].append(p)
+    overrides = {0: {}, 1: override, 2: mup_override or {}}
+    groups = [{"params": params, "wd_mult": wd_mult, **overrides[own]} for (own, wd_mult), params in buckets.items()]
     return [g for g in groups if g["params"]]
 
 
@@ -185,7 +188,8 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, weight_
                     muon_adjust_lr_fn: str = "match_rms_adamw", decoupled_lr: Optional[float] = None,
                     decoupled_min_lr: Optional[float] = None,
                     apply_wd_to_qk_layernorm: bool = False, o2: bool = False,
-                    megatron_muon: Optional[Dict[str, Any]] = None) -> CombinedOptimizer:
+                    megatron_muon: Optional[Dict[str, Any]] = None, mup_width_mult: Optional[float] = None,
+                    min_lr: float = 0.0) -> CombinedOptimizer:
     """AdamW (`name="adamw"`) or Muon + AdamW (`name="muon"`) over `model`'s trainable parameters.
 
     Build it after FSDP sharding (the optimizers hold the DTensor parameters). From TrainingArguments:
@@ -197,10 +201,18 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, weight_
     `o2` (MindSpeed's --o2-optimizer): the AdamW moments are kept in bf16 (o2_adamw.BF16StateAdamW).
     `megatron_muon` (keyword arguments of muon.MegatronMuon: scale_mode, nesterov, ...): Megatron's Muon for the
     matrices instead of torch.optim.Muon.
+    `mup_width_mult` m (Megatron's µP, models/mup.py; AdamW only): the matrices outside the embeddings and output
+    layer get lr / m, min_lr / m and eps / m (megatron-core's get_mup_config_overrides); m = 1 changes nothing.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     group_options = dict(decoupled=embedding_or_output_params(model), decoupled_lr=decoupled_lr,
                          decoupled_min_lr=decoupled_min_lr, apply_wd_to_qk_layernorm=apply_wd_to_qk_layernorm)
+    if mup_width_mult is not None and mup_width_mult != 1.0:
+        from fsdp2_backend.models.mup import hidden_matrix_names
+
+        hidden = set(hidden_matrix_names(model))
+        group_options.update(mup={id(p) for n, p in named if n in hidden}, mup_override=dict(
+            max_lr=lr / mup_width_mult, min_lr=min_lr / mup_width_mult, eps=eps / mup_width_mult))
     if name == "adamw":
         return CombinedOptimizer([_adamw(named, lr, weight_decay, betas, eps, group_options, o2)])
     if name != "muon":
