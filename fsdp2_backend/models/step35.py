@@ -239,7 +239,8 @@ def register_with_transformers() -> None:
     # the text decoder's renames: the ones not anchored at the multimodal checkpoint's top-level prefixes
     moe = [t for t in get_checkpoint_conversion_mapping("step3p7")
            if not any(p.startswith("^") for p in t.source_patterns)]
-    register_checkpoint_conversion_mapping(Step35ForCausalLM.__name__, moe, overwrite=True)
+    for name in (Step35ForCausalLM.__name__, "FSDP" + Step35ForCausalLM.__name__):  # also once FSDP2-wrapped
+        register_checkpoint_conversion_mapping(name, moe, overwrite=True)
     _REGISTERED.append(True)
 
 
