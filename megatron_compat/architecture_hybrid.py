@@ -131,7 +131,8 @@ def apply(a) -> Dict[str, Any]:
         a.decline(dest, "the multi-token-prediction part of the pattern (after '/') is not built for hybrid "
                         "models — drop it")
     elif bad:
-        a.decline(dest, f"{''.join(bad)!r} is not a layer letter (M, *, -, E)")
+        a.decline(dest, f"{''.join(bad)!r} is not a layer letter (M, *, -, E) — write the pattern "
+                  "with M (Mamba), * (attention), - (MLP) and E (MoE)")
     elif "E" in main:
         a.decline(dest, "MoE layers (E) in a hybrid pattern are not built from flags (Megatron's and NemotronH's "
                         "MoE routers differ) — give --load with an HF directory of that model")
