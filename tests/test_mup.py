@@ -186,3 +186,24 @@ def test_scaled_down_corpus_line_trains_two_steps_on_one_cpu_rank(tmp_path):
     losses, log = run_pretrain(argv, tmp_path / "run")
     assert sorted(losses) == [1, 2], log[-2000:]
     assert all(math.isfinite(float(loss)) for _, loss in losses.values())
+
+
+def test_chunked_loss_sees_the_output_mult():
+    """The chunked loss swaps the lm head's forward; the multiplier (a pre-hook on its input) still applies."""
+    import torch.nn.functional as F
+
+    from fsdp2_backend.training.chunked_forward import chunked_loss_forward
+
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 9)
+    plain = _model()
+    model = copy.deepcopy(plain)
+    apply_mup(model, ModelArguments(use_mup=True, mup_base_hidden_size=16, mup_attn_scale_power=0.5), model.config,
+              seed=0, initialise=False)  # output mult 1/4
+    with torch.no_grad():
+        loss_sum, count, _ = chunked_loss_forward(model, ids, None, labels, mask, chunk_size=5)
+        logits = plain(input_ids=ids).logits * 0.25
+        expected = F.cross_entropy(logits.reshape(-1, 512), labels.reshape(-1), reduction="sum")
+    torch.testing.assert_close(loss_sum, expected, atol=1e-4, rtol=1e-5)
+    assert count.item() == 18

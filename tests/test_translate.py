@@ -88,10 +88,10 @@ def test_every_flag_lands_in_exactly_one_disposition(base):
 
 def test_declined_flags_raise_one_message_each():
     with pytest.raises(UsageError) as err:
-        translate_megatron(BASE + ["--fp8-format", "hybrid", "--mtp-detach-heads", "--use-mup"])
+        translate_megatron(BASE + ["--fp8-format", "hybrid", "--mtp-detach-heads", "--moe-use-sinkhorn"])
     messages = err.value.messages
-    assert [m.split(":")[0] for m in messages] == ["--fp8-format", "--mtp-detach-heads", "--use-mup"] or \
-        sorted(m.split(":")[0] for m in messages) == ["--fp8-format", "--mtp-detach-heads", "--use-mup"]
+    assert [m.split(":")[0] for m in messages] == ["--fp8-format", "--mtp-detach-heads", "--moe-use-sinkhorn"] or \
+        sorted(m.split(":")[0] for m in messages) == ["--fp8-format", "--moe-use-sinkhorn", "--mtp-detach-heads"]
     assert all(" — " in m for m in messages)
 
 
