@@ -100,6 +100,26 @@ def test_tied_embeddings_stay_with_the_root(ctx):
     _loss_and_grads(model)
 
 
+def test_a_tie_with_an_unmatched_module_stays_with_the_root(ctx):
+    """GPT-2 (what Megatron's tied, learned-position flags build): of the default plan only `lm_head` matches,
+    and `transformer.wte` shares its weight from outside it — wrapping lm_head alone made FSDP2 refuse the
+    root ("shared with a parameter already managed by another FSDP group")."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from fsdp2_backend.parallel.apply import apply_parallelism
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                       tie_word_embeddings=True))
+    model = apply_parallelism(model, _config(), ctx)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert not isinstance(model.lm_head, FSDPModule) and isinstance(model, FSDPModule)
+    loss = model(input_ids=torch.randint(0, 128, (2, 16)), labels=torch.randint(0, 128, (2, 16))).loss
+    loss.backward()
+    assert torch.isfinite(loss) and model.transformer.wte.weight.grad is not None
+
+
 def test_bad_options_are_usage_errors(ctx):
     with pytest.raises(UsageError, match="parallel.shard_placement_fn: cannot import 'no.such.fn'"):
         _model(_config(shard_placement_fn="no.such.fn"), ctx)

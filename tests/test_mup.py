@@ -180,9 +180,8 @@ def test_scaled_down_corpus_line_trains_two_steps_on_one_cpu_rank(tmp_path):
                         ("--vocab-file", None), ("--merge-file", None), ("--data-cache-path", None), ("--split", None),
                         ("--tensorboard-dir", None), ("--bf16", None), ("--distributed-backend", "gloo")):
         argv = _set(argv, flag, value)
-    # untied: these flags build a tied GPT-2, whose tied lm_head FSDP2 sharding rejects with or without µP
-    argv += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127",
-             "--untie-embeddings-and-output-weights"]
+    # tied, as the line builds it (a tied GPT-2: the FSDP plan leaves the tied pair to the root)
+    argv += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127"]
     losses, log = run_pretrain(argv, tmp_path / "run")
     assert sorted(losses) == [1, 2], log[-2000:]
     assert all(math.isfinite(float(loss)) for _, loss in losses.values())

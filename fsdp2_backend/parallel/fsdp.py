@@ -2,8 +2,8 @@
 
 - Each matched module becomes its own FSDP unit (one all-gather / reduce-scatter each), in model order; the
   root takes whatever is left (final norm, tied weights...).
-- Modules whose parameters are shared with another matched module (tied embeddings) are not wrapped on their
-  own: a parameter can belong to one unit only, so the root keeps it.
+- Modules whose parameters are also held by a module outside them (tied embeddings, matched or not) are not
+  wrapped on their own: a parameter can belong to one unit only, so the root keeps it.
 - `ignored_modules`: their parameters stay out of FSDP (not sharded, not reduced — a later stage owns them).
 - Mixed precision from `param_dtype` / `reduce_dtype`; parameters stay fp32 (the optimizer's master copy).
 - `shard_placement_fn` is a dotted import path `package.module.function`.
@@ -55,22 +55,20 @@ def _units(model: nn.Module, patterns: Sequence[str], ignored: Set[nn.Parameter]
     # Lenient like the other plan fields: MindSpeed's YAMLs list modules some models lack (e.g. its mamba3 CI
     # YAML names `model.embeddings`); such a pattern is warned about once and the rest still shard.
     matched = lenient_matches(model, patterns, "parallel.fsdp_modules")
-    owners = {}
-    for _, module in matched:
-        for p in module.parameters():
-            owners.setdefault(p, []).append(module)
+    holders = {}  # parameter -> the modules anywhere in the model that hold it directly
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders.setdefault(p, []).append(module)
     units = []
     for _, module in matched:
         params = [p for p in module.parameters() if p not in ignored]
-        # Shared with a matched module that is neither its ancestor nor its descendant: a tie, leave to root.
-        tied = any(other is not module and not _nested(module, other) for p in params for other in owners[p])
+        inside = set(map(id, module.modules()))
+        # Also held by a module outside this one (GPT-2's lm_head shares wte's weight, and only wte is
+        # matched): a tie, left to the root, which is the one unit that sees both uses.
+        tied = any(id(holder) not in inside for p in params for holder in holders[p])
         if params and not tied:
             units.append(module)
     return units
-
-
-def _nested(a: nn.Module, b: nn.Module) -> bool:
-    return any(m is b for m in a.modules()) or any(m is a for m in b.modules())
 
 
 def apply_fsdp(model: nn.Module, parallel: ParallelArguments, mesh: DeviceMesh,
