@@ -2,7 +2,8 @@
 
 Megatron-core's router (`megatron.core.transformer.moe.router.TopKRouter`, `moe_utils`) is tied to its
 process-group globals and CUDA, so it cannot run inside an HF model here; this module re-states its maths
-(tests compare every function with megatron-core 0.16.1 on the same logits):
+(tests compare every function with megatron-core 0.16.1 on the same logits; the pure functions are in
+`router_functions.py`):
 
 - scores: `softmax` (top-k on the logits then softmax over the k — renormalised; or `pre_softmax`: softmax over
   all experts then top-k) or `sigmoid` (top-k of sigmoid scores, optionally selected on `scores + expert_bias`,
@@ -33,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp2_backend.models.moe.routing import balanced_assignment
+from fsdp2_backend.models.moe.router_functions import (aux_loss_scores, sinkhorn_routing, switch_load_balancing_loss,
+                                                       topk_routing, updated_expert_bias, z_loss)
 
 LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
               "global_aux_loss": "global_load_balancing_loss"}
@@ -118,104 +121,6 @@ def router_fields(model_args) -> Dict:
              "moe_z_loss_coeff", "moe_router_dtype")
     values = {name: getattr(model_args, name, None) for name in names}
     return {k: v for k, v in values.items() if v is not None and v != _FIELD_DEFAULTS.get(k, None)}
-
-
-# -- the routing functions (megatron-core's moe_utils, same maths) ------------------------------------------
-def group_limited_topk(scores: torch.Tensor, top_k: int, num_groups: int, group_topk: int):
-    """Top-k within the `group_topk` expert groups whose top-(k / group_topk) scores sum highest."""
-    tokens, experts = scores.shape
-    group_scores = scores.view(tokens, num_groups, -1).topk(top_k // group_topk, dim=-1)[0].sum(dim=-1)
-    group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(tokens, num_groups, experts // num_groups).reshape(tokens, -1)
-    return torch.topk(scores.masked_fill(~score_mask.bool(), float("-inf")), k=top_k, dim=-1)
-
-
-def topk_routing(logits: torch.Tensor, s: RouterSettings, expert_bias: Optional[torch.Tensor] = None,
-                 index: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(weights, index), both (tokens, k): the selected experts and their combine weights. `index`, when
-    given, replaces the selection (fix_router) and the weights are computed for it the same way."""
-
-    def pick(scores):
-        if index is not None:
-            return scores.gather(1, index), index
-        if s.group_topk:
-            return group_limited_topk(scores, s.top_k, s.num_groups, s.group_topk)
-        return torch.topk(scores, k=s.top_k, dim=1)
-
-    if s.score_function == "softmax":
-        if s.pre_softmax:
-            probs, idx = pick(torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits))
-        else:
-            top, idx = pick(logits)
-            probs = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
-    elif s.score_function == "sigmoid":
-        scores = torch.sigmoid(logits.float()).type_as(logits)
-        if expert_bias is not None:
-            idx = index if index is not None else pick(scores + expert_bias)[1]
-            probs = torch.gather(scores, 1, idx).type_as(logits)
-        else:
-            probs, idx = pick(scores)
-        probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20) if s.top_k > 1 else probs
-    else:
-        raise ValueError(f"unknown router score function {s.score_function!r}")
-    if s.scaling_factor:
-        probs = probs * s.scaling_factor
-    return probs, idx
-
-
-def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
-    """Sinkhorn-Knopp balancing of exp(cost) (megatron-core's, same iteration and tolerance)."""
-    cost = torch.exp(cost)
-    d0 = torch.ones(cost.size(0), device=cost.device, dtype=cost.dtype)
-    d1 = torch.ones(cost.size(1), device=cost.device, dtype=cost.dtype)
-    eps, error, d1_old = 1e-8, 1e9, d1
-    while error > tol:
-        d0 = (1 / d0.size(0)) * 1 / (torch.sum(d1 * cost, 1) + eps)
-        d1 = (1 / d1.size(0)) * 1 / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
-        error = torch.mean(torch.abs(d1_old - d1))
-        d1_old = d1
-    return d1 * cost * d0.unsqueeze(1)
-
-
-def sinkhorn_routing(logits: torch.Tensor, top_k: int, training: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(weights, index): experts chosen on the Sinkhorn-balanced logits in training (on the activations in
-    evaluation); weights are sigmoid (k = 1) or softmax scores of the chosen experts, not renormalised."""
-    act = torch.sigmoid(logits) if top_k == 1 else torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
-    with torch.no_grad():
-        chooser = sinkhorn(logits.float()) if training else act
-        idx = torch.topk(chooser, k=top_k, dim=1)[1]
-    return act.gather(1, idx), idx
-
-
-def aux_loss_scores(logits: torch.Tensor, top_k: int, score_function: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(routing_map (T, E) bool, scores (T, E)) the load-balancing losses use: plain top-k of softmax scores,
-    or of sum-normalised sigmoid scores (no bias, no groups)."""
-    if score_function == "softmax":
-        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    else:
-        scores = torch.sigmoid(logits)
-        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    top = torch.topk(scores, k=top_k, dim=1)[1]
-    return torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True), scores
-
-
-def switch_load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, total_tokens,
-                               top_k: int, num_experts: int, coeff: float) -> torch.Tensor:
-    """E · coeff / (k · T²) · Σ_e (Σ_t p_te) · n_e — the Switch Transformer loss, Megatron's normalisation."""
-    return torch.sum(probs.sum(dim=0) * tokens_per_expert) * (
-        num_experts * coeff / (top_k * total_tokens * total_tokens))
-
-
-def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
-    """coeff · mean over tokens of logsumexp(logits)² (ST-MoE)."""
-    return torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * coeff
-
-
-def updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, rate: float) -> torch.Tensor:
-    """bias + rate · sign(mean load − load), per router row (the token counts already summed over ranks)."""
-    average = tokens_per_expert.sum(dim=-1, keepdim=True) / tokens_per_expert.shape[-1]
-    return expert_bias + torch.sign(average - tokens_per_expert) * rate
 
 
 # -- the module ------------------------------------------------------------------------------------------------
