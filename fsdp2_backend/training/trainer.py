@@ -158,8 +158,14 @@ class Trainer:
             loss_sum, count = self.loss_fn(out.logits, batch["labels"], batch["loss_mask"])
             aux = getattr(out, "aux_loss", None)  # MoE load balancing (HF: with config.output_router_logits)
         if aux is not None:
-            aux = aux * getattr(self.model, "router_aux_loss_coef", self.model.config.router_aux_loss_coef)
+            aux = aux * self._aux_loss_coef()
         return loss_sum, count, aux
+
+    def _aux_loss_coef(self) -> float:
+        """HF's weight of the returned aux loss: the model's own (an HF MoE model's attribute) else its config's.
+        Our routers return Megatron's losses already weighted; their models set the attribute to 1."""
+        coef = getattr(self.model, "router_aux_loss_coef", None)
+        return coef if coef is not None else getattr(self.model.config, "router_aux_loss_coef", 1.0)
 
     def _mtp_forward_loss(self, batch: Batch, accounting: GlobalBatchLoss):
         from fsdp2_backend.models.mtp import mtp_forward
@@ -178,7 +184,7 @@ class Trainer:
         loss_sum, count = self.loss_fn(out.logits, batch["labels"], batch["loss_mask"])
         aux = getattr(out, "aux_loss", None)
         if aux is not None:
-            aux = aux * getattr(self.model, "router_aux_loss_coef", self.model.config.router_aux_loss_coef)
+            aux = aux * self._aux_loss_coef()
         return loss_sum, count, aux
 
     def _finish_mtp(self, micro_batches: int) -> Dict[str, float]:
