@@ -3,12 +3,16 @@ sinks: ours (SDPA, the sinks as a key column) vs transformers' eager attention a
 
     python benchmarks/bench_moe_models.py [--steps 3] [--seq 256] [--attn-seq 4096] [--skip-train | --skip-attn]
 
-Models: qwen3_moe and gpt_oss (the model ids of this project), tiny configs of the same shape (2 layers, hidden
-128, 8 experts top 2), Megatron's router with an aux loss. Per layout: tokens/s over both ranks (best step after
-a warm-up step) and a rank's peak RSS during the timed steps, as `bench_moe.py` measures them (whose helpers are
-reused). Attention: forward + backward of one layer's attention core (B 1, 8 heads, head dim 64, sliding window
-off and 128), fp32, best of `--repeats`, and the peak memory each path allocates (torch's CPU profiler).
-minimax_m27 and step35 are not implemented yet.
+Models: qwen3_moe, gpt_oss, minimax_m27 and step35 (the model ids of this project), tiny configs of the same
+shape (2 layers, both sparse, hidden 128, 8 experts top 2), Megatron's router with an aux loss (`configure_moe`,
+as the model ids' own configure functions call it; every model's output carries `aux_loss`, already in its
+`loss`). Each keeps its own features: gpt_oss sliding + full attention with sinks; minimax_m27 q/k norm,
+partial RoPE and sigmoid routing with the selection bias; step35 full + sliding attention (more heads on the
+sliding layer), the head-wise attention gate, a shared expert and sigmoid routing with the selection bias.
+Per layout: tokens/s over both ranks (best step after a warm-up step) and a rank's peak RSS during the timed
+steps, as `bench_moe.py` measures them (whose helpers are reused). Attention: forward + backward of one layer's
+attention core (B 1, 8 heads, head dim 64, sliding window off and 128), fp32, best of `--repeats`, and the peak
+memory each path allocates (torch's CPU profiler).
 """
 from __future__ import annotations
 
@@ -44,13 +48,33 @@ def _model(name: str, args):
 
         model = build_qwen3_moe(Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=64, num_experts=8,
                                                **common))
-    else:
+    elif name == "gpt_oss":
         from transformers import GptOssConfig
 
         from fsdp2_backend.models.gpt_oss import build_gpt_oss
 
         model = build_gpt_oss(GptOssConfig(intermediate_size=64, num_local_experts=8, sliding_window=128,
                                            layer_types=["sliding_attention", "full_attention"], **common))
+    elif name == "minimax_m27":
+        from transformers import MiniMaxM2Config
+
+        from fsdp2_backend.models.minimax_m2 import build_minimax_m2
+
+        model = build_minimax_m2(MiniMaxM2Config(intermediate_size=64, num_local_experts=8, rotary_dim=16,
+                                                 bos_token_id=None, eos_token_id=None, **common))
+    else:  # step35: Step-3.5's own config.json keys, as tests/test_step35.py; both layers sparse (none dense)
+        from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
+
+        from fsdp2_backend.models.step35 import build_step35
+
+        model = build_step35(Step3p7TextConfig(
+            intermediate_size=256, moe_num_experts=8, moe_intermediate_size=64, share_expert_dim=64,
+            moe_layers_enum="0,1", layer_types=["full_attention", "sliding_attention"], sliding_window=128,
+            attention_other_setting={"attention_type": "sliding_attention", "num_attention_heads": 8,
+                                     "num_attention_groups": 2, "head_dim": 32, "true_head_dim": 32},
+            rope_theta=[10000.0, 500.0], partial_rotary_factors=[0.5, 1.0], use_head_wise_attn_gate=True,
+            use_moe_router_bias=True, need_fp32_gate=True, moe_router_activation="sigmoid",
+            moe_router_scaling_factor=2.5, pad_token_id=0, **common))
     fields = SimpleNamespace(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
                              moe_router_enable_expert_bias=False, moe_router_bias_update_rate=1e-3)
     configure_moe(model, moe_grouped_gemm=True, fix_router=False, model_args=fields)
@@ -87,7 +111,8 @@ def _rank(rank, world_size, name, ep, args, out_dir):
         start = time.perf_counter()
         opt.zero_grad()
         out = model(input_ids=ids, labels=ids, use_cache=False)
-        (out.loss + out.aux_loss).backward()
+        assert out.aux_loss is not None, f"{name}: no Megatron aux loss"  # (already added to out.loss)
+        out.loss.backward()
         opt.step()
         dist.barrier()
         times.append(time.perf_counter() - start)
@@ -100,8 +125,8 @@ def bench_training(args):
     from tests.helpers import run_distributed
 
     print(f"\n2 gloo ranks, 1 thread each, 1x{args.seq} tokens per rank, grouped GEMM, Megatron aux loss")
-    print(f"{'model':<10} {'layout':<6} {'tokens/s':>9} {'vs no EP':>9} {'peak RSS MB':>12}")
-    for name in ("qwen3_moe", "gpt_oss"):
+    print(f"{'model':<11} {'layout':<6} {'tokens/s':>9} {'vs no EP':>9} {'peak RSS MB':>12}")
+    for name in ("qwen3_moe", "gpt_oss", "minimax_m27", "step35"):
         rows = {}
         for ep in (1, 2):
             with tempfile.TemporaryDirectory() as out:
@@ -109,7 +134,7 @@ def bench_training(args):
                 ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)]
             rows[ep] = (min(r["tokens_per_s"] for r in ranks), max(r["peak_rss_mb"] for r in ranks))
         for ep, (tps, rss) in rows.items():
-            print(f"{name:<10} {'no EP' if ep == 1 else 'EP 2':<6} {tps:>9.0f} {tps / rows[1][0]:>8.2f}x {rss:>12.0f}")
+            print(f"{name:<11} {'no EP' if ep == 1 else 'EP 2':<6} {tps:>9.0f} {tps / rows[1][0]:>8.2f}x {rss:>12.0f}")
 
 
 def _peak_alloc_mb(fn) -> float:
