@@ -53,12 +53,22 @@ _TMP_SUFFIX = ".tmp"
 _DELETING_SUFFIX = ".deleting"
 
 
+def print_line(line: str) -> None:
+    """One line on stdout in ONE write: rank 0 (checkpoint lines) and the last rank (the training log line)
+    share torchrun's output, and `print` under `python -u` writes the text and its newline separately, so
+    another rank's line could land between them and glue two lines together."""
+    import sys
+
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def print_rank0(line: str) -> None:
     """User-facing lines (Megatron's among them), on stdout of rank 0 as print_rank_0 writes."""
     import torch.distributed as dist  # here, not at import: validation reads this module without torch
 
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(line, flush=True)
+        print_line(line)
 
 
 def iter_dir_name(iteration: int) -> str:

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from fsdp2_backend.training.checkpoint_io import print_line
 from fsdp2_backend.training.metrics_writers import (IntervalTimers, ScalarWriters, memory_scalars,  # noqa: F401
                                                      open_tensorboard)
 
@@ -196,7 +197,7 @@ class TrainLogger:
 
     def __init__(self, *, train_iters: int, log_interval: int, global_batch_size: int, world_size: int,
                  device: torch.device, is_logging_rank: bool, tokens_per_iteration: int,
-                 tensorboard_dir: Optional[str] = None, print_fn: Callable[[str], None] = print,
+                 tensorboard_dir: Optional[str] = None, print_fn: Callable[[str], None] = print_line,
                  flops_per_iteration: Optional[float] = None, peak_flops_per_device: Optional[float] = None,
                  log_cpu_memory: bool = False, tensorboard_log_interval: int = 1,
                  params_norm_fn: Optional[Callable[[], float]] = None, log_memory: bool = False,
