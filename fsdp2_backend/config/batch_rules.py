@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import List
 
-from fsdp2_backend.config.schema import parallel_layout
+from fsdp2_backend.config.layout import parallel_layout
 
 _RAMP = "training.rampup_batch_size"
 _STEPS = "training.step_batch_size_schedule"

@@ -23,7 +23,8 @@ import re
 from typing import Any, Dict, List, Optional
 
 from fsdp2_backend.config.model_facts import ModelFacts
-from fsdp2_backend.config.schema import Config, TrainingArguments, parallel_layout
+from fsdp2_backend.config.layout import parallel_layout
+from fsdp2_backend.config.schema import Config, TrainingArguments
 from fsdp2_backend.config.weight_files import weight_file_problems
 from fsdp2_backend.training.exit_signal import resolve_signal
 

@@ -25,7 +25,8 @@ from fsdp2_backend.config.mup_rules import mup_errors
 from fsdp2_backend.config.quant_rules import check_quantization, quant_notices
 from fsdp2_backend.config.router_rules import (ROUTER_MODEL_TYPES, check_router_model, megatron_router_set,
                                                router_errors)
-from fsdp2_backend.config.schema import Config, parallel_layout
+from fsdp2_backend.config.layout import parallel_layout
+from fsdp2_backend.config.schema import Config
 from fsdp2_backend.config.sft_rules import check_sft, normalise_sft, sft_notices
 from usage_errors import UsageError
 
