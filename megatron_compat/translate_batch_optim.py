@@ -1,10 +1,65 @@
-"""Megatron's batch-size schedule flags (--rampup-batch-size, --step-batch-size-schedule,
+"""Megatron's optimizer flags (--optimizer, --decoupled-min-lr, the weight-decay schedule, the scheduler-on-resume
+choice), its batch-size schedule flags (--rampup-batch-size, --step-batch-size-schedule,
 --decrease-batch-size-if-needed → training.*; fsdp2_backend/training/batch_rampup.py), MindSpeed's --o2-optimizer
 (training.o2_optimizer; training/o2_adamw.py) and Megatron's --muon-* options (training.muon_*; training/muon.py).
 """
 from __future__ import annotations
 
 from megatron_compat.translate_handlers import HANDLERS, _direct, handles
+
+# --- optimizer -------------------------------------------------------------------------------------------------
+_OPTIMIZERS = {"adam": "adamw", "muon": "muon"}  # Megatron's adam is AdamW (decoupled weight decay)
+
+
+@handles("optimizer", "training.optimizer (adam → adamw, muon)")
+def _optimizer(ctx, value):
+    if value in _OPTIMIZERS:
+        ctx.set("training.optimizer", _OPTIMIZERS[value])
+    else:
+        ctx.decline("optimizer", f"'{value}' is not available — use adam (AdamW) or muon")
+
+
+@handles("decoupled_min_lr", "training.decoupled_min_lr")
+def _decoupled_min_lr(ctx, value):
+    if value is None:
+        return
+    if ctx.get("decoupled_lr") is None:  # Megatron applies it only to the decoupled-lr groups
+        ctx.record("decoupled_min_lr", "no_effect", "Megatron reads it only with --decoupled-lr (then it maps "
+                                                    "to training.decoupled_min_lr)")
+    else:
+        ctx.set("training.decoupled_min_lr", value)
+
+
+@handles("weight_decay_incr_style", "training.weight_decay_incr_style")
+def _wd_incr_style(ctx, value):
+    """Megatron's validate_args: constant takes --weight-decay and refuses start/end; linear/cosine need both."""
+    ctx.set("training.weight_decay_incr_style", value)
+    start, end = ctx.get("start_weight_decay"), ctx.get("end_weight_decay")
+    if value == "constant":
+        for dest in ("start_weight_decay", "end_weight_decay"):
+            if ctx.get(dest) is not None:
+                ctx.decline(dest, f"maps to training.{dest} only with --weight-decay-incr-style linear or cosine "
+                                  "(Megatron refuses it with the constant style) — add the style, or drop it "
+                                  "(constant uses --weight-decay)")
+    elif start is None or end is None:
+        ctx.decline("weight_decay_incr_style", f"'{value}' maps to training.weight_decay_incr_style with "
+                                               "--start-weight-decay and --end-weight-decay (Megatron needs both) — "
+                                               "give both")
+    elif not 0.0 <= start <= end:
+        ctx.decline("start_weight_decay", f"{start} must lie in [0, --end-weight-decay {end}] — weight decay can "
+                                          "only increase")
+
+
+_ON_RESUME = {"override_opt_param_scheduler": "override", "use_checkpoint_opt_param_scheduler": "checkpoint"}
+for _dest in _ON_RESUME:
+    @handles(_dest, f"training.lr_scheduler_on_resume {_ON_RESUME[_dest]}")
+    def _on_resume(ctx, value, _dest=_dest):
+        chosen = [dest for dest in _ON_RESUME if ctx.get(dest)]
+        if len(chosen) > 1:
+            ctx.decline(_dest, "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
+                               "exclusive — keep one")
+        ctx.set("training.lr_scheduler_on_resume", _ON_RESUME[chosen[0]] if len(chosen) == 1 else "check")
+
 
 _direct("rampup_batch_size", "training.rampup_batch_size", lambda v: [int(x) for x in v])
 
