@@ -159,3 +159,29 @@ def test_gradient_accumulation_is_derived_once_by_validation():
     config = _config(max_steps=2, global_batch_size=16, per_device_train_batch_size=2, output_dir="/tmp/x")
     config.model.architecture = {"model_type": "qwen3"}
     assert validate(config, 4).training.gradient_accumulation_steps == 2  # 16 / (2 x 4)
+
+
+def test_a_step35_checkpoint_without_its_model_id_names_the_id(tmp_path):
+    """transformers has no causal LM for model_type step3p5: one line saying which model_id builds it (before, a
+    ValueError traceback from AutoModelForCausalLM at model build)."""
+    from tests.test_step35 import step35_config_dict
+
+    (tmp_path / "config.json").write_text(json.dumps(step35_config_dict()))
+    config = Config()
+    config.model.model_name_or_path = str(tmp_path)
+    config.data.data_manager_type, config.data.mock_data = "mg", True
+    config.training.output_dir = str(tmp_path / "out")
+    with pytest.raises(UsageError) as err:
+        validate(config)
+    assert "model.model_id: the model (step3p5, from the hf directory) has no causal LM in transformers — set " \
+           "model.model_id step35" in str(err.value)
+    config.model.model_id = "step35"
+    assert "model.model_id" not in _errors_of(config)
+
+
+def _errors_of(config) -> str:
+    try:
+        validate(config)
+    except UsageError as err:
+        return str(err)
+    return ""

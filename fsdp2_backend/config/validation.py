@@ -167,8 +167,11 @@ def _check_seed_rules(config: Config, errors: List[str]) -> None:
         for name, why in ((chunk, "optimization.chunk_loss_size (the head computes the MTP loss from full logits)"),
                           (p.tp_size > 1, "parallel.tp_size > 1 (the MTP layers get no tensor-parallel plan yet)"),
                           (p.ep_size > 1, "parallel.ep_size > 1 (the MTP layer's experts get no expert plan yet)"),
-                          (config.model.model_id not in (None, "qwen3"),
-                           f"model.model_id {config.model.model_id} (MTP runs over transformers' own layers)"),
+                          (config.model.model_id not in (None, "qwen3", "qwen3_next"),  # models/mtp_layouts.py
+                           f"model.model_id {config.model.model_id} (no MTP layer layout for it yet)"),
+                          (config.model.model_id == "qwen3_next" and mtp != 1,  # one fc / norm pair in its layout
+                           f"model.model_id qwen3_next and mtp_num_layers {mtp} (Qwen3-Next's MTP layout holds one "
+                           f"depth: give mtp_num_layers 1)"),
                           (config.model.init_model_with_meta_device,
                            "model.init_model_with_meta_device (MTP weights are initialised on a real device)")):
             if name:
@@ -276,7 +279,15 @@ _MEGATRON_CHECKPOINT_WORDING = {"hidden_size": "hidden_size", "num_hidden_layers
                                 "max_position_embeddings": "max_position_embeddings"}
 
 
+# Model types transformers builds no causal LM for, and the model id that does.
+_MODEL_ID_REQUIRED = {"step3p5": "step35"}
+
+
 def _check_model_defined(config: Config, facts: ModelFacts, errors: List[str]) -> None:
+    needed = _MODEL_ID_REQUIRED.get(facts.model_type)
+    if needed and config.model.model_id is None:
+        errors.append(f"model.model_id: the model ({facts.model_type}, from the {facts.source}) has no causal LM in "
+                      f"transformers — set model.model_id {needed}")
     if facts.source:
         return
     load = config.training.resume_from_checkpoint
