@@ -30,7 +30,8 @@ from transformers.models.gpt_oss.modeling_gpt_oss import (GptOssExperts, GptOssF
 
 from fsdp2_backend.distributed.dtensor import local_tensor
 from fsdp2_backend.models.moe.experts import GroupedExperts
-from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, attach_aux_loss
+from fsdp2_backend.models.moe.grouped_causal_lm import GroupedMoECausalLM
+from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter
 from kernels.grouped_gemm import grouped_linear
 from kernels.sink_attention import register_sink_attention
 
@@ -107,8 +108,11 @@ def _mlp_biases(mlp) -> List[nn.Parameter]:
     return [mlp.experts.gate_up_proj_bias, mlp.experts.down_proj_bias, mlp.router.bias]
 
 
-class GptOssGroupedForCausalLM(GptOssForCausalLM):
-    """`GptOssForCausalLM` with sink attention through SDPA, `GptOssGroupedExperts` and `GptOssRouter`."""
+class GptOssGroupedForCausalLM(GroupedMoECausalLM, GptOssForCausalLM):
+    """`GptOssForCausalLM` with sink attention through SDPA, `GptOssGroupedExperts` and `GptOssRouter`;
+    transformers' init, save and aux loss through `GroupedMoECausalLM`."""
+
+    hf_experts_class, hf_class = GptOssExperts, GptOssForCausalLM
 
     def __init__(self, config):
         register_sink_attention()
@@ -117,31 +121,18 @@ class GptOssGroupedForCausalLM(GptOssForCausalLM):
         for layer in self.model.layers:
             _swap(config, layer.mlp)
 
-    def forward(self, *args, **kwargs):
-        """transformers' forward; with Megatron's losses on, `aux_loss` is their weighted sum over the layers."""
-        out = super().forward(*args, **kwargs)
-        return attach_aux_loss(self, out)
-
     def _init_weights(self, module):
-        if isinstance(module, GptOssGroupedExperts):  # as transformers initialises its GptOssExperts
-            hf = object.__new__(GptOssExperts)
-            hf.__dict__.update(module.__dict__)
-            super()._init_weights(hf)
-            return
         super()._init_weights(module)
-        if isinstance(module, TopKRouter):
-            module.reset_buffers()
-            if not getattr(self.config, "mlp_bias", True):  # Megatron's router without bias: zero, frozen
-                torch.nn.init.zeros_(module.bias)
+        if isinstance(module, TopKRouter) and not getattr(self.config, "mlp_bias", True):
+            torch.nn.init.zeros_(module.bias)  # Megatron's router without bias: zero, frozen
 
     def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
-        """transformers' save, naming transformers' own class and eager attention in config.json."""
+        """config.json also names eager attention (transformers' own for sinks on every device)."""
         implementation = self.config._attn_implementation
-        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
-        if is_main_process:
-            self.config.architectures = [GptOssForCausalLM.__name__]
-            self.config._attn_implementation = "eager"
-            self.config.save_pretrained(save_directory)
+        self.config._attn_implementation = "eager"
+        try:
+            super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        finally:
             self.config._attn_implementation = implementation
 
 

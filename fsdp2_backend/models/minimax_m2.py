@@ -30,7 +30,8 @@ from transformers.models.minimax_m2.modeling_minimax_m2 import (MiniMaxM2Experts
                                                                 MiniMaxM2SparseMoeBlock, MiniMaxM2TopKRouter)
 
 from fsdp2_backend.models.moe.experts import GroupedExperts
-from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, attach_aux_loss
+from fsdp2_backend.models.moe.grouped_causal_lm import GroupedMoECausalLM
+from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter
 from fsdp2_backend.models.qwen3_moe import configure_moe
 
 _STACKED = re.compile(r"^(?P<layer>.*)\.mlp\.experts\.(?P<name>gate_up_proj|down_proj)$")
@@ -79,35 +80,16 @@ def _swap(config, block: MiniMaxM2SparseMoeBlock) -> None:
     block.__class__ = MiniMaxM2GroupedBlock
 
 
-class MiniMaxM2GroupedForCausalLM(MiniMaxM2ForCausalLM):
-    """`MiniMaxM2ForCausalLM` whose sparse blocks use `GroupedExperts` and `MiniMaxM2Router` (same weights)."""
+class MiniMaxM2GroupedForCausalLM(GroupedMoECausalLM, MiniMaxM2ForCausalLM):
+    """`MiniMaxM2ForCausalLM` whose sparse blocks use `GroupedExperts` and `MiniMaxM2Router` (same weights);
+    transformers' init, save (its per-expert on-disk layout) and aux loss through `GroupedMoECausalLM`."""
+
+    hf_experts_class, hf_class = MiniMaxM2Experts, MiniMaxM2ForCausalLM
 
     def __init__(self, config):
         super().__init__(config)
         for layer in self.model.layers:
             _swap(config, layer.mlp)
-
-    def forward(self, *args, **kwargs):
-        """transformers' forward; with Megatron's losses on, `aux_loss` is their weighted sum over the layers."""
-        out = super().forward(*args, **kwargs)
-        return attach_aux_loss(self, out)
-
-    def _init_weights(self, module):
-        if isinstance(module, GroupedExperts):  # as transformers initialises its MiniMaxM2Experts
-            hf = object.__new__(MiniMaxM2Experts)
-            hf.__dict__.update(module.__dict__)
-            super()._init_weights(hf)
-            return
-        super()._init_weights(module)
-        if isinstance(module, TopKRouter):
-            module.reset_buffers()
-
-    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
-        """transformers' save (its per-expert on-disk layout), naming transformers' own class in config.json."""
-        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
-        if is_main_process:
-            self.config.architectures = [MiniMaxM2ForCausalLM.__name__]
-            self.config.save_pretrained(save_directory)
 
 
 def build_minimax_m2(hf_config) -> MiniMaxM2GroupedForCausalLM:
