@@ -100,7 +100,7 @@ def test_tied_embeddings_stay_with_the_root(ctx):
     _loss_and_grads(model)
 
 
-def test_a_tie_with_an_unmatched_module_stays_with_the_root(ctx):
+def test_a_tie_with_an_unmatched_module_stays_with_the_root(ctx, capsys):
     """GPT-2 (what Megatron's tied, learned-position flags build): of the default plan only `lm_head` matches,
     and `transformer.wte` shares its weight from outside it — wrapping lm_head alone made FSDP2 refuse the
     root ("shared with a parameter already managed by another FSDP group")."""
@@ -115,9 +115,12 @@ def test_a_tie_with_an_unmatched_module_stays_with_the_root(ctx):
     model = apply_parallelism(model, _config(), ctx)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert not isinstance(model.lm_head, FSDPModule) and isinstance(model, FSDPModule)
+    # the default plan's `model.layers.{}` is not GPT-2's path: its blocks (GPT2Block) are the units instead
+    assert all(isinstance(block, FSDPModule) for block in model.transformer.h)
     loss = model(input_ids=torch.randint(0, 128, (2, 16)), labels=torch.randint(0, 128, (2, 16))).loss
     loss.backward()
     assert torch.isfinite(loss) and model.transformer.wte.weight.grad is not None
+    assert "decoder blocks transformer.h.{} are the FSDP units" in capsys.readouterr().out
 
 
 def test_bad_options_are_usage_errors(ctx):

@@ -7,6 +7,9 @@
 - `ignored_modules`: their parameters stay out of FSDP (not sharded, not reduced — a later stage owns them).
 - Mixed precision from `param_dtype` / `reduce_dtype`; parameters stay fp32 (the optimizer's master copy).
 - `shard_placement_fn` is a dotted import path `package.module.function`.
+- The default `fsdp_modules` names Llama-style paths (`model.layers.{}`); a model whose decoder blocks live elsewhere
+  (GPT-2's `transformer.h.N`) gets its blocks — transformers' `_no_split_modules` classes — as units instead, said
+  once (`_family_default`), rather than one root unit holding every layer.
 - Explicit prefetch: each unit all-gathers the next `num_to_forward_prefetch` units in forward and the
   previous `num_to_backward_prefetch` units in backward.
 """
@@ -22,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from fsdp2_backend.config import ParallelArguments
 from usage_errors import UsageError
-from fsdp2_backend.parallel.plans import lenient_matches
+from fsdp2_backend.parallel.plans import lenient_matches, unmatched_patterns
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -50,8 +53,28 @@ def _ignored_params(model: nn.Module, patterns: Optional[Sequence[str]]) -> Set[
             for p in module.parameters()}
 
 
+def _family_default(model: nn.Module, patterns: Sequence[str]) -> Sequence[str]:
+    """`patterns`, or, when they are the default and its layer pattern matches nothing here, the default's
+    patterns that match plus the model's own decoder blocks (transformers' `_no_split_modules` classes)."""
+    default = ParallelArguments().fsdp_modules
+    if list(patterns) != default or not unmatched_patterns(model, default[:1]):
+        return patterns
+    block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = sorted({name.rsplit(".", 1)[0] + ".{}" for name, module in model.named_modules()
+                     if type(module).__name__ in block_classes and name.rsplit(".", 1)[-1].isdigit()})
+    if not blocks:
+        return patterns
+    from fsdp2_backend.training.checkpoint_io import print_rank0
+
+    print_rank0(f"parallel.fsdp_modules: the default's '{default[0]}' is not a path of {type(model).__name__} — its "
+                f"decoder blocks {', '.join(blocks)} are the FSDP units (set fsdp_modules to choose others)")
+    unmatched = set(unmatched_patterns(model, default[1:]))
+    return blocks + [p for p in default[1:] if p not in unmatched]
+
+
 def _units(model: nn.Module, patterns: Sequence[str], ignored: Set[nn.Parameter]) -> List[nn.Module]:
     """The matched modules to wrap, in model order, without tied ones and ones with nothing to shard."""
+    patterns = _family_default(model, patterns)
     # Lenient like the other plan fields: MindSpeed's YAMLs list modules some models lack (e.g. its mamba3 CI
     # YAML names `model.embeddings`); such a pattern is warned about once and the rest still shard.
     matched = lenient_matches(model, patterns, "parallel.fsdp_modules")
