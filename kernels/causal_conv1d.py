@@ -9,8 +9,12 @@ count as zero, so no token sees the previous document. The math is transformers'
 
 Implementations: "torch" — `F.conv1d` for unpacked rows (what transformers runs), and for packed rows a sum
 over the W shifted copies of x with each tap masked where it would cross a document start (W is 4: W cheap
-elementwise passes, vectorised over the whole batch). On NPU the same plain tensor ops run. Dao-AILab's
-causal-conv1d CUDA kernel is used only when the caller asks for it and the package is importable.
+elementwise passes, vectorised over the whole batch). "triton" — `kernels/causal_conv1d_triton.py` (forward and
+backward, SiLU fused, the same document resets), on CUDA only; Qwen3-Next's Gated DeltaNet selects it together
+with its triton gated delta rule (`use_triton_gdn`: the conv is the first half of the same mixer, so one flag
+covers both; see `conv1d_implementation`). On NPU (`use_flash_gdn`) the torch reference's plain tensor ops run:
+torch_npu has no documented training causal-conv1d op with document resets. Dao-AILab's causal-conv1d CUDA
+kernel is used only when the caller asks for it and the package is importable.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from kernels.varlen import position_ids_from_cu_seqlens
 
@@ -51,9 +56,22 @@ def causal_conv1d_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = 
     return _activate(out, activation).to(x.dtype)
 
 
+def conv1d_implementation(device_type: str, gdn_implementation: str = "torch") -> str:
+    """The conv's implementation in a Gated DeltaNet mixer whose gated delta rule runs `gdn_implementation`
+    (`kernels.gated_delta_rule.gdn_implementation`): "triton" when that is triton on CUDA, else "torch"."""
+    return "triton" if gdn_implementation == "triton" and device_type == "cuda" else "torch"
+
+
 def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = "silu",
-                  cu_seqlens: Optional[Tensor] = None, use_cuda_kernel: bool = False) -> Tensor:
-    """Depthwise causal conv1d with the implementation for x's device (see the module docstring)."""
+                  cu_seqlens: Optional[Tensor] = None, use_cuda_kernel: bool = False,
+                  implementation: str = "torch") -> Tensor:
+    """Depthwise causal conv1d with the implementation for x's device (see the module docstring);
+    `implementation` "triton" runs the triton kernels on CUDA tensors (DTensors: the reference)."""
+    if implementation == "triton" and x.device.type == "cuda" and \
+            not any(isinstance(t, DTensor) for t in (x, weight, bias)):
+        from kernels.causal_conv1d_triton import triton_causal_conv1d
+
+        return triton_causal_conv1d(x, weight, bias, activation, cu_seqlens)
     if use_cuda_kernel and x.device.type == "cuda" and cu_seqlens is None and \
             importlib.util.find_spec("causal_conv1d") is not None:
         from causal_conv1d import causal_conv1d_fn  # guarded: optional CUDA package

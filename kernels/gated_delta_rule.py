@@ -6,8 +6,9 @@ The recurrence, per head, with state S (K x V), for t = 1..T (q scaled by 1/sqrt
 The reference computes it chunk by chunk (WY / UT form, as in the Gated DeltaNet paper): inside a chunk of C
 tokens everything is batched matmuls and one unit-triangular solve; only the C x-smaller state hand-off runs as a
 loop over chunks (never one per token). Everything runs in fp32 whatever the input dtype; the output is cast
-back. Gradients come from autograd through these ops (the chunk's UT inverse has a two-matmul backward of its
-own, `_UnitLowerInverse`): the per-chunk states are the only thing kept per chunk,
+back. The scan is one autograd Function with a hand-written backward (`kernels/gated_delta_rule_scan.py`: the
+chunked rule's adjoint, a reverse loop over chunks plus batched matmuls; autograd through the chunk loop spent as
+much on elementwise temporaries as on the matmuls): the per-chunk states are the only thing kept per chunk,
 so memory stays linear in the sequence length. transformers' own torch fallback writes each chunk's output into
 one preallocated tensor in place, whose backward copies the whole gradient once per chunk (quadratic); here
 chunk outputs are computed after the state scan in one batched matmul.
@@ -34,6 +35,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from kernels.gated_delta_rule_scan import chunked_scan
 from usage_errors import UsageError
 
 Tensor = torch.Tensor
@@ -57,89 +59,6 @@ def _chunk_layout(cu_seqlens: Tensor, chunk_size: int) -> Tuple[Tensor, Tensor, 
     destination = padded_offsets[doc] + (token - cu[doc])
     first_chunks = (padded_offsets[:-1] // chunk_size).tolist()
     return destination, padded_offsets[-1], first_chunks, lengths.numel()
-
-
-class _UnitLowerInverse(torch.autograd.Function):
-    """(I + A)^-1 for A strictly lower triangular [..., C, C] (what A holds on and above the diagonal is ignored).
-
-    Forward: a triangular solve against the identity (C right-hand sides, where solving for u and w directly
-    takes K + V: a quarter of the solve at head dim 128, and no concatenated right-hand side); backward:
-    d(M^-1) = -M^-1 dM M^-1, so dA = -M^-T dInv M^-T on the strictly lower part — two matmuls, where autograd
-    through a solve would solve again. (A hand-written backward for the chunk loop was tried as well and was
-    not faster than autograd's on CPU: the loop is matmul-bound.)"""
-
-    @staticmethod
-    def forward(ctx, a: Tensor) -> Tensor:
-        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device).expand_as(a)
-        inverse = torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
-        ctx.save_for_backward(inverse)
-        return inverse
-
-    @staticmethod
-    def backward(ctx, d_inverse: Tensor) -> Tensor:
-        (inverse,) = ctx.saved_tensors
-        inverse_t = inverse.transpose(-1, -2)
-        return (-(inverse_t @ d_inverse @ inverse_t)).tril(-1)
-
-
-def _scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int,
-          doc_first_chunks: Optional[List[int]], initial_state: Optional[Tensor]):
-    """The chunked rule on fp32 [B, heads, T, D] tensors — q, k with Hk heads, v, g, beta with H (a multiple of
-    Hk) — T a multiple of chunk_size (q already scaled).
-
-    Without `doc_first_chunks` every row is one sequence (initial_state [B, H, K, V]); with it B == 1 and the
-    state restarts at each listed chunk (initial_state [docs, H, K, V]). Returns (o [B, H, T, V], final states
-    [B or docs, H, K, V])."""
-    batch, k_heads, length, dk = k.shape
-    heads, dv = v.shape[1], v.shape[-1]
-    n, group = length // chunk_size, heads // k_heads
-    # Grouped value heads: value head j reads key head j // group. Products of q and k alone (q k^T, k k^T) are
-    # computed once per key head and broadcast over the group (dim 2), never on repeated copies.
-    q, k = (x.reshape(batch, k_heads, 1, n, chunk_size, dk) for x in (q, k))
-    v = v.reshape(batch, k_heads, group, n, chunk_size, dv)
-    g, beta = (x.reshape(batch, k_heads, group, n, chunk_size) for x in (g, beta))
-    g_cum = g.cumsum(-1)
-    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
-    # decay[i, j] = prod of exp(g) over (j, i] for j <= i, 0 above the diagonal (masked before the exp).
-    decay = (g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-    k_t = k.transpose(-1, -2)
-    # UT transform: (I + strictly_lower(beta k k^T * decay)) [u, w] = [beta v, beta k exp(g_cum)], by the
-    # explicit inverse (one C-wide triangular solve, then two batched matmuls; see `_UnitLowerInverse`).
-    inverse = _UnitLowerInverse.apply((k @ k_t) * (beta.unsqueeze(-1) * decay))
-    u = (inverse @ (v * beta.unsqueeze(-1))).flatten(1, 2)
-    w = (inverse @ (k * (beta * g_cum.exp()).unsqueeze(-1))).flatten(1, 2)
-    intra = ((q @ k_t) * decay).flatten(1, 2)  # causal inside the chunk, diagonal included
-    q_decayed = (q * g_cum.exp().unsqueeze(-1)).flatten(1, 2)
-    k_decayed = (k * (g_cum[..., -1:] - g_cum).exp().unsqueeze(-1)).flatten(1, 2)
-    chunk_decay = g_cum[..., -1].exp()[..., None, None].flatten(1, 2)
-    q = q_decayed  # (for the dtype / device of the zero state below)
-
-    starts = set(doc_first_chunks or [])
-    n_states = len(doc_first_chunks) if doc_first_chunks is not None else batch
-    zero = q.new_zeros(1 if doc_first_chunks is not None else batch, heads, dk, dv)
-    state = zero if initial_state is None or doc_first_chunks is not None else initial_state
-    states_before, new_values, finals = [], [], []
-    doc = -1
-    # unbind, not u[:, :, i]: the backward of one `unbind` stacks the chunk gradients once, whereas each indexed
-    # read's backward would allocate a zero tensor of the whole sequence (quadratic in the number of chunks).
-    chunks = zip(u.unbind(2), w.unbind(2), k_decayed.transpose(-1, -2).unbind(2), chunk_decay.unbind(2))
-    for i, (u_i, w_i, k_i, decay_i) in enumerate(chunks):
-        if i in starts:
-            if doc >= 0:
-                finals.append(state)
-            doc += 1
-            state = zero if initial_state is None else initial_state[doc:doc + 1]
-        v_new = u_i - w_i @ state
-        states_before.append(state)
-        new_values.append(v_new)
-        state = state * decay_i + k_i @ v_new
-    finals.append(state)
-    states = torch.stack(states_before, dim=2)  # [B, H, n, K, V]
-    v_new = torch.stack(new_values, dim=2)  # [B, H, n, C, V]
-    out = q_decayed @ states + intra @ v_new
-    final = torch.cat(finals, dim=0) if doc_first_chunks is not None else state
-    assert final.shape[0] == n_states
-    return out.reshape(batch, heads, length, dv), final
 
 
 def chunk_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
@@ -169,10 +88,8 @@ def chunk_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor,
             q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
             g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
         first_chunks = None
-    q, k, v, g, beta = (x.transpose(1, 2).contiguous() for x in (q, k, v, g, beta))  # heads before time
     state = initial_state.float() if initial_state is not None else None
-    out, final = _scan(q, k, v, g, beta, chunk_size, first_chunks, state)
-    out = out.transpose(1, 2)
+    out, final = chunked_scan(q, k, v, g, beta, chunk_size, first_chunks, state)
     if cu_seqlens is not None:
         out = out[0].index_select(0, destination).reshape(batch, length, heads, -1)
     else:

@@ -38,6 +38,17 @@ def position_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int)
     return (index - starts[doc]).reshape(batch, seq)
 
 
+def document_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """`[batch, seq]` index of each token's document within its row (0, 1, ...): a document starts at every 0 and
+    at the start of every row, as in `cu_seqlens_from_position_ids`. For masks over tokens that are not
+    contiguous (ring attention's blocks): two tokens of a row attend only when their ids are equal."""
+    if position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0)
+    starts = position_ids == 0
+    starts[:, 0] = True
+    return starts.long().cumsum(dim=1)
+
+
 def is_packed(position_ids: Optional[torch.Tensor]) -> bool:
     """True when some row of `position_ids` restarts at 0 after its first token (more than one document)."""
     if position_ids is None or position_ids.dim() != 2 or position_ids.shape[1] < 2:

@@ -7,8 +7,8 @@ so Megatron's defaults leave the HF model's own routing in place. `hf_router_key
 loss with Megatron's coefficient, the options it lacks declined) is for a family outside that list.
 Two exceptions to "only those given": a DeepSeek-V3 built from flags gets Megatron's default score function
 (softmax; transformers' DeepSeek-V3 scores with sigmoid), and MindSpeed's `pai_megatron_aux_loss` is mapped to
-what it computes (`pai_aux_loss`). MindSpeed's own score functions and its `--seq-aux` loss under balancing
-'none' are declined.
+what it computes (`pai_aux_loss`). MindSpeed's `sqrtsoftplus` scores are the router's own; its `--seq-aux` loss
+under balancing 'none' (a loss of its own, not megatron-core's seq_aux_loss) is `mindspeed_seq_aux_loss`.
 `a` is `architecture.Arch` (flag values, dispositions, fields).
 """
 from __future__ import annotations
@@ -51,23 +51,13 @@ def megatron_router(a, family: str = "") -> None:
     if a.from_scratch and family == "deepseek_v3" and not pai:  # the flags are the whole model: Megatron's
         a.field("moe_router_score_function", "model.moe_router_score_function",  # default, not DeepSeek's sigmoid
                 g("moe_router_score_function"))
-    score = g("moe_router_score_function")
-    if score not in (None, "softmax", "sigmoid"):
-        a.decline("moe_router_score_function", f"MindSpeed's '{score}' router scores are not implemented (this "
-                  "router has megatron-core's softmax and sigmoid) — use --moe-router-score-function sigmoid or "
-                  "softmax")
     # MindSpeed's --seq-aux: the sequence-level loss in place of the batch-level one. With balancing 'none' MindSpeed
-    # adds a loss of its own (core/transformer/moe/router.py: apply_seq_aux_loss): scores shifted by the expert bias,
-    # expert counts taken by histc over the boolean routing map — not megatron-core's seq_aux_loss
-    kinds = balancing if isinstance(balancing, list) else [balancing]
-    coeffs = coeff if isinstance(coeff, list) else [coeff] * len(kinds)
-    if g("seq_aux") and not pai and any(c for k, c in zip(kinds, coeffs) if k == "none"):
-        a.decline("seq_aux", "MindSpeed's --seq-aux with load-balancing type 'none' adds its own sequence loss (scores "
-                  "shifted by the expert bias, counts from the routing map), not megatron-core's seq_aux_loss — not "
-                  "implemented; use --moe-router-load-balancing-type seq_aux_loss")
+    # adds a loss of its own (core/transformer/moe/router.py: apply_seq_aux_loss): scores shifted by the expert bias
+    # and normalised, per-sequence counts of the selected experts — the router's `mindspeed_seq_aux_loss`
     if g("seq_aux") and not pai:
-        balancing = [("seq_aux_loss" if b == "aux_loss" else b) for b in balancing] \
-            if isinstance(balancing, list) else ("seq_aux_loss" if balancing == "aux_loss" else balancing)
+        seq_kind = {"aux_loss": "seq_aux_loss", "none": "mindspeed_seq_aux_loss"}
+        balancing = [seq_kind.get(b, b) for b in balancing] if isinstance(balancing, list) \
+            else seq_kind.get(balancing, balancing)
         a.field("seq_aux", "model.moe_router_load_balancing_type", balancing)
     kinds = balancing if isinstance(balancing, list) else [balancing]
     coeffs = coeff if isinstance(coeff, list) else [coeff] * len(kinds)

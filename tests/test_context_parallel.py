@@ -39,11 +39,12 @@ def test_layout_errors_name_the_numbers():
     tp_cp_checks.check_layout(num_heads=8, num_kv_heads=1, tp_size=1, cp_size=4, cp_type="ulysses", seq_length=64)
 
 
-def test_packed_batches_are_declined():
+def test_packed_batches_travel_as_position_ids_other_document_marks_are_declined():
     ids = torch.arange(16).view(1, 16)
     packed = {"input_ids": ids, "position_ids": torch.cat([torch.arange(8), torch.arange(8)]).view(1, 16)}
-    with pytest.raises(UsageError, match="reset_position_ids"):
-        shard_batch_for_cp(packed, 0, 2, "ring")
+    assert shard_batch_for_cp(packed, 1, 2, "ring")["position_ids"].tolist() == [[4, 5, 6, 7, 0, 1, 2, 3]]
+    with pytest.raises(UsageError, match="cu_seqlens"):  # packing: tests/test_packed_context_parallel.py
+        shard_batch_for_cp({**packed, "cu_seqlens": torch.tensor([0, 8, 16])}, 0, 2, "ring")
     shard = shard_batch_for_cp({"input_ids": ids, "labels": shift_labels(ids)}, 1, 2, "ring")
     assert shard["position_ids"].tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
     assert shard["labels"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]

@@ -136,16 +136,17 @@ def test_megatron_checkpoint_converts_with_equal_logits(megatron, tmp_path, fmt,
 
 
 def test_a_checkpoint_it_cannot_convert_is_one_error_line_exit_2(megatron, tmp_path):
-    """An MoE run's args (and a missing checkpoint) are declined by the tool: exit 2, one error line."""
+    """An MLA run's args (and a missing checkpoint) are declined by the tool: exit 2, one error line (MoE ones
+    convert: tests/test_megatron_import_moe.py)."""
     import subprocess
     import sys
 
     from tests.helpers import REPO
 
     model, args = _megatron_gpt(True, False, seed=4)
-    args.num_experts = 8
+    args.multi_latent_attention = True
     _save(model, args, tmp_path / "mg", "torch")
-    for source, words in ((tmp_path / "mg", "MoE layers (--num-experts)"), (tmp_path / "nothing", "no complete")):
+    for source, words in ((tmp_path / "mg", "multi-latent attention (--multi-latent-attention)"), (tmp_path / "nothing", "no complete")):
         result = subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"), str(source),
                                  str(tmp_path / "hf")], capture_output=True, text=True)
         assert result.returncode == 2, result.stderr

@@ -211,7 +211,8 @@ def test_without_the_optimizer_state_the_next_step_differs_and_finetune_starts_a
 
 
 def test_what_cannot_be_mapped_is_one_line(megatron, tmp_path_factory, tmp_path):
-    """A distributed optimizer saved dp_reshardable (Megatron-LM's default), and disagreeing architecture flags:
+    """A distributed optimizer saved dp_zero_gather_scatter (deprecated; dp_reshardable, Megatron-LM's default, is
+    read: test_megatron_resume_distopt), and disagreeing architecture flags:
     one error line each, exit code 2."""
     import shutil
     import subprocess
@@ -223,10 +224,10 @@ def test_what_cannot_be_mapped_is_one_line(megatron, tmp_path_factory, tmp_path)
     shutil.copytree(root / "mg", tmp_path / "mg")
     common = tmp_path / "mg" / f"iter_{K:07d}" / "common.pt"
     saved = torch.load(common, weights_only=False)
-    saved["optimizer"]["param_state_sharding_type"] = "dp_reshardable"  # as Megatron-LM saves by default
+    saved["optimizer"]["param_state_sharding_type"] = "dp_zero_gather_scatter"  # Megatron-LM's deprecated format
     torch.save(saved, common)
     shape = ("--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--max-position-embeddings", "64")
-    cases = [((), "dp_reshardable"),
+    cases = [((), "dp_zero_gather_scatter"),
              (("--no-load-optim", *shape), "num_layers value from checkpoint (2) is not equal to the input num_layers "
                                            "value (3)")]
     for extra, words in cases:

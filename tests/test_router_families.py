@@ -240,12 +240,10 @@ def test_pai_megatron_aux_loss_is_pre_softmax_aux_loss():
     assert "--moe-router-num-groups" in translation.report.no_effect
 
 
-def test_max_batch_size_has_no_effect_and_mindspeed_none_seq_aux_is_declined():
-    from megatron_compat.translate import translate_megatron
-    from usage_errors import UsageError
-
+def test_max_batch_size_has_no_effect_and_mindspeed_none_seq_aux_is_its_own_loss():
     _, translation = _validated(MLA + ["--max-batch-size", "4"])
     assert "--max-batch-size" in translation.report.no_effect
-    with pytest.raises(UsageError) as err:
-        translate_megatron(MLA + "--moe-router-load-balancing-type none --moe-aux-loss-coeff 0.01 --seq-aux".split())
-    assert [m.split(":")[0] for m in err.value.messages] == ["--seq-aux"]
+    # MindSpeed's --seq-aux under balancing 'none': its own loss (tests/test_router_mindspeed.py)
+    config, _ = _validated(MLA + "--moe-router-load-balancing-type none --moe-aux-loss-coeff 0.01 --seq-aux".split())
+    assert (config.model.moe_router_load_balancing_type, config.model.moe_aux_loss_coeff) == \
+        (["mindspeed_seq_aux_loss"], [0.01])

@@ -28,7 +28,6 @@ def _config(data_file, data=None, training=None, parallel=None, model=None):
     ({"tool_format": "xml"}, {}, {}, "data.tool_format: 'xml' is not a tool format"),
     ({"streaming": True}, {"max_steps": -1, "num_train_epochs": 1.0}, {}, "training.max_steps: a streamed dataset"),
     ({"eval_num_beams": 4}, {}, {}, "data.eval_num_beams: generation-based evaluation"),
-    ({"neat_packing": True}, {}, {"cp_size": 2, "cp_type": "ring"}, "parallel.cp_type: ring attention over packed"),
     ({"data_manager_type": "mg", "dataset": "/x"}, {}, {}, "training.stage: sft reads the fine-tuning data path"),
     ({}, {"stage": "pt"}, {}, "data.data_manager_type: lf with training.stage pt"),
     ({"dataset": "missing_name"}, {}, {}, "data.dataset: 'missing_name' is neither a dataset of"),

@@ -44,8 +44,6 @@ def refused(args, world, expected):
      2, "data.cutoff_len: seq_length (--seq-length): 30 is not divisible by 4"),
     (BASE + ["--context-parallel-size", "8", "--context-parallel-algo", "ulysses_cp_algo"], 8,
      "parallel.cp_size (--context-parallel-size): Ulysses needs the attention heads"),
-    (BASE + ["--context-parallel-size", "2", "--reset-attention-mask"], 2,
-     "parallel.cp_size: packed documents"),
     (BASE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33"], 2,
      "parallel.sequence_parallel: the sequence length 33"),
     (MOE + ["--expert-model-parallel-size", "8"], 8, "parallel.ep_size: 8 does not divide the model's 4 experts"),

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Converts one of our training checkpoints, or a Megatron-LM one (torch_dist or legacy torch format: see
-fsdp2_backend/training/megatron_checkpoint.py), to a Hugging Face directory, offline, in one process.
+"""Converts one of our training checkpoints, or a Megatron-LM one (torch_dist or legacy torch format, dense or MoE:
+see fsdp2_backend/training/megatron_checkpoint.py and megatron_checkpoint_moe.py), to a Hugging Face directory,
+offline, in one process.
 
     python tools/convert_checkpoint.py CKPT_DIR OUT_DIR [--dtype bf16|fp16|fp32]
 

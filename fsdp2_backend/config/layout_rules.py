@@ -2,23 +2,23 @@
 
 `check_model_layout(config, facts, world_size, errors)` adds one message per problem:
 - tensor parallel: attention heads and key/value heads divisible by tp (`parallel.tp_cp_checks`);
-- context parallel: Ulysses' heads per tp rank divisible by cp, the sequence cut into cp (Ulysses) or 2 x cp
-  (ring) equal chunks, no packed documents (reset_attention_mask / reset_position_ids), only full-attention
-  layers (and model_id qwen3_next's Gated DeltaNet layers: parallel/context_parallel/linear_attention.py; model_id
-  gpt_oss's sliding-window layers: parallel/context_parallel/attention.py);
+- context parallel: Ulysses' heads per tp rank divisible by cp (per layer type where a layer type has heads of
+  its own: Step-3.5's sliding layers), the sequence cut into cp (Ulysses) or 2 x cp (ring) equal chunks, packed
+  documents (reset_attention_mask / reset_position_ids) not in Ulysses' sliding windows, only full-attention layers (and model_id
+  qwen3_next's Gated DeltaNet layers: parallel/context_parallel/linear_attention.py; model_id gpt_oss's and
+  step35's sliding-window layers: parallel/context_parallel/attention.py);
 - sequence parallel: the sequence divisible by tp;
 - expert parallel: an MoE model whose experts divide by ep, and no tp with it;
 - model_id mamba3: no tp, no cp (declined with the reason).
 - model_id minimax_m27: no tp (q/k RMSNorm over all heads; declined with the reason).
 - gpt_oss (model id or model type): no tp (per-head sinks not in the tp plan; declined with the reason).
 - model_type nemotron_h (Megatron's hybrid Mamba flags): no tp (no plan for the Mamba mixers).
-- model_id step35: no tp (head-wise gate, per-layer head counts; declined with the reason); its sliding-window
-  layers decline cp through the layer-type rule.
+- model_id step35: no tp (head-wise gate, per-layer head counts; declined with the reason).
 Facts the model does not state (None) are not checked; the runtime stages then assert.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List
 
 from fsdp2_backend.config.model_facts import ModelFacts
 from fsdp2_backend.config.schema import Config
@@ -30,6 +30,30 @@ CP_LAYER_TYPES = {"full_attention"}
 
 def _prefixed(problems: List[str]) -> List[str]:
     return [p if p.startswith(("parallel.", "data.")) else f"parallel.{p}" for p in problems]
+
+
+def _own_layer_type_heads(facts: ModelFacts) -> Dict[str, int]:
+    """{layer type: query heads} for the layer types whose head count differs from `num_attention_heads`:
+    Step-3.5's sliding layers (its config.json's `attention_other_setting`, transformers'
+    `num_sliding_attention_heads`)."""
+    values = facts.config_json or {}
+    sliding = values.get("num_sliding_attention_heads") or (values.get("attention_other_setting") or {}).get(
+        "num_attention_heads")
+    if sliding and sliding != facts.num_heads and "sliding_attention" in facts.layer_types:
+        return {"sliding_attention": sliding}
+    return {}
+
+
+def _ulysses_head_problems(p, facts: ModelFacts) -> List[str]:
+    """The cp head checks of every layer type (each named when layer types have their own head counts)."""
+    kv_heads = facts.num_kv_heads or facts.num_heads
+    own = _own_layer_type_heads(facts)
+    by_type = {("full_attention" if own else None): facts.num_heads, **own}
+    problems: List[str] = []
+    for kind, heads in by_type.items():
+        problems += [m for m in context_parallel_problems(p.cp_size, p.cp_type, heads, kv_heads, p.tp_size,
+                                                          layer_type=kind) if m not in problems]
+    return _prefixed(problems)
 
 
 def check_model_layout(config: Config, facts: ModelFacts, world_size: int, errors: List[str]) -> None:
@@ -55,7 +79,7 @@ def check_model_layout(config: Config, facts: ModelFacts, world_size: int, error
     if config.model.model_id == "step35" and p.tp_size > 1:
         # the head-wise output gate (g_proj) and the per-layer-type head counts are not in the tp plan
         errors.append("parallel.tp_size: model_id step35 is not built for tensor parallel (its head-wise attention "
-                      "gate and per-layer-type head counts are not sharded) — use tp_size 1 (FSDP and EP apply)")
+                      "gate and per-layer-type head counts are not sharded) — use tp_size 1 (FSDP, EP and CP apply)")
         return
     if facts.model_type == "nemotron_h" and p.tp_size > 1:  # Megatron's hybrid Mamba stack (NemotronH)
         errors.append("parallel.tp_size: model_type nemotron_h (a hybrid Mamba stack) has no tensor-parallel plan "
@@ -66,15 +90,14 @@ def check_model_layout(config: Config, facts: ModelFacts, world_size: int, error
         errors += _prefixed(tensor_parallel_problems(heads, kv_heads or heads, p.tp_size))
     if p.cp_size > 1:
         if heads:
-            errors += _prefixed(context_parallel_problems(p.cp_size, p.cp_type, heads, kv_heads or heads,
-                                                          p.tp_size))
+            errors += _ulysses_head_problems(p, facts)
         errors += [f"data.cutoff_len: {m}" for m in sequence_length_problems(d.cutoff_len, p.cp_size, p.cp_type)]
-        if d.reset_attention_mask or d.reset_position_ids:
-            errors.append("parallel.cp_size: packed documents (data.reset_attention_mask / reset_position_ids, "
-                          "Megatron --reset-attention-mask / --reset-position-ids) are not supported with context "
-                          "parallel — drop them or use cp_size 1")
+        if (d.reset_attention_mask or d.reset_position_ids) and p.cp_type == "ulysses" and \
+                "sliding_attention" in facts.layer_types:  # packed documents: ring masks windows and documents
+            errors.append("parallel.cp_type: packed documents (data.reset_attention_mask / reset_position_ids) in "
+                          "sliding-window layers are not built for Ulysses — use cp_type ring, or cp_size 1")
         handled = CP_LAYER_TYPES | ({"linear_attention"} if config.model.model_id == "qwen3_next" else set()) | \
-            ({"sliding_attention"} if config.model.model_id == "gpt_oss" else set())  # windows + sinks under CP
+            ({"sliding_attention"} if config.model.model_id in ("gpt_oss", "step35") else set())  # windows (+sinks)
         other = sorted(set(facts.layer_types) - handled)
         if other:
             errors.append(f"parallel.cp_size: layer types {other} of model_type {facts.model_type} are not "

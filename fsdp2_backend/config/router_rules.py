@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from fsdp2_backend.config.schema import Config
 
 
-_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none", "mindspeed_seq_aux_loss")
 # HF model types whose model id (the same name) is transformers' model with this project's router and stacked
 # experts (models/qwen3_moe.py, models/moe/family_swap.py): selected by normalise() when a run asks for them.
 ROUTER_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe")
@@ -42,10 +42,14 @@ def router_errors(m) -> List[str]:
                       "set it to 0")
     if (m.moe_router_num_groups is None) != (m.moe_router_group_topk is None):
         errors.append("model.moe_router_num_groups / model.moe_router_group_topk: group-limited routing needs both")
-    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid" and \
+    if "mindspeed_seq_aux_loss" in kinds and ("aux_loss" in kinds or "sinkhorn" in kinds):
+        errors.append("model.moe_router_load_balancing_type: mindspeed_seq_aux_loss (MindSpeed's --seq-aux under "
+                      "balancing 'none') goes with neither aux_loss (both log as load_balancing_loss) nor sinkhorn "
+                      "— keep one of them")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function not in ("sigmoid", "sqrtsoftplus") and \
             m.model_id not in ("minimax_m27", "step35"):  # those score with sigmoid by themselves
-        errors.append("model.moe_router_enable_expert_bias: the expert bias applies to sigmoid scores (megatron-core "
-                      "asserts it) — set model.moe_router_score_function: sigmoid")
+        errors.append("model.moe_router_enable_expert_bias: the expert bias applies to sigmoid or sqrtsoftplus scores "
+                      "(megatron-core and MindSpeed assert it) — set model.moe_router_score_function: sigmoid")
     if m.moe_router_enable_expert_bias and m.model_id == "minimax_m27":
         errors.append("model.moe_router_enable_expert_bias (--moe-router-enable-expert-bias): model_id minimax_m27 "
                       "selects experts with the checkpoint's e_score_correction_bias, which this project does not "

@@ -46,7 +46,7 @@ def check_special_tokens(m, errors: List[str]) -> None:
 
 
 def check_sft(config, errors: List[str]) -> None:
-    d, t, m, p = config.data, config.training, config.model, config.parallel
+    d, t, m = config.data, config.training, config.model
     check_special_tokens(m, errors)
     if t.stage == "sft" and d.data_manager_type != "lf":
         errors.append("training.stage: sft reads the fine-tuning data path — set data.data_manager_type: lf (or "
@@ -93,9 +93,6 @@ def check_sft(config, errors: List[str]) -> None:
     if m.tokenizer_type:
         errors.append(f"model.tokenizer_type: {m.tokenizer_type} has no chat template; fine-tuning needs an HF "
                       "tokenizer — unset tokenizer_type and give tokenizer_name_or_path")
-    if (d.packing or d.neat_packing) and p.cp_size > 1 and p.cp_type == "ring":
-        errors.append("parallel.cp_type: ring attention over packed rows is not built — use cp_type ulysses with "
-                      "packing, or drop packing")
     if d.preprocessing_num_workers is not None and d.preprocessing_num_workers < 1:
         errors.append(f"data.preprocessing_num_workers: must be at least 1, got {d.preprocessing_num_workers}")
     if d.preprocessing_batch_size < 1:

@@ -28,9 +28,17 @@ runs the MTP depths and attaches their (already normalised) loss to the logits i
 identity forward, its backward feeds the MTP loss a gradient of `loss_scale`), so backward reaches the MTP
 layers through the root's own output. Parameters live under `mtp.layers.{k}.*` of the causal LM (saved and
 resumed with the model; FSDP units via `mtp.layers.{}`).
+
+HF checkpoints released with MTP layers (`mtp_layouts`): their tensors load into these modules and the HF export
+writes them back under the checkpoint's own names. Where the checkpoint's model differs from Megatron's generic
+block, the checkpoint's model is followed (its weights were trained that way): Qwen3-Next's MTP layer is a
+full-attention layer with the sparse MoE and zero-centred norms, whatever the model's last layer is; Step-3.5
+feeds depth 1 the hidden states before the main final norm and depth k depth k-1's output before its norm
+(`MTPLayout.prenorm_hidden`).
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -43,27 +51,30 @@ MTP_KEY = "mtp"
 class MTPLayer(nn.Module):
     """One MTP depth: enorm, hnorm, eh_proj, the model's decoder layer, final_layernorm (Megatron's names)."""
 
-    def __init__(self, config, norm_cls: type, layer_cls: type):
+    def __init__(self, config, norm_cls: type, make_layer: Callable[[], nn.Module]):
         super().__init__()
         h, eps = config.hidden_size, getattr(config, "rms_norm_eps", 1e-6)
         self.enorm, self.hnorm = norm_cls(h, eps=eps), norm_cls(h, eps=eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        # layer_idx only selects the attention type (sliding / full) and a KV-cache slot (unused in training):
-        # the last main layer's, so the MTP layer attends like the model's top layer.
-        self.transformer_layer = layer_cls(config, config.num_hidden_layers - 1)
+        # `mtp_layouts.MTPLayout.layer_factory`: by default the model's decoder-layer class at the last main layer's
+        # index (which only selects the attention type and a KV-cache slot, unused in training), so the MTP layer
+        # attends like the model's top layer; a released checkpoint's layout may fix another layer kind.
+        self.transformer_layer = make_layer()
         self.final_layernorm = norm_cls(h, eps=eps)
 
-    def forward(self, hidden: Tensor, embedded: Tensor, layer_kwargs: dict) -> Tensor:
+    def forward(self, hidden: Tensor, embedded: Tensor, layer_kwargs: dict) -> Tuple[Tensor, Tensor]:
+        """(the output after final_layernorm, for the head; the output before it)."""
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
         out = self.transformer_layer(x, **layer_kwargs)
         out = out[0] if isinstance(out, tuple) else out
-        return self.final_layernorm(out)
+        return self.final_layernorm(out), out
 
 
 class MTPBlock(nn.Module):
-    def __init__(self, config, norm_cls: type, layer_cls: type, num_layers: int):
+    def __init__(self, config, norm_cls: type, make_layer: Callable[[int], nn.Module], num_layers: int):
         super().__init__()
-        self.layers = nn.ModuleList(MTPLayer(config, norm_cls, layer_cls) for _ in range(num_layers))
+        self.layers = nn.ModuleList(MTPLayer(config, norm_cls, functools.partial(make_layer, k))
+                                    for k in range(num_layers))
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -73,9 +84,13 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
 def attach_mtp(model: nn.Module, num_layers: int, seed: int) -> nn.Module:
     """Adds `model.mtp` (D MTP layers built from the model's own norm and decoder-layer classes), initialised by
     the model's HF `_init_weights` from `manual_seed(seed + 1)`, on the model's device and dtype. Returns model."""
-    layers = _decoder_layers(model)
+    from fsdp2_backend.models.mtp_layouts import mtp_layout
+
+    layout = mtp_layout(model.config)
+    layout.check(model.config, num_layers)
     norm_cls = type(model.get_decoder().norm)
-    block = MTPBlock(model.config, norm_cls, type(layers[0]), num_layers)
+    block = MTPBlock(model.config, norm_cls, layout.layer_factory(model), num_layers)
+    layout.record_depth(model.config, num_layers)
     ref = next(model.parameters())
     if ref.device.type != "meta":
         with torch.random.fork_rng(devices=[]):
@@ -149,10 +164,11 @@ def mtp_forward(model: nn.Module, batch: Dict[str, Tensor], num_layers: int,
     def head_with_mtp(hidden: Tensor) -> Tensor:
         logits = plain_head(hidden)
         layer_kwargs = captured["layer_kwargs"]
-        state = hidden
+        state = captured.get("before_norm", hidden)
         for k, layer in enumerate(model.mtp.layers, start=1):
-            state = layer(state, captured["embedded"][k - 1], layer_kwargs)
-            mtp_logits = plain_head(state)
+            normed, raw = layer(state, captured["embedded"][k - 1], layer_kwargs)
+            state = raw if layout.prenorm_hidden else normed
+            mtp_logits = plain_head(normed)
             losses = F.cross_entropy(mtp_logits.reshape(-1, mtp_logits.size(-1)).float(),
                                      batch[f"mtp_labels_{k}"].reshape(-1), reduction="none")
             mask = batch[f"mtp_loss_mask_{k}"].reshape(-1).float()
@@ -161,11 +177,19 @@ def mtp_forward(model: nn.Module, batch: Dict[str, Tensor], num_layers: int,
         return _AttachLoss.apply(logits, extra_backward_loss(sums, counts), loss_scale)
 
     embed.forward, head.forward = embed_all, head_with_mtp
-    handle = _decoder_layers(model)[-1].register_forward_pre_hook(capture_kwargs, with_kwargs=True)
+    from fsdp2_backend.models.mtp_layouts import mtp_layout
+
+    layout = mtp_layout(model.config)
+    source = _decoder_layers(model)[layout.layer_index(model.config)]
+    handles = [source.register_forward_pre_hook(capture_kwargs, with_kwargs=True)]
+    if layout.prenorm_hidden:  # the checkpoint's model feeds depth 1 the hidden states before the final norm
+        handles.append(model.get_decoder().norm.register_forward_pre_hook(
+            lambda module, args: captured.__setitem__("before_norm", args[0])))
     try:
         out = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
         for module, own in ((embed, own_embed), (head, own_head)):
             if own is None:
                 del module.forward
@@ -175,37 +199,30 @@ def mtp_forward(model: nn.Module, batch: Dict[str, Tensor], num_layers: int,
 
 
 def load_mtp_weights(model: nn.Module, hf_dir: Optional[str]) -> int:
-    """Copies `mtp.layers.*` tensors of an HF directory's safetensors (as this project's HF export writes them)
-    into `model.mtp` (before sharding); returns how many were loaded (0: none there, the seeded init stays).
-    MTP tensors of another layout (Qwen3-Next's `mtp.fc` / `mtp.pre_fc_norm_*`, DeepSeek-V3's extra layers) are
-    not mapped yet: they are left out with one line saying so."""
+    """Copies the MTP tensors of an HF directory's safetensors into `model.mtp` (before sharding), in the
+    checkpoint model's own layout (`mtp_layouts`: this project's `mtp.layers.*` export, Qwen3-Next's `mtp.*`);
+    returns how many of our tensors were loaded (0: none there, the seeded init stays). A checkpoint whose MTP
+    tensors fit another layout is left out with one line; one that half-fits (another depth) is a usage error."""
     import glob
     import os
+    from contextlib import ExitStack
 
     from safetensors import safe_open
 
+    from fsdp2_backend.models.mtp_layouts import load_from_checkpoint
+
     if not hf_dir or not os.path.isdir(hf_dir):
         return 0
-    found: Dict[str, Tensor] = {}
-    foreign = 0
-    for path in sorted(glob.glob(os.path.join(hf_dir, "*.safetensors"))):
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                if key.startswith(MTP_KEY + ".layers."):
-                    found[key[len(MTP_KEY) + 1:]] = f.get_tensor(key)
-                elif key.startswith(MTP_KEY + "."):
-                    foreign += 1
-    if foreign and not found:
-        print(f"multi-token prediction: {foreign} mtp.* tensors in {hf_dir} have another layout and are not "
-              f"loaded; the MTP layers start from their seeded initialisation", flush=True)
+    own = model.get_submodule(MTP_KEY)
+    names = {f"{MTP_KEY}.{k}": v for k, v in own.state_dict().items()}
+    buffers = frozenset(f"{MTP_KEY}.{k}" for k, _ in own.named_buffers())
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(path, framework="pt"))
+                   for path in sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))]
+        where = {key: handle for handle in handles for key in handle.keys()}
+        found = load_from_checkpoint(names, lambda key: where[key].get_tensor(key), list(where), model.config,
+                                     optional=buffers, model_tensor=lambda name: model.get_parameter(name).detach())
+    if not found:
         return 0
-    if found:
-        own = model.get_submodule(MTP_KEY)
-        missing, unexpected = own.load_state_dict(found, strict=False)
-        if missing or unexpected:
-            from usage_errors import UsageError
-
-            raise UsageError(f"model.mtp_num_layers: the MTP tensors in {hf_dir} do not fit "
-                             f"{len(own.layers)} MTP layers (missing {sorted(missing)[:3]}, unexpected "
-                             f"{sorted(unexpected)[:3]}) — set mtp_num_layers to the checkpoint's depth")
+    own.load_state_dict({k[len(MTP_KEY) + 1:]: v for k, v in found.items()}, strict=False)  # buffers may be absent
     return len(found)

@@ -13,8 +13,9 @@ RMSNorm, the sigmoid-gated dense shared expert, aux-loss bookkeeping, `_init_wei
   `fix_router`); the sparse block keeps transformers' sigmoid-gated dense shared expert.
 State dict names and shapes equal transformers' in-memory ones, so transformers' `from_pretrained` /
 `save_pretrained` read and write HF checkpoints (one tensor per expert on disk); the streaming loader uses the
-qwen3_moe per-expert key mapping (same key layout). MTP keys (`mtp.*`) of released checkpoints are ignored, as
-transformers ignores them: the model has no MTP head.
+qwen3_moe per-expert key mapping (same key layout). MTP keys (`mtp.*`) of released checkpoints are left by the
+main model's loaders (as transformers does); with `model.mtp_num_layers` 1, `models/mtp_layouts.py` loads them
+into the MTP layer (full attention, this module's stacked experts and router) and the export writes them back.
 
 Generation with a cache (prefill / one-token decode) runs transformers' own GDN forward; training never does.
 Context parallel for the GDN layers installs `context_parallel` on each `GatedDeltaNet` from outside
@@ -34,7 +35,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextExperts
 from fsdp2_backend.models.moe.experts import GroupedExperts
 from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, attach_aux_loss
 from fsdp2_backend.models.qwen3_moe import configure_moe
-from kernels.causal_conv1d import causal_conv1d
+from kernels.causal_conv1d import causal_conv1d, conv1d_implementation
 from kernels.gated_delta_rule import chunk_gated_delta_rule
 from kernels.rmsnorm_gated import rms_norm_gated
 from kernels.varlen import cu_seqlens_from_position_ids, is_packed
@@ -99,7 +100,9 @@ class GatedDeltaNet(Qwen3NextGatedDeltaNet):
         h = value.shape[2]
         weight, a_log, dt_bias = self._head_params(k_heads, v_heads)
         mixed = torch.cat([x.reshape(batch, length, -1) for x in (query, key, value)], dim=-1)
-        mixed = causal_conv1d(mixed, weight, self.conv1d.bias, self.activation, cu_seqlens)
+        # The conv runs triton exactly where the gated delta rule does (use_triton_gdn on CUDA).
+        mixed = causal_conv1d(mixed, weight, self.conv1d.bias, self.activation, cu_seqlens,
+                              implementation=conv1d_implementation(mixed.device.type, self.implementation))
         query, key, value = mixed.split([hk * self.head_k_dim, hk * self.head_k_dim, h * self.head_v_dim], dim=-1)
         query, key = (x.reshape(batch, length, hk, self.head_k_dim) for x in (query, key))
         value = value.reshape(batch, length, h, self.head_v_dim)

@@ -17,6 +17,13 @@ dense first layers and the shared expert with their clamped SwiGLU (`swiglu_limi
   fp32 logits when `need_fp32_gate`. Megatron's router options apply on top; the bias is the checkpoint's and
   is not updated (Megatron's expert-bias update is declined for this id in config validation).
 
+Context parallel needs nothing here: transformers' attention calls the attention interface between RoPE and the
+head-wise gate, so Ulysses / ring (`parallel/context_parallel/attention.py`) see q/k/v already rotated at the
+shard's global positions (the cp batch carries them), return all heads of the local tokens, and the gate then
+multiplies each head of those tokens; sliding layers keep their window (Ulysses: over the gathered sequence,
+ring: by global positions). Ulysses splits each layer type's own heads: validation checks every type
+(`config/layout_rules.py`).
+
 Where transformers' Step-3.7 code differs from Step-3.5's own modeling code (stepfun-ai/Step-3.5-Flash
 `modeling_step3p5.py`), this module follows Step-3.5 (see `check_step35_config`): the routed scaling factor is
 applied to the routing weights (Step-3.7 scales the block output: the same sum); the renormalisation adds 1e-20.
@@ -27,7 +34,8 @@ parameter at a time (`checkpoint_keys` / `param_from_checkpoint`); transformers'
 `save_pretrained` do the same through the MoE part of its "step3p7" conversion mapping, registered for this class
 (`register_with_transformers`), so the HF export writes Step-3.5's keys and a config.json of model type step3p5.
 The checkpoint's MTP layers (`model.layers.{N..}`) are not part of this model: the loader leaves them, with one
-log line (`configure_step35`).
+log line (`configure_step35`), unless `model.mtp_num_layers` is set: then `models/mtp_layouts.py` loads them into
+the MTP layers, which train and are exported back under the same keys.
 """
 from __future__ import annotations
 
@@ -213,7 +221,8 @@ def step35_legacy_config(config) -> dict:
                                        "head_dim": config.head_dim, "true_head_dim": config.head_dim},
            "rope_theta": [by_type[t]["rope_theta"] for t in config.layer_types],
            "partial_rotary_factors": [by_type[t].get("partial_rotary_factor", 1.0) for t in config.layer_types],
-           "num_nextn_predict_layers": 0}  # the export holds no MTP layers
+           # the export holds MTP layers only when they were trained (models/mtp_layouts.py records their number)
+           "num_nextn_predict_layers": getattr(config, "mtp_num_layers", 0) or 0}
     scaled = [t for t, p in by_type.items() if p.get("rope_type", "default") != "default"]
     if scaled:
         scaling = dict(by_type[scaled[0]])
@@ -255,7 +264,7 @@ def configure_step35(model: nn.Module, config) -> None:
     configure_moe(model, moe_grouped_gemm=config.optimization.moe_grouped_gemm,
                   fix_router=config.optimization.fix_router, model_args=config.model)
     mtp = getattr(model.config, "num_nextn_predict_layers", 0) or 0
-    if mtp:
+    if mtp and not getattr(config.model, "mtp_num_layers", None):  # with it: models/mtp_layouts.py loads them
         from fsdp2_backend.training.checkpoint_io import print_rank0
 
         n = model.config.num_hidden_layers

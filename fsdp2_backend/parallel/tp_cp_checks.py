@@ -36,8 +36,9 @@ def tensor_parallel_problems(num_heads: int, num_kv_heads: int, tp_size: int) ->
 
 
 def context_parallel_problems(cp_size: int, cp_type: str, num_heads: int, num_kv_heads: int, tp_size: int = 1,
-                              seq_length: Optional[int] = None) -> List[str]:
-    """Why a context-parallel layout cannot run (empty list when it can). Head counts are the model's totals."""
+                              seq_length: Optional[int] = None, layer_type: Optional[str] = None) -> List[str]:
+    """Why a context-parallel layout cannot run (empty list when it can). Head counts are the model's totals;
+    `layer_type` names the layers they belong to when layer types have their own head counts (step35)."""
     if cp_size <= 1:
         return []
     cp_type = normalize_cp_type(cp_type)
@@ -45,6 +46,7 @@ def context_parallel_problems(cp_size: int, cp_type: str, num_heads: int, num_kv
     if cp_type == "ulysses" and num_heads % tp_size == 0 and num_kv_heads % tp_size == 0:
         heads, kv_heads = num_heads // tp_size, num_kv_heads // tp_size
         where = f" per tensor-parallel rank (tp_size={tp_size})" if tp_size > 1 else ""
+        where = f" of the {layer_type} layers{where}" if layer_type else where
         if heads % cp_size:
             problems.append(f"cp_size (--context-parallel-size): Ulysses needs the attention heads{where} "
                             f"({heads}) divisible by cp_size={cp_size} — pick a cp size that divides {heads} "

@@ -54,7 +54,10 @@ def write_hf_dir(model: torch.nn.Module, state_dict: dict, out_dir: Path, tokeni
                          f"— export to a new directory (e.g. OUTPUT_DIR/hf)")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp), state_dict=state_dict)
+    from fsdp2_backend.models.mtp_layouts import to_checkpoint
+
+    # MTP layers under the names of the checkpoint's own model (Qwen3-Next's `mtp.*`): models/mtp_layouts.py
+    model.save_pretrained(str(tmp), state_dict=to_checkpoint(state_dict, model.config))
     save_tokenizer(tokenizer, tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)

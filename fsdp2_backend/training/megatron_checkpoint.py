@@ -19,9 +19,11 @@ Layout facts (megatron-core 0.16.1 ``dist_checkpointing``, Megatron-LM ``megatro
 
 The DCP files are read with torch's own ``FileSystemReader`` (``no_dist``: no process group needed); only the
 layout conversion is written here, since no library converts Megatron's layout without Megatron-LM itself.
-Scope: dense GPT models (MoE, MLA and MTP layers are declined with the reason); the legacy format is read at
-any tensor-parallel size and one pipeline stage (pipeline splits are declined; torch_dist reads at any split,
-its tensors being global).
+Scope: dense GPT models, and MoE GPT models (experts local or grouped, any expert-parallel split; routers, shared
+experts and dense layers as transformers' Qwen3-MoE / Qwen2-MoE / Mixtral have them: `megatron_checkpoint_moe`);
+MLA and MTP layers are declined with the reason. The legacy format is read at any tensor- and expert-parallel
+size and one pipeline stage (``mp_rank_TT[_PPP][_EEE]``; pipeline splits are declined; torch_dist reads at any
+split, its tensors being global).
 """
 from __future__ import annotations
 
@@ -36,10 +38,11 @@ from typing import Any, Optional
 import torch
 
 from fsdp2_backend.training.checkpoint_io import LATEST_FILE  # the same marker name as Megatron-LM's
+from fsdp2_backend.training.megatron_checkpoint_moe import is_moe, moe_config, moe_layer_to_hf, normalize_experts
 from usage_errors import UsageError
 
 _ITER_RE = re.compile(r"^iter_\d+$")
-_LEGACY_RE = re.compile(r"^mp_rank_(\d\d)(?:_(\d\d\d))?$")
+_LEGACY_RE = re.compile(r"^mp_rank_(\d\d)(?:_(\d\d\d))?(?:_(\d\d\d))?$")  # tp[, pp][, ep]: get_checkpoint_name
 
 
 def megatron_iteration_dir(path: os.PathLike | str) -> Optional[Path]:
@@ -132,15 +135,46 @@ def _read_torch_dist(it_dir: Path):
     return state, common.get("args"), int(common.get("iteration", 0) or 0)
 
 
-def _read_legacy(it_dir: Path):
-    ranks = sorted(c.name for c in it_dir.iterdir() if c.is_dir() and _LEGACY_RE.match(c.name))
-    if any(_LEGACY_RE.match(r).group(2) not in (None, "000") for r in ranks):
-        raise UsageError(f"{it_dir}: a legacy Megatron-LM checkpoint split over pipeline stages ({ranks[-1]}) — "
-                         f"only tensor-parallel legacy splits are read; re-save it with Megatron-LM's "
+def legacy_rank_groups(it_dir: Path) -> dict[int, list[Path]]:
+    """{expert-parallel rank: its tensor-parallel rank directories, in order} of a legacy checkpoint. Megatron-LM's
+    ``get_checkpoint_name`` names them ``mp_rank_TT``, ``_PPP`` added with pipeline parallelism, ``_EEE`` with expert
+    parallelism: a two-number name is told apart by the saved args (``pipeline_model_parallel_size``)."""
+    dirs = sorted(c for c in it_dir.iterdir() if c.is_dir() and _LEGACY_RE.match(c.name))
+    parts = [_LEGACY_RE.match(d.name).groups() for d in dirs]
+    if any(p[1] is not None and p[2] is None for p in parts):
+        files = [dirs[0] / n for n in ("model_optim_rng.pt", "model_rng.pt") if (dirs[0] / n).is_file()]
+        args = _load_pickled(files[0]).get("args") if files else None
+        pipeline = int(_arg(args, "pipeline_model_parallel_size", 1)) > 1 or not int(
+            _arg(args, "expert_model_parallel_size", 1)) > 1
+        parts = [(t, p, None) if pipeline else (t, None, p) for t, p, _ in parts]
+    if any(p[1] not in (None, "000") for p in parts):
+        raise UsageError(f"{it_dir}: a legacy Megatron-LM checkpoint split over pipeline stages ({dirs[-1].name}) — "
+                         f"only tensor- and expert-parallel legacy splits are read; re-save it with Megatron-LM's "
                          f"--ckpt-format torch_dist (or --ckpt-convert-format torch_dist)")
+    groups: dict[int, list[Path]] = {}
+    for d, (tp, _, ep) in sorted(zip(dirs, parts), key=lambda x: (int(x[1][2] or 0), int(x[1][0]))):
+        groups.setdefault(int(ep or 0), []).append(d)
+    return groups
+
+
+def _read_legacy(it_dir: Path):
+    groups = legacy_rank_groups(it_dir)
+    merged: dict[str, torch.Tensor] = {}
+    args, iteration = None, 0
+    for ep_rank, rank_dirs in groups.items():
+        shards, args, iteration = _read_legacy_ranks(rank_dirs)
+        if is_moe(args, shards[0]) and len(shards) > 1 and int(_arg(args, "expert_tensor_parallel_size",
+                                                                     len(shards))) != len(shards):
+            raise UsageError(f"{it_dir}: a legacy MoE checkpoint whose experts are split over "
+                             f"--expert-tensor-parallel-size {_arg(args, 'expert_tensor_parallel_size')} ranks, the "
+                             f"rest over {len(shards)} — not read; re-save it with --ckpt-format torch_dist")
+        merged.update(_merge_tensor_parallel(shards, ep_rank, len(groups)))  # shared weights: the same on each
+    return merged, args, iteration
+
+
+def _read_legacy_ranks(rank_dirs: list[Path]):
     shards, args, iteration = [], None, 0
-    for rank in ranks:
-        rank_dir = it_dir / rank
+    for rank_dir in rank_dirs:
         files = [rank_dir / n for n in ("model_optim_rng.pt", "model_rng.pt") if (rank_dir / n).is_file()]
         if not files:
             raise UsageError(f"{rank_dir}: no model_optim_rng.pt in this Megatron-LM checkpoint directory")
@@ -151,14 +185,18 @@ def _read_legacy(it_dir: Path):
         shards.append({k: v for k, v in saved["model"].items()
                        if isinstance(v, torch.Tensor) and "_extra_state" not in k})
         args, iteration = saved.get("args"), int(saved.get("iteration", 0) or 0)
-    return _merge_tensor_parallel(shards), args, iteration
+    return shards, args, iteration
 
 
-def _merge_tensor_parallel(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _merge_tensor_parallel(shards: list[dict[str, torch.Tensor]], ep_rank: int = 0,
+                           ep_size: int = 1) -> dict[str, torch.Tensor]:
     """One state dict from the per-rank ones of a tensor-parallel legacy save. Column-parallel weights (rows
     split: embedding, output layer, linear_qkv — each rank holds whole query groups — and linear_fc1) join on
     dim 0, row-parallel ones (linear_proj, linear_fc2) on dim 1; norms and row-parallel biases are replicated.
-    A gated linear_fc1 shard is [gate_r; up_r]: the gates and the ups join separately."""
+    A gated linear_fc1 shard is [gate_r; up_r]: the gates and the ups join separately. Experts are first put in
+    one per-expert form with global indices (``ep_rank`` of ``ep_size``: `megatron_checkpoint_moe`), whose
+    linear_fc1 / linear_fc2 then join as the dense ones."""
+    shards = [normalize_experts(shard, ep_rank, ep_size) for shard in shards]
     if len(shards) == 1:
         return shards[0]
     merged = {}
@@ -190,7 +228,7 @@ def hf_config_from_args(args: Any, state: dict[str, torch.Tensor]):
     if args is None:
         raise UsageError("the Megatron-LM checkpoint carries no 'args' — give the model's HF config directory "
                          "(tools/convert_checkpoint.py --hf-config DIR)")
-    for flag, why in (("num_experts", "MoE layers"), ("multi_latent_attention", "multi-latent attention"),
+    for flag, why in (("multi_latent_attention", "multi-latent attention"),
                       ("mtp_num_layers", "multi-token prediction layers")):
         if _arg(args, flag):
             raise UsageError(f"the Megatron-LM checkpoint has {why} (--{flag.replace('_', '-')}) — importing "
@@ -222,6 +260,11 @@ def hf_config_from_args(args: Any, state: dict[str, torch.Tensor]):
     if _arg(args, "rotary_percent", 1.0) != 1.0 or _arg(args, "use_rope_scaling", False):
         raise UsageError("the Megatron-LM checkpoint uses --rotary-percent < 1 or --use-rope-scaling — not "
                          "converted yet (the HF config would compute different rotary embeddings)")
+    if is_moe(args, state):  # Qwen3-MoE / Qwen2-MoE / Mixtral (megatron_checkpoint_moe)
+        if not _arg(args, "num_experts"):
+            raise UsageError("the Megatron-LM checkpoint has MoE layers but its args carry no --num-experts — "
+                             "give the HF config (--hf-config DIR)")
+        return moe_config(args, fields, qkv_bias)
     if model_type == "llama":
         fields["attention_bias"] = False
         fields["mlp_bias"] = False
@@ -256,8 +299,6 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], config) -> dict[str, torch.
     """Megatron GPT weights in the HF Llama / Qwen layout ``config`` describes."""
     heads, groups = config.num_attention_heads, config.num_key_value_heads
     head_dim, per_group = config.head_dim, config.num_attention_heads // config.num_key_value_heads
-    if any(".experts." in k or ".router." in k for k in state):
-        raise UsageError("the Megatron-LM checkpoint has MoE layers — importing them is not supported yet")
     out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
            "model.norm.weight": state["decoder.final_layernorm.weight"]}
     if "output_layer.weight" in state and not config.tie_word_embeddings:
@@ -286,6 +327,9 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], config) -> dict[str, torch.
             found = _first(layer, *names)
             if found is not None:
                 out[p + hf_name] = found
+        if "mlp.router.weight" in layer:  # an MoE layer: router, experts, shared expert
+            out.update(moe_layer_to_hf(layer, p, config))
+            continue
         gate, up = layer["mlp.linear_fc1.weight"].chunk(2, dim=0)
         out[f"{p}mlp.gate_proj.weight"] = gate.contiguous()
         out[f"{p}mlp.up_proj.weight"] = up.contiguous()

@@ -31,7 +31,9 @@ What maps onto what (megatron-core 0.16.1 ``dist_checkpointing`` / ``optimizer``
 
 ``--finetune``: weights only, iteration 0. ``--no-load-optim``: no Adam state, scheduler or loss scale (the
 iteration and consumed samples still load, as in Megatron). ``--no-load-rng``: no RNG. Not mapped, each declined
-with one line: MoE / MLA / MTP checkpoints, pipeline-split legacy checkpoints, per-parameter Adam steps.
+with one line: MLA / MTP checkpoints, pipeline-split and expert-parallel legacy checkpoints, per-parameter Adam
+steps. MoE checkpoints (router, experts local or grouped, shared expert, dense layers) map weights and moments through
+the same conversion (`megatron_checkpoint_moe`) onto the Qwen3-MoE / Qwen2-MoE / Mixtral model their args describe.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ from fsdp2_backend.training.checkpoint_io import print_rank0
 from usage_errors import UsageError
 
 _OPTIM_RE = re.compile(r"^optimizer\.(?:chained_\d+\.)?state\.(exp_avg|exp_avg_sq|param|fp32_param)\.(.+)$")
-_UNMAPPED_SHARDING = ("dp_reshardable", "dp_zero_gather_scatter", "fully_sharded_bucket_space", "fsdp_dtensor")
+_UNMAPPED_SHARDING = ("dp_zero_gather_scatter", "fully_sharded_bucket_space", "fsdp_dtensor")
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -91,10 +93,12 @@ def _tensor_shapes(it_dir: Path) -> dict[str, torch.Tensor]:
 
 def _legacy_files(it_dir: Path, mmap: bool = True) -> list[dict]:
     """Every tensor-parallel rank's model_optim_rng.pt of a legacy checkpoint, in rank order."""
-    ranks = sorted(c for c in it_dir.iterdir() if c.is_dir() and mc._LEGACY_RE.match(c.name))
-    if any(mc._LEGACY_RE.match(r.name).group(2) not in (None, "000") for r in ranks):
-        raise UsageError(f"{it_dir}: a legacy Megatron-LM checkpoint split over pipeline stages — only "
-                         f"tensor-parallel legacy splits are read; re-save it with --ckpt-format torch_dist")
+    groups = mc.legacy_rank_groups(it_dir)  # declines pipeline splits
+    if len(groups) > 1:
+        raise UsageError(f"{it_dir}: a legacy Megatron-LM checkpoint split over {len(groups)} expert-parallel ranks "
+                         f"— resuming it is not mapped; convert it with tools/convert_checkpoint.py and --load the HF "
+                         f"directory (weights only), or re-save it with Megatron-LM's --ckpt-format torch_dist")
+    ranks = groups[0]
     out = []
     for rank in ranks:
         path = rank / "model_optim_rng.pt"
@@ -168,13 +172,19 @@ def _common_step(optim_common: Any, where: Path) -> int:
     return steps.pop()
 
 
-def _torch_dist_optimizer(it_dir: Path, common: dict) -> tuple[dict, int]:
+def _torch_dist_optimizer(it_dir: Path, common: dict, weights: dict) -> tuple[dict, int]:
     """({exp_avg / exp_avg_sq / param: {megatron key: tensor}}, step) of a torch_dist checkpoint."""
     sharding = _find(common.get("optimizer"), "param_state_sharding_type")
     if any(s in _UNMAPPED_SHARDING for s in sharding):
         raise UsageError(f"{it_dir}: the distributed optimizer's state is saved as {sharding[0]} (flat per-bucket "
                          f"buffers in Megatron's grad-buffer layout) — re-save it with Megatron-LM's "
                          f"--dist-ckpt-optim-fully-reshardable, or resume with --no-load-optim")
+    if "dp_reshardable" in sharding:  # flat per-bucket buffers, mapped back to the parameters (megatron_distopt)
+        from fsdp2_backend.training.megatron_distopt import read_dp_reshardable
+
+        out, objects = read_dp_reshardable(it_dir, weights)
+        common["optimizer"].update(objects)  # the step and the grad scaler are ShardedObjects in this format
+        return out, _common_step(common["optimizer"], it_dir)
     tensors = _torch_dist_tensors(it_dir, lambda k: bool(_OPTIM_RE.match(k)))
     out: dict[str, dict] = {"exp_avg": {}, "exp_avg_sq": {}, "param": {}}
     for key, value in tensors.items():
@@ -263,7 +273,7 @@ def load_megatron_checkpoint(it_dir: Path, model, optimizer=None, scheduler=None
     load_optim = optimizer is not None and not (no_load_optim or finetune)
     moments, step = None, None
     if load_optim:
-        moments, step = (_torch_dist_optimizer(it_dir, common) if fmt == "torch_dist"
+        moments, step = (_torch_dist_optimizer(it_dir, common, weights) if fmt == "torch_dist"
                          else _legacy_optimizer(it_dir, files))
         if moments["param"]:  # the fp32 main weights of a mixed-precision run: the exact ones
             weights = {**weights, **moments["param"]}

@@ -84,7 +84,7 @@ class Qwen2MoeRouter(_FamilyRouter, q2.Qwen2MoeTopKRouter):
 
 class DeepseekV3Router(_FamilyRouter, ds.DeepseekV3TopkRouter):
     """DeepSeek-V3's routing with Megatron's options; `e_score_correction_bias` (the checkpoint's, fp32) selects
-    with sigmoid scores and is Megatron's `expert_bias` when the run updates it."""
+    with sigmoid (or MindSpeed's sqrtsoftplus) scores and is Megatron's `expert_bias` when the run updates it."""
 
     @staticmethod
     def defaults(config) -> RouterSettings:
@@ -101,7 +101,7 @@ class DeepseekV3Router(_FamilyRouter, ds.DeepseekV3TopkRouter):
         return self.e_score_correction_bias if self.settings.expert_bias else None
 
     def selection_bias(self):
-        return self.e_score_correction_bias if self.settings.score_function == "sigmoid" else None
+        return self.e_score_correction_bias if self.settings.score_function in ("sigmoid", "sqrtsoftplus") else None
 
 
 # -- blocks: transformers' computation, the router given (batch, seq, hidden) ----------------------------------------

@@ -7,9 +7,12 @@ process-group globals and CUDA, so it cannot run inside an HF model here; this m
 
 - scores: `softmax` (top-k on the logits then softmax over the k — renormalised; or `pre_softmax`: softmax over
   all experts then top-k) or `sigmoid` (top-k of sigmoid scores, optionally selected on `scores + expert_bias`,
-  renormalised when k > 1); group-limited top-k (`num_groups` / `group_topk`); a `scaling_factor`;
+  renormalised when k > 1), or MindSpeed's `sqrtsoftplus` (sqrt(softplus(logits)), routed as sigmoid);
+  group-limited top-k (`num_groups` / `group_topk`); a `scaling_factor`;
 - load balancing: `aux_loss` (per micro-batch), `seq_aux_loss` (per sequence), `global_aux_loss` (token counts
-  of the whole global batch), `sinkhorn`, `none`; the router `z_loss`;
+  of the whole global batch), `sinkhorn`, `none`; the router `z_loss`; `mindspeed_seq_aux_loss`, MindSpeed's
+  `--seq-aux` under balancing 'none' (DeepSeek-V3's sequence-wise loss: per sequence, the scores shifted by the
+  selection bias and normalised, the counts of the experts actually selected; logged as `load_balancing_loss`);
 - aux-loss-free balancing: `expert_bias`, a persistent buffer (saved in checkpoints), moved by
   `bias_update_rate` × sign(mean load − load) after every step from the global token counts
   (`finish_router_step`, as megatron-core's `finalize_model_grads` does).
@@ -34,11 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp2_backend.models.moe.routing import balanced_assignment
-from fsdp2_backend.models.moe.router_functions import (aux_loss_scores, sinkhorn_routing, switch_load_balancing_loss,
-                                                       topk_routing, updated_expert_bias, z_loss)
+from fsdp2_backend.models.moe.router_functions import (aux_loss_scores, mindspeed_seq_aux_scores, sinkhorn_routing,
+                                                       switch_load_balancing_loss, topk_routing, updated_expert_bias,
+                                                       z_loss)
 
 LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
-              "global_aux_loss": "global_load_balancing_loss"}
+              "global_aux_loss": "global_load_balancing_loss",
+              "mindspeed_seq_aux_loss": "load_balancing_loss"}  # MindSpeed logs its --seq-aux loss so
 _DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 
 
@@ -203,15 +208,22 @@ class TopKRouter(nn.Module):
         else:
             weights, index = topk_routing(logits, s, bias, index)
         if training and s.megatron_losses and s.load_balancing:
-            self._load_balancing_losses(logits, batch)
+            self._load_balancing_losses(logits, batch, bias, index)
         if training and s.expert_bias and bias is not None:
             with torch.no_grad():  # the load seen this step, for the bias update after it
                 self.local_tokens_per_expert += torch.bincount(index.reshape(-1), minlength=s.num_experts)
         return weights, index
 
-    def _load_balancing_losses(self, logits: torch.Tensor, batch: int) -> None:
+    def _load_balancing_losses(self, logits: torch.Tensor, batch: int, bias: Optional[torch.Tensor],
+                               index: torch.Tensor) -> None:
         s = self.settings
         routing_map, scores = aux_loss_scores(logits, s.top_k, s.score_function)
+        if any(kind == "mindspeed_seq_aux_loss" for kind, _ in s.load_balancing):
+            if self.fixed:  # MindSpeed counts the router's own choice (fix_router replaces it afterwards)
+                with torch.no_grad():
+                    index = topk_routing(logits, s, bias)[1]
+            selected = torch.zeros_like(routing_map).scatter(1, index, True)
+            biased_scores = mindspeed_seq_aux_scores(logits, s.score_function, bias)
         tokens = logits.shape[0]
         cp = _size(self.sequence_group)
         for kind, coeff in s.load_balancing:
@@ -221,11 +233,12 @@ class TopKRouter(nn.Module):
             if kind == "aux_loss":
                 counts = _summed(routing_map.sum(0), self.sequence_group)
                 loss = switch_load_balancing_loss(scores, counts, tokens * cp, s.top_k, s.num_experts, coeff)
-            elif kind == "seq_aux_loss":  # per sequence: (B, S, E) → (S, B·E), Megatron's [s, b] layout
+            elif kind.endswith("seq_aux_loss"):  # per sequence: (B, S, E) → (S, B·E), Megatron's [s, b] layout
                 seq = tokens // batch
                 per_seq = lambda t: t.view(batch, seq, -1).transpose(0, 1).reshape(seq, -1)  # noqa: E731
-                counts = _summed(per_seq(routing_map).sum(0), self.sequence_group)
-                loss = switch_load_balancing_loss(per_seq(scores), counts, seq * cp, s.top_k, s.num_experts,
+                kind_map, kind_scores = (routing_map, scores) if kind == "seq_aux_loss" else (selected, biased_scores)
+                counts = _summed(per_seq(kind_map).sum(0), self.sequence_group)
+                loss = switch_load_balancing_loss(per_seq(kind_scores), counts, seq * cp, s.top_k, s.num_experts,
                                                   coeff) / batch
             else:  # global_aux_loss: the global batch's token counts, averaged over its micro-batches so far
                 counts = _summed(routing_map.sum(0), self.token_group)

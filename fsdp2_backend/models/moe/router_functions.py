@@ -2,12 +2,16 @@
 group-limited), Sinkhorn, the scores the load-balancing losses use, the Switch / z losses and the expert-bias
 update — megatron-core's `moe_utils` re-stated (tests compare each with megatron-core 0.16.1 on the same
 logits). The module that holds state and process-group hooks is `router.TopKRouter`.
+MindSpeed-LLM's additions, which megatron-core 0.16.1 lacks (tests/test_router_mindspeed.py checks them against
+its formulas): the `sqrtsoftplus` score function (DeepSeek-V4: sqrt(softplus(logits)), routed like sigmoid) and
+the scores of its `--seq-aux` loss under balancing 'none' (`mindspeed_seq_aux_scores`).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from fsdp2_backend.models.moe.router import RouterSettings
@@ -41,8 +45,8 @@ def topk_routing(logits: torch.Tensor, s: "RouterSettings", expert_bias: Optiona
         else:
             top, idx = pick(logits)
             probs = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
-    elif s.score_function == "sigmoid":
-        scores = torch.sigmoid(logits.float()).type_as(logits)
+    elif s.score_function in ("sigmoid", "sqrtsoftplus"):  # sqrtsoftplus: MindSpeed-LLM's / DeepSeek-V4's
+        scores = _pointwise_scores(logits, s.score_function).type_as(logits)
         if expert_bias is not None:
             idx = index if index is not None else pick(scores + expert_bias)[1]
             probs = torch.gather(scores, 1, idx).type_as(logits)
@@ -54,6 +58,13 @@ def topk_routing(logits: torch.Tensor, s: "RouterSettings", expert_bias: Optiona
     if s.scaling_factor:
         probs = probs * s.scaling_factor
     return probs, idx
+
+
+def _pointwise_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """Per-expert scores in fp32: sigmoid, or sqrt(softplus(logits)) (`sqrtsoftplus`)."""
+    if score_function == "sigmoid":
+        return torch.sigmoid(logits.float())
+    return F.softplus(logits.float()).sqrt()
 
 
 def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
@@ -82,14 +93,28 @@ def sinkhorn_routing(logits: torch.Tensor, top_k: int, training: bool) -> Tuple[
 
 def aux_loss_scores(logits: torch.Tensor, top_k: int, score_function: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """(routing_map (T, E) bool, scores (T, E)) the load-balancing losses use: plain top-k of softmax scores,
-    or of sum-normalised sigmoid scores (no bias, no groups)."""
+    or of sum-normalised sigmoid / sqrtsoftplus scores (no bias, no groups; sqrtsoftplus as Megatron-LM's
+    `compute_routing_scores_for_aux_loss` after 0.16.1 defines it, in fp32)."""
     if score_function == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
     else:
-        scores = torch.sigmoid(logits)
+        scores = torch.sigmoid(logits) if score_function == "sigmoid" else _pointwise_scores(logits, score_function)
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     top = torch.topk(scores, k=top_k, dim=1)[1]
     return torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True), scores
+
+
+def mindspeed_seq_aux_scores(logits: torch.Tensor, score_function: str,
+                             expert_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(T, E) fp32 scores of MindSpeed's sequence aux loss (`--seq-aux` under balancing 'none', its
+    `apply_seq_aux_loss`): softmax over all experts; or sigmoid / sqrtsoftplus scores shifted by the expert bias
+    (the selection bias, no gradient) and normalised over all experts."""
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1, dtype=torch.float32)
+    scores = _pointwise_scores(logits, score_function)
+    if expert_bias is not None:
+        scores = scores + expert_bias.detach().float()
+    return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 
 def switch_load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, total_tokens,

@@ -8,7 +8,9 @@ stays untouched and no state is global: the function reads the spec from the mod
 Ulysses wraps the model's previous attention (eager is run as SDPA: the same math, and it needs no mask);
 ring uses `ring.ring_attention`. Sliding-window layers and attention sinks (gpt_oss, `s_aux`): Ulysses hands
 both to the sink attention (`kernels.sink_attention`, which builds the window over the gathered sequence) with
-the sinks of this rank's heads; ring masks the window by global positions and merges the sinks last.
+the sinks of this rank's heads — also the windows of an eager/SDPA model (step35; no sinks: the SDPA maths with
+the window); ring masks the window by global positions and merges the sinks last. Ulysses splits every layer's
+own heads: a model whose layer types have their own head counts (step35) is checked per layer type.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from usage_errors import UsageError
 from fsdp2_backend.models.packed_attention import PACKED_ATTENTION
+from kernels.sink_attention import transformers_sink_attention
 from kernels.varlen import is_packed
 from fsdp2_backend.parallel.context_parallel.ring import ring_attention
 from fsdp2_backend.parallel.context_parallel.ulysses import heads_to_seq, replicate_kv_heads, seq_to_heads
@@ -34,6 +37,7 @@ ATTENTION_NAME = "fsdp2_context_parallel"
 SPEC_ATTRIBUTE = "context_parallel_spec"
 _SUPPORTED_LAYER_TYPES = {"full_attention"}
 _SINK_ATTENTION = "sink_attention"  # kernels.sink_attention's name: takes the sinks and the window
+_SDPA_FAMILY = ("eager", "sdpa", None)  # Ulysses runs these as SDPA; a window then goes to the sink attention
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
@@ -79,10 +83,14 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
         raise UsageError("attention_mask: padding or packed-document masks are not supported with context "
                          "parallel — train on full, unpadded sequences (no reset_attention_mask) with cp_size > 1")
     sinks = kwargs.pop("s_aux", None)
+    inner_name = spec.inner_attention
+    if sliding_window is not None and inner_name in _SDPA_FAMILY:
+        inner_name = _SINK_ATTENTION  # SDPA with the window over the gathered sequence (no sinks: a -inf column)
     if (sliding_window is not None or sinks is not None) and spec.cp_type == "ulysses" and \
-            spec.inner_attention != _SINK_ATTENTION:
-        raise UsageError("context parallel: sliding-window layers / attention sinks under Ulysses need the sink "
-                         "attention (model_id gpt_oss) — use cp_type ring, or cp_size 1")
+            inner_name != _SINK_ATTENTION:
+        raise UsageError(f"context parallel: sliding-window layers / attention sinks under Ulysses need the sink "
+                         f"attention (model_id gpt_oss) or SDPA/eager, not {spec.inner_attention!r} — use cp_type "
+                         "ring, or cp_size 1")
     if dropout:
         raise UsageError("attention_dropout: must be 0 with context parallel — set it to 0")
     if any(kwargs.get(name) is not None for name in _PACKING_KWARGS):
@@ -90,29 +98,36 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
                          "cp_size > 1 — drop --reset-attention-mask / --reset-position-ids or use cp_size 1")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if spec.cp_type == "ring":
-        return ring_attention(query, key, value, scale, spec.group, sinks, sliding_window).transpose(1, 2), None
+        return ring_attention(query, key, value, scale, spec.group, sinks, sliding_window,
+                              position_ids=kwargs.get("position_ids")).transpose(1, 2), None
     cp = dist.get_world_size(spec.group)
     query = seq_to_heads(query, spec.group)
     key = seq_to_heads(replicate_kv_heads(key, cp), spec.group)
     value = seq_to_heads(replicate_kv_heads(value, cp), spec.group)
     # Positions are already in q/k (RoPE) and the gathered sequence is contiguous: this shard's position_ids must
     # not reach the inner function (flash attention would read them as document boundaries). Packed rows
-    # (neat_packing): the packed attention gets the whole sequence's position ids, its document boundaries.
+    # (neat_packing, reset_position_ids): the whole sequence's position ids, gathered on every rank (a shard may
+    # hold no restart while another does), are the document boundaries: eager/SDPA models then run the packed
+    # attention (per document), flash attention reads them itself.
     shard_positions = kwargs.pop("position_ids", None)
-    if shard_positions is not None and (spec.inner_attention == PACKED_ATTENTION or is_packed(shard_positions)):
+    if shard_positions is not None:
         full_positions = _gather_sequence(shard_positions.expand(query.shape[0], -1).contiguous(), spec.group)
         if spec.inner_attention == PACKED_ATTENTION:
             kwargs["position_ids"] = full_positions
         elif is_packed(full_positions):
-            raise UsageError("context parallel: packed documents (restarting position_ids) need the packed "
-                             "attention — use data.neat_packing (SFT), or cp_size 1")
+            if inner_name in _SDPA_FAMILY:
+                inner_name = PACKED_ATTENTION
+            elif not str(inner_name).startswith("flash_attention"):
+                raise UsageError(f"context parallel: packed documents (restarting position_ids) are not built for "
+                                 f"the {inner_name!r} attention under Ulysses — use cp_type ring, or cp_size 1")
+            kwargs["position_ids"] = full_positions
     view = _LocalHeadsView(module, query.shape[1] // key.shape[1])
-    if spec.inner_attention == _SINK_ATTENTION:  # this rank's heads: chunk `rank` of the heads, as seq_to_heads
+    if inner_name == _SINK_ATTENTION:  # this rank's heads: chunk `rank` of the heads, as seq_to_heads
         heads, rank = query.shape[1], dist.get_rank(spec.group)
         kwargs.update(sliding_window=sliding_window,
                       s_aux=None if sinks is None else sinks[rank * heads:(rank + 1) * heads])
-    out, _ = _inner_attention(spec.inner_attention)(view, query, key, value, None, dropout=0.0, scaling=scale,
-                                                    is_causal=True, **kwargs)
+    inner = transformers_sink_attention if inner_name == _SINK_ATTENTION else _inner_attention(inner_name)
+    out, _ = inner(view, query, key, value, None, dropout=0.0, scaling=scale, is_causal=True, **kwargs)
     return heads_to_seq(out, spec.group), None
 
 
@@ -131,6 +146,17 @@ def _attention_modules(model: nn.Module):
     return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
 
 
+def _head_counts(config):
+    """{(layer type, query heads, key/value heads)}: one entry with no layer type, or, for a config whose head
+    counts vary per layer (transformers' heterogeneous `per_layer_config`: step35's sliding layers), one per
+    layer type."""
+    if not getattr(config, "is_heterogeneous", False):
+        return {(None, config.num_attention_heads, config.num_key_value_heads)}
+    layers = config.per_layer_config
+    return {(config.layer_types[i], layers[i].num_attention_heads, layers[i].num_key_value_heads)
+            for i in range(config.num_hidden_layers)}
+
+
 def enable_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: str, tp_size: int = 1,
                             handled_layer_types=()) -> nn.Module:
     """Makes every attention layer of an HF model attend across the cp ranks of `cp_mesh` (1-D).
@@ -141,13 +167,15 @@ def enable_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: str,
     """
     cp_type = normalize_cp_type(cp_type)
     config = model.config
-    problems = context_parallel_problems(cp_mesh.size(), cp_type, config.num_attention_heads,
-                                         config.num_key_value_heads, tp_size)
+    problems = []
+    for kind, heads, kv_heads in sorted(_head_counts(config), key=str):
+        problems += [p for p in context_parallel_problems(cp_mesh.size(), cp_type, heads, kv_heads, tp_size,
+                                                          layer_type=kind) if p not in problems]
     if problems:
         raise UsageError(problems)
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     supported = _SUPPORTED_LAYER_TYPES | set(handled_layer_types)  # e.g. linear attention, made CP by the caller
-    if cp_type == "ring" or config._attn_implementation == _SINK_ATTENTION:  # windows: see the module docstring
+    if cp_type == "ring" or config._attn_implementation in (_SINK_ATTENTION, *_SDPA_FAMILY):  # windows: docstring
         supported |= {"sliding_attention"}
     if not layer_types <= supported:
         unsupported = sorted(layer_types - supported)

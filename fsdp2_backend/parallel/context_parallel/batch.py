@@ -42,30 +42,27 @@ def shift_labels(labels: Tensor, ignore_index: int = -100) -> Tensor:
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], dim=1)
 
 
-def _check_unpacked(batch: Dict[str, Tensor], seq_len: int, cp_type: str) -> None:
-    """Ulysses gathers the whole sequence for attention, so packed rows whose documents are marked by restarting
-    position_ids pass (the attention checks that it can honour them); ring declines them (not built)."""
+def _check_unpacked(batch: Dict[str, Tensor]) -> None:
+    """Packed rows whose documents are marked by restarting position_ids (`kernels/varlen.py`) pass: both
+    algorithms read the documents from the position ids of the whole sequence (Ulysses gathers them for its
+    attention, ring masks its blocks by them). Other descriptions of documents or padding are declined."""
     present = [key for key in _PACKING_KEYS if batch.get(key) is not None]
     mask = batch.get("attention_mask")
     if mask is not None and not bool(mask.bool().all()):
         present.append("attention_mask with padding")
-    positions = batch.get("position_ids")
-    if positions is not None and normalize_cp_type(cp_type) != "ulysses":
-        expected = torch.arange(seq_len, device=positions.device).expand_as(positions)
-        if not torch.equal(positions, expected):
-            present.append("position_ids that restart (reset_position_ids)")
     if present:
         raise UsageError(f"context parallel: packed or padded sequences ({', '.join(present)}) are not supported "
-                         "with cp_size > 1 (ring) — use cp_type ulysses with data.neat_packing, drop "
-                         "--reset-position-ids / --reset-attention-mask, or use cp_size 1")
+                         "with cp_size > 1 — mark documents by restarting position ids (--reset-position-ids, "
+                         "data.neat_packing), or use cp_size 1")
 
 
 def shard_batch_for_cp(batch: Dict[str, Tensor], cp_rank: int, cp_size: int, cp_type: str,
                        seq_dim: int = 1) -> Dict[str, Tensor]:
     """This cp rank's part of a [batch, seq] batch: per-token tensors cut along `seq_dim`, position_ids added.
 
-    An all-ones `attention_mask` is dropped (the CP attention is causal by construction); anything describing
-    padding or packed documents is declined with a UsageError. Other keys pass through unchanged.
+    An all-ones `attention_mask` is dropped (the CP attention is causal by construction); packed documents travel
+    as restarting position_ids, cut like every per-token tensor; anything else describing padding or documents is
+    declined with a UsageError. Other keys pass through unchanged.
     """
     if cp_size <= 1:
         return dict(batch)
@@ -73,7 +70,7 @@ def shard_batch_for_cp(batch: Dict[str, Tensor], cp_rank: int, cp_size: int, cp_
     problems = sequence_length_problems(seq_len, cp_size, cp_type)
     if problems:
         raise UsageError(problems)
-    _check_unpacked(batch, seq_len, cp_type)
+    _check_unpacked(batch)
     out = {key: value for key, value in batch.items() if key not in PER_TOKEN_KEYS + ("attention_mask",)}
     index = sequence_indices(seq_len, cp_rank, cp_size, cp_type, device=batch["input_ids"].device)
     full = dict(batch)

@@ -1,0 +1,306 @@
+"""Where a Hugging Face checkpoint keeps its MTP layers, and how they map onto this project's MTP modules.
+
+`models/mtp.py` holds the MTP layers as `mtp.layers.{k}.{enorm, hnorm, eh_proj, transformer_layer.*,
+final_layernorm}` (Megatron's names), whatever the model. Checkpoints released with MTP layers name them their
+own way; a `MTPLayout` maps each of our names to the checkpoint's (one direction, enough for both ways: loading
+walks our parameters, exporting walks our state dict), and says how the MTP decoder layer is built and which
+main layer's call arguments it reuses. Stacked experts (`mlp.experts.gate_up_proj` / `down_proj`) are split into
+and assembled from transformers' per-expert keys (`qwen3_moe.checkpoint_keys` / `param_to_checkpoint`), as for
+the main layers, so the on-disk layout is the released one.
+
+Layouts (the checkpoint's model decides the facts; Megatron's semantics of `models/mtp.py` hold for all):
+- own (`qwen3`, anything without a released layout): `mtp.layers.{k}.*` as in memory — this project's export.
+- Qwen3-Next (`model_type qwen3_next`; vLLM `qwen3_next_mtp.py`, transformers' Qwen3.5 MTP code, released
+  Qwen3-Next-80B-A3B keys): `mtp.pre_fc_norm_embedding` = enorm, `mtp.pre_fc_norm_hidden` = hnorm, `mtp.fc` =
+  eh_proj over cat(normed embedding, normed hidden) — embedding first, as Megatron —, `mtp.layers.0.*` = the decoder
+  layer, `mtp.norm` = final_layernorm; the norms are Qwen3-Next's zero-centred RMSNorm (weight stored as w, applied
+  as 1 + w: the model's own norm class, which `mtp.py` uses). The decoder layer is a *full-attention* layer with
+  the sparse MoE block (whatever the type of the model's last layer), so it is built from a copy of the config
+  where that layer index is full attention and sparse; `qwen3_next`'s stacked experts and router are swapped in.
+  It reuses the call arguments (causal mask, rotary) of the last full-attention main layer. The layout has one
+  fc / norm pair for the whole block, so it holds exactly one depth (`mtp_num_hidden_layers`, recorded in the
+  config on attach): `model.mtp_num_layers` must be 1 for it (config validation says so for the model id).
+"""
+from __future__ import annotations
+
+import copy
+import re
+from typing import Callable, Dict, List, Mapping, Optional
+
+import torch
+from torch import nn
+
+from fsdp2_backend.models.qwen3_moe import checkpoint_keys as expert_keys
+from fsdp2_backend.models.qwen3_moe import param_from_checkpoint as expert_param
+from fsdp2_backend.models.qwen3_moe import param_to_checkpoint as expert_split
+
+_OWN = re.compile(r"^mtp\.layers\.(?P<k>\d+)\.(?P<part>enorm|hnorm|eh_proj|final_layernorm|transformer_layer)\."
+                  r"(?P<rest>.*)$")
+
+
+class MTPLayout:
+    """This project's own layout (`mtp.layers.{k}.*` as in memory); the base of the released ones."""
+
+    prenorm_hidden = False  # Megatron: depth 1 gets the final-normed hidden states, depth k depth k-1's normed output
+
+    def check(self, config, num_layers: int) -> None:
+        """Declines (UsageError) an MTP depth or checkpoint this layout cannot hold."""
+
+    def extra_keys(self, config, num_layers: int) -> Dict[str, str]:
+        """Checkpoint keys the layout knows but our modules do not hold → the model tensor they copy."""
+        return {}
+
+    def checkpoint_name(self, name: str, config) -> str:
+        """The checkpoint name of our MTP tensor `name` (`mtp.layers.{k}....`), before any per-expert split."""
+        return name
+
+    def is_mtp_key(self, key: str, config) -> bool:
+        """Whether checkpoint key `key` belongs to the MTP layers in this layout."""
+        return key.startswith("mtp.")
+
+    def layer_index(self, config) -> int:
+        """The main decoder layer whose call arguments (mask, rotary, CP arguments) the MTP layers reuse, and whose
+        index the MTP decoder layer is built with: the last one."""
+        return config.num_hidden_layers - 1
+
+    def layer_factory(self, model: nn.Module) -> Callable[[int], nn.Module]:
+        """Builds the MTP decoder layer of depth k (0-based): the model's own decoder-layer class at `layer_index`."""
+        cls = type(model.get_decoder().layers[0])
+        return lambda k: cls(model.config, self.layer_index(model.config))
+
+    def record_depth(self, config, num_layers: int) -> None:
+        """Writes the MTP depth into the HF config the way the checkpoint's model declares it (none here)."""
+
+    def is_candidate(self, key: str, config, num_layers: int) -> bool:
+        """Whether `key` is an MTP tensor this run must account for (others are left out with one line)."""
+        return self.is_mtp_key(key, config)
+
+    # stacked experts: transformers' per-expert keys on disk, as the main layers of these models
+    def keys(self, flat: str, config) -> List[str]:
+        return expert_keys(flat, _num_experts(config))
+
+    def assemble(self, flat: str, tensors: Mapping[str, torch.Tensor], config) -> torch.Tensor:
+        return expert_param(flat, tensors, _num_experts(config))
+
+    def split(self, flat: str, tensor: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return expert_split(flat, tensor)
+
+
+class Qwen3NextLayout(MTPLayout):
+    """Qwen3-Next's released `mtp.*` layout (module docstring)."""
+
+    _PARTS = {"enorm": "mtp.pre_fc_norm_embedding.", "hnorm": "mtp.pre_fc_norm_hidden.", "eh_proj": "mtp.fc.",
+              "final_layernorm": "mtp.norm.", "transformer_layer": "mtp.layers.{k}."}
+
+    def checkpoint_name(self, name: str, config) -> str:
+        match = _OWN.match(name)
+        if match is None:
+            return name
+        return self._PARTS[match["part"]].format(k=match["k"]) + match["rest"]
+
+    def layer_index(self, config) -> int:
+        full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+        return full[-1] if full else config.num_hidden_layers - 1
+
+    def layer_factory(self, model: nn.Module) -> Callable[[int], nn.Module]:
+        config, cls = model.config, type(model.get_decoder().layers[0])
+        index = config.num_hidden_layers - 1
+        mtp_config = copy.copy(config)  # shallow: only the per-layer choices of this one index differ
+        mtp_config.layer_types = list(config.layer_types)
+        mtp_config.layer_types[index] = "full_attention"
+        mtp_config.mlp_only_layers = [i for i in config.mlp_only_layers if i != index]
+        mtp_config.decoder_sparse_step = 1
+
+        def build(k: int) -> nn.Module:
+            layer = cls(mtp_config, index)
+            from fsdp2_backend.models.qwen3_next import Qwen3NextGroupedForCausalLM, _swap_layer
+
+            if isinstance(model, Qwen3NextGroupedForCausalLM):  # model_id qwen3_next: stacked experts, our router
+                _swap_layer(mtp_config, layer)
+            return layer
+        return build
+
+    def record_depth(self, config, num_layers: int) -> None:
+        config.mtp_num_hidden_layers = num_layers  # the released config.json's key (vLLM reads it)
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class Step35Layout(MTPLayout):
+    """Step-3.5's MTP layers: the checkpoint's `model.layers.{N + k}` (N = num_hidden_layers; vLLM `step3p5_mtp.py`):
+    `enorm`, `hnorm`, `eh_proj` (over cat(normed embedding, normed hidden)), the decoder layer's own keys directly
+    under the layer, `transformer.shared_head.norm` = final_layernorm and `transformer.shared_head.output` (a copy
+    of the lm head: written on export; on load, Megatron's shared head is used and a different copy is reported).
+    The norms are the model's zero-centred RMSNorm. Unlike Megatron, Step-3.5's model feeds depth 1 the main
+    hidden states *before* the final norm (vLLM's Step3p5ForCausalLM applies `model.norm` only in compute_logits)
+    and depth k the output of depth k-1 before its `shared_head.norm`: followed here (`prenorm_hidden`). The MTP
+    layer's attention type and MLP are the config's `mtp_layer_types` / `mtp_mlp_layer_types` (Step-3.5-Flash:
+    dense MLP); it is built at the index of the last main layer of that attention type (same heads and rotary),
+    with a dense MLP there; its SwiGLU clamp limit is not kept by transformers' config (none is applied)."""
+
+    prenorm_hidden = True
+
+    def _types(self, config, num_layers: int):
+        attn = list(getattr(config, "mtp_layer_types", None) or ["full_attention"] * num_layers)
+        mlp = list(getattr(config, "mtp_mlp_layer_types", None) or ["dense"] * num_layers)
+        return attn[:num_layers], mlp[:num_layers]
+
+    def check(self, config, num_layers: int) -> None:
+        from usage_errors import UsageError
+
+        have = getattr(config, "num_nextn_predict_layers", 0) or 0
+        attn, mlp = self._types(config, num_layers)
+        if have and num_layers > have:
+            raise UsageError(f"model.mtp_num_layers: {num_layers} MTP layers but the Step-3.5 checkpoint has {have} "
+                             f"(num_nextn_predict_layers) — give at most {have}")
+        if "sparse" in mlp:
+            raise UsageError("model.mtp_num_layers: the checkpoint's Step-3.5 MTP layers have MoE MLPs, which this "
+                             "layout does not map (Step-3.5-Flash's are dense) — unset mtp_num_layers")
+        if len(set(attn)) > 1 or attn[0] not in config.layer_types:
+            raise UsageError(f"model.mtp_num_layers: Step-3.5 MTP layers of attention types {attn} need one type "
+                             f"that a main layer also has — unset mtp_num_layers")
+
+    def checkpoint_name(self, name: str, config) -> str:
+        match = _OWN.match(name)
+        if match is None:
+            return name
+        part = {"transformer_layer": "", "final_layernorm": "transformer.shared_head.norm."}.get(
+            match["part"], match["part"] + ".")
+        return f"model.layers.{config.num_hidden_layers + int(match['k'])}.{part}{match['rest']}"
+
+    def is_mtp_key(self, key: str, config) -> bool:
+        match = _LAYER.match(key)
+        return bool(match) and int(match[1]) >= config.num_hidden_layers
+
+    def is_candidate(self, key: str, config, num_layers: int) -> bool:
+        match = _LAYER.match(key)
+        return bool(match) and config.num_hidden_layers <= int(match[1]) < config.num_hidden_layers + num_layers
+
+    def extra_keys(self, config, num_layers: int) -> Dict[str, str]:
+        n = config.num_hidden_layers
+        return {f"model.layers.{n + k}.transformer.shared_head.output.weight": "lm_head.weight"
+                for k in range(num_layers)}
+
+    def layer_index(self, config) -> int:
+        kind = (getattr(config, "mtp_layer_types", None) or ["full_attention"])[0]
+        return max(i for i, t in enumerate(config.layer_types) if t == kind)
+
+    def layer_factory(self, model: nn.Module) -> Callable[[int], nn.Module]:
+        config, cls = model.config, type(model.get_decoder().layers[0])
+        index = self.layer_index(config)
+        mtp_config = copy.copy(config)  # shallow: only the MLP choice at this index differs
+        mtp_config.mlp_layer_types = list(config.mlp_layer_types)
+        mtp_config.mlp_layer_types[index] = "dense"
+        if config.swiglu_limits_shared:
+            mtp_config.swiglu_limits_shared = list(config.swiglu_limits_shared)
+            mtp_config.swiglu_limits_shared[index] = 0  # 0: no clamp (transformers' Step3p7MLP)
+        return lambda k: cls(mtp_config, index)
+
+    def record_depth(self, config, num_layers: int) -> None:
+        config.num_nextn_predict_layers = num_layers
+        config.mtp_num_layers = num_layers  # step35_legacy_config writes num_nextn_predict_layers from it
+
+    def keys(self, flat: str, config) -> List[str]:
+        return [flat]  # dense MTP layers only (check)
+
+    def assemble(self, flat: str, tensors: Mapping[str, torch.Tensor], config) -> torch.Tensor:
+        return tensors[flat]
+
+    def split(self, flat: str, tensor: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {flat: tensor}
+
+
+def mtp_layout(config) -> MTPLayout:
+    """The layout for an HF config: the released one of its model type, else this project's own."""
+    return {"qwen3_next": Qwen3NextLayout, "step3p5": Step35Layout}.get(getattr(config, "model_type", None), MTPLayout)()
+
+
+def _num_experts(config) -> int:
+    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+
+
+def checkpoint_keys(name: str, config) -> List[str]:
+    """The checkpoint keys that hold our MTP tensor `name` (several for stacked experts)."""
+    layout = mtp_layout(config)
+    return layout.keys(layout.checkpoint_name(name, config), config)
+
+
+def from_checkpoint(name: str, tensors: Mapping[str, torch.Tensor], config) -> torch.Tensor:
+    """Our full MTP tensor `name` from its checkpoint tensors (`checkpoint_keys`)."""
+    layout = mtp_layout(config)
+    return layout.assemble(layout.checkpoint_name(name, config), tensors, config)
+
+
+def to_checkpoint(state_dict: Mapping[str, torch.Tensor], config) -> Dict[str, torch.Tensor]:
+    """`state_dict` (the full model's, as the HF export gathers it) with our MTP tensors under the checkpoint's
+    own names (per-expert keys for stacked experts); other keys unchanged. The identity for the own layout."""
+    layout = mtp_layout(config)
+    if type(layout) is MTPLayout:
+        return dict(state_dict)
+    out: Dict[str, torch.Tensor] = {}
+    depths = set()
+    for key, tensor in state_dict.items():
+        match = _OWN.match(key)
+        if match:
+            depths.add(match["k"])
+            out.update(layout.split(layout.checkpoint_name(key, config), tensor))
+        else:
+            out[key] = tensor
+    for key, source in layout.extra_keys(config, len(depths)).items():
+        out[key] = state_dict[source].clone()  # a copy of its own: not deduplicated as a tied weight
+    return out
+
+
+def load_from_checkpoint(own: Dict[str, torch.Tensor], read: Callable[[str], torch.Tensor], keys: List[str],
+                         config, optional: frozenset = frozenset(),
+                         model_tensor: Optional[Callable[[str], torch.Tensor]] = None,
+                         ) -> Optional[Dict[str, torch.Tensor]]:
+    """Our MTP state (`own` names → full tensors) read from a checkpoint holding `keys` (`read(key)` gives one):
+    None when the checkpoint holds no MTP tensor of this layout; a problem (missing / unexpected names) raises.
+    Names in `optional` (buffers such as Megatron's router state) may be absent."""
+    from usage_errors import UsageError
+
+    layout = mtp_layout(config)
+    present = set(keys)
+    depth = _depth(own)
+    candidates = {key for key in keys if layout.is_candidate(key, config, depth)}
+    beyond = [key for key in keys if layout.is_mtp_key(key, config) and key not in candidates]
+    if beyond and candidates:
+        print(f"multi-token prediction: {len(beyond)} tensors of the checkpoint's MTP layers beyond the first "
+              f"{depth} are not loaded (model.mtp_num_layers {depth})", flush=True)
+    if not candidates:
+        return None
+    found, missing, used = {}, [], set()
+    for name in own:
+        if name in present:  # the in-memory layout as it is (e.g. stacked experts saved stacked)
+            found[name] = read(name)
+            used.add(name)
+            continue
+        wanted = checkpoint_keys(name, config)
+        if all(key in present for key in wanted):
+            found[name] = from_checkpoint(name, {key: read(key) for key in wanted}, config)
+            used.update(wanted)
+        elif name not in optional:
+            missing.append(name)
+    if not found:  # MTP tensors of some other layout: not ours to guess
+        print(f"multi-token prediction: {len(candidates)} MTP tensors of the checkpoint have a layout other than "
+              f"{type(layout).__name__}'s and are not loaded; the MTP layers start from their seeded "
+              f"initialisation", flush=True)
+        return None
+    for key, source in layout.extra_keys(config, depth).items():
+        if key in present:
+            used.add(key)
+            if model_tensor is not None and not torch.equal(read(key), model_tensor(source).to(read(key).dtype)):
+                print(f"multi-token prediction: {key} differs from {source}; the MTP layers use {source} "
+                      f"(Megatron's shared output head)", flush=True)
+    unexpected = sorted(candidates - used)
+    if missing or unexpected:
+        raise UsageError(f"model.mtp_num_layers: the MTP tensors of the checkpoint do not fit the "
+                         f"{type(layout).__name__} of {_depth(own)} MTP layers (missing {sorted(missing)[:3]}, "
+                         f"unexpected {unexpected[:3]}) — set mtp_num_layers to the checkpoint's depth")
+    return found
+
+
+def _depth(own: Mapping[str, torch.Tensor]) -> int:
+    return len({m["k"] for m in map(_OWN.match, own) if m})

@@ -1,0 +1,181 @@
+"""`--load MEGATRON_CKPT` continues a run whose distributed optimizer megatron-core 0.16.1 saved in its default
+`dp_reshardable` layout (flat per-bucket buffers), as a straight megatron-core run continues it.
+
+megatron-core trains its tiny Qwen3-like GPTModel (test_megatron_import's model, test_megatron_resume's data,
+schedule and CPU stand-ins) with data parallelism 2 on two gloo processes: its own `DistributedDataParallel` with
+the distributed optimizer (each rank owns half of every bucket's Adam state), one sample per rank per iteration.
+`--overlap-grad-reduce` with a small `--ddp-bucket-size` splits the parameters into several buckets, so bucket
+boundaries, the 64-element alignment of parameter starts and the DP-multiple bucket padding all occur. At
+iteration K it saves as Megatron-LM does by default (`distrib_optim_sharding_type` `dp_reshardable`) and trains two
+more iterations: the reference. Our engine, given only `--load` and the run's flags, must print megatron-core's
+losses for K+1 and K+2 and end with its weights; without the optimizer state (`--no-load-optim`) K+2 differs.
+"""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import run_distributed, run_pretrain
+from tests.megatron_reference import write_corpus
+from tests.test_megatron_import import SEQ, _megatron_gpt
+from tests.test_megatron_resume import (CLIP, GBS, K, LR, MIN_LR, SEED, T, VOCAB, WARMUP, WD, _CpuForCuda, _dataset,
+                                        _flags, _hf_weights, _log)
+
+BUCKET = 6000  # parameters per bucket: the tiny model (~33k parameters) spans several buckets
+
+
+def _megatron_dp2(rank, world_size, root):
+    """One of megatron-core's two DP ranks: K iterations, the dp_reshardable save, two more; rank 0 writes the
+    reference (mean loss over the ranks per iteration, lr, final weights) to root/reference.pt."""
+    import contextlib
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_num_threads(1)
+    parallel_state.initialize_model_parallel()
+    get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    data = _dataset(str(root / "data" / "text_document"), str(root / "mcore_cache"))
+    model, args = _megatron_gpt(qk_layernorm=True, tied=False, seed=11)
+    model.train()
+    args.use_distributed_optimizer, args.overlap_grad_reduce, args.ddp_bucket_size = True, True, BUCKET
+    args.data_parallel_size = world_size
+    reference = {"loss": {}, "lr": {}}
+    with _CpuForCuda():
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True,
+            bucket_size=BUCKET), model)
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+            clip_grad=CLIP, use_distributed_optimizer=True), [ddp])
+        scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=LR, min_lr=MIN_LR,
+                                            lr_warmup_steps=WARMUP * GBS, lr_decay_steps=T * GBS,
+                                            lr_decay_style="cosine", start_wd=WD, end_wd=WD, wd_incr_steps=T * GBS,
+                                            wd_incr_style="constant")
+        mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+        for iteration in range(1, K + 3):
+            sample = data[(iteration - 1) * GBS + rank]  # Megatron's sampler: rank r reads the r-th micro-batch
+            batch = {key: sample[key][None] for key in ("tokens", "labels", "loss_mask", "position_ids")}
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses = ddp(batch["tokens"], batch["position_ids"], attention_mask=mask, labels=batch["labels"])
+            loss = (losses.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+            loss.backward()
+            ddp.finish_grad_sync()
+            assert optimizer.step()[0]
+            scheduler.step(increment=GBS)
+            mean = loss.detach().clone()
+            torch.distributed.all_reduce(mean)
+            reference["loss"][iteration] = mean.item() / world_size
+            reference["lr"][iteration] = next(g["lr"] for g in optimizer.param_groups if g["default_config"])
+            if iteration == K:
+                args.consumed_train_samples, args.consumed_valid_samples = K * GBS, 0
+                for sharding, where in (("dp_reshardable", "mg"), ("fully_reshardable", "mg_full")):
+                    _save_like_megatron_lm(root / where, sharding, rank, model, optimizer, scheduler, args,
+                                           dist_checkpointing, ShardedObject)
+    if rank == 0:
+        reference["weights"] = {k: v.detach().clone() for k, v in model.state_dict().items()
+                                if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+        torch.save(reference, root / "reference.pt")
+    parallel_state.destroy_model_parallel()
+
+
+def _save_like_megatron_lm(root, sharding, rank, model, optimizer, scheduler, args, dist_checkpointing,
+                           ShardedObject):
+    """Megatron-LM's save_checkpoint: the same keys in the same files. `dp_reshardable` is what `--ckpt-format
+    torch_dist` writes by default; `fully_reshardable` (`--dist-ckpt-optim-fully-reshardable`) is the reference
+    for the reader: megatron-core's own per-parameter tensors of the same state."""
+    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+           "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}
+    it_dir = root / f"iter_{K:07d}"
+    metadata = {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False,
+                "chained_optim_avoid_prefix": True}
+    model_sd = model.sharded_state_dict(metadata=metadata)
+    if rank == 0:
+        it_dir.mkdir(parents=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save({"args": args, "checkpoint_version": 3.0, "iteration": K,
+                             "opt_param_scheduler": scheduler.state_dict(), "num_floating_point_operations_so_far": 0,
+                             "model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata),
+                             "rng_state": ShardedObject("rng_state", [rng], (1, 1), (0, 0), replica_id=rank)},
+                            str(it_dir))
+    if rank == 0:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(K))
+
+
+@pytest.fixture(scope="module")
+def megatron_dp2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mg_dp2")
+    prefix = write_corpus(str(root / "data" / "text_document"), 120, seed=7, vocab_size=VOCAB - 1)
+    _dataset(prefix, str(root / "mcore_cache"))  # the index cache, written once before the ranks read it
+    run_distributed(_megatron_dp2, 2, root)
+    return root, prefix, torch.load(root / "reference.pt", weights_only=False)
+
+
+def test_the_bucket_reader_gives_megatron_cores_own_per_parameter_state(megatron_dp2):
+    """The flat buckets read back per parameter equal, bit for bit, what megatron-core itself writes for the same
+    optimizer in its per-parameter format (`fully_reshardable`, saved at the same moment); the other spec's
+    parameter order (Transformer Engine's) does not reproduce the saved weights, so it is not taken."""
+    from fsdp2_backend.training import megatron_distopt as md
+    from fsdp2_backend.training.megatron_resume import _OPTIM_RE, _torch_dist_tensors
+
+    root, _, _ = megatron_dp2
+    it_dir, full_dir = root / "mg" / f"iter_{K:07d}", root / "mg_full" / f"iter_{K:07d}"
+    weights = _torch_dist_tensors(it_dir, lambda k: not k.startswith(("optimizer.", "rng_state"))
+                                  and "_extra_state" not in k)
+    got, objects = md.read_dp_reshardable(it_dir, weights)
+    expected = {}
+    for key, value in _torch_dist_tensors(full_dir, lambda k: bool(_OPTIM_RE.match(k))).items():
+        kind, name = _OPTIM_RE.match(key).groups()
+        expected.setdefault("param" if kind == "fp32_param" else kind, {})[name] = value
+    assert sorted(expected) == sorted(got) and sorted(expected["exp_avg"]) == sorted(weights)
+    for kind in expected:
+        for name, value in expected[kind].items():
+            assert torch.equal(got[kind][name], value), (kind, name)
+    assert {g["step"] for g in objects["optimizer"]["param_groups"]} == {float(K)}
+    (record,) = _torch_dist_tensors(it_dir, lambda k: "per_bucket_numel_unpadded" in k).values()
+    unpadded = next(iter(record[0][0].values()))  # [one shard: [one grad buffer: {dtypes: sizes}]]
+    assert len(unpadded) > 2  # the layout spans several buckets
+    te_order = md._place(md._param_order(weights, md._TE, it_dir), weights, unpadded)
+    buckets = [{"param": t} for _, t in sorted(
+        (int(md._BUCKET_RE.match(k).group(5)), v) for k, v in _torch_dist_tensors(
+            it_dir, lambda k: bool(md._BUCKET_RE.match(k)) and k.endswith(".param")).items())]
+    assert te_order is None or not md._matches(te_order, weights, buckets)
+
+
+def test_resumes_a_dp_reshardable_run_as_megatron_core_continues_it(megatron_dp2, tmp_path):
+    """Iteration K+1's loss (the loaded weights), K+2's (Adam from the loaded moments and step), the samples and
+    lr Megatron prints, and megatron-core's weights after K+2; without the optimizer state K+2 differs."""
+    from fsdp2_backend.training.megatron_checkpoint import hf_config_from_args, to_hf_state_dict
+
+    root, prefix, reference = megatron_dp2
+    _, log = run_pretrain(_flags(root, prefix), tmp_path / "out", ranks=1)
+    got = _log(log)
+    assert sorted(got) == [K + 1, K + 2], log[-2000:]
+    for iteration in (K + 1, K + 2):
+        consumed, lr, loss = got[iteration]
+        assert consumed == iteration * GBS
+        assert f"{lr:.6E}" == f"{reference['lr'][iteration]:.6E}"
+        assert loss == pytest.approx(reference["loss"][iteration], abs=1e-5), iteration
+    _, args = _megatron_gpt(qk_layernorm=True, tied=False, seed=11)
+    config = hf_config_from_args(args, reference["weights"])
+    expected = to_hf_state_dict(reference["weights"], config)
+    ours = _hf_weights(tmp_path / "out" / "hf")
+    for name, value in expected.items():
+        torch.testing.assert_close(ours[name].float(), value.float(), rtol=0, atol=2e-6, msg=name)
+    print(f"\ndp_reshardable (DP 2 saved, 1 rank resumed): |loss - megatron-core| at K+1, K+2 = "
+          f"{[abs(got[i][2] - reference['loss'][i]) for i in (K + 1, K + 2)]}, max |weight diff| after K+2 = "
+          f"{max((ours[n].float() - v.float()).abs().max().item() for n, v in expected.items()):.2e}")
+    _, log = run_pretrain(_flags(root, prefix, "--no-load-optim"), tmp_path / "fresh", ranks=1)
+    fresh = _log(log)
+    assert fresh[K + 1][2] == pytest.approx(reference["loss"][K + 1], abs=1e-5)
+    assert abs(fresh[K + 2][2] - reference["loss"][K + 2]) > 1e-4
