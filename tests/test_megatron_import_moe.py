@@ -10,7 +10,10 @@ and as a legacy `mp_rank_00/model_optim_rng.pt`:
 - Mixtral-like (no q/k norms, no shared expert).
 
 `tools/convert_checkpoint.py` converts each; transformers' model from the output gives megatron-core's logits on the
-same tokens (fp32, 1e-5). Mutations of the expert layout (experts permuted, gate/up swapped) must fail that check.
+same tokens (fp32, 1e-5). Mutations of the expert layout (experts permuted, gate/up swapped, GroupedMLP's weight1 read
+untransposed) must fail that check. An expert-parallel (EP=2) save converts too, in both formats (the one 2-process
+test). `--load` of a megatron-core MoE run (torch_dist and legacy; transformers' model, and this project's
+stacked-expert model under `--moe-grouped-gemm`) prints megatron-core's losses of the next two iterations (1e-5).
 
 Runtime stand-ins, in this test only (no file edited): megatron-core's router GEMM names `te_general_gemm` without
 Transformer Engine installed, so the module attribute is set to None (its own non-TE branch then runs); the legacy
@@ -44,7 +47,7 @@ def _gmm_reference(a, b, batch_sizes, trans_b=False):
 
 
 @pytest.fixture(scope="module")
-def moe_megatron(megatron):
+def moe_megatron(megatron):  # noqa: F811 (the fixture imported above)
     import megatron.core.transformer.moe.grouped_gemm_util as gg
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
@@ -232,7 +235,8 @@ def _megatron_moe_run(root, kind: str, fmt: str):
 
 
 @pytest.mark.parametrize("kind,fmt,extra", [("qwen3_moe", "torch_dist", ()), ("qwen2_moe", "torch", ()),
-                                            ("qwen3_moe", "torch_dist", ("--moe-grouped-gemm",))])
+                                            ("qwen3_moe", "torch_dist", ("--moe-grouped-gemm",)),
+                                            ("grouped", "torch_dist", ())])
 def test_load_resumes_a_megatron_core_moe_run_as_megatron_core_continues_it(moe_megatron, tmp_path, kind, fmt, extra):
     """`--load` of the MoE checkpoint: our engine's loss at iteration K+1 (the converted weights and router) and at
     K+2 (one Adam step from the converted moments of router, experts, shared expert and the rest) equal
@@ -294,3 +298,46 @@ def test_an_expert_parallel_checkpoint_converts_with_equal_logits(tmp_path):
         convert([str(tmp_path / fmt), str(tmp_path / f"hf_{fmt}")])
         _, got = _hf_logits(tmp_path / f"hf_{fmt}", reference["tokens"])
         torch.testing.assert_close(got, reference["logits"], rtol=0, atol=1e-5, msg=fmt)
+    # `--load` of the legacy EP split is one line (its per-rank optimizer state is not mapped): convert it instead
+    from fsdp2_backend.training.megatron_resume import megatron_architecture
+    from usage_errors import UsageError
+
+    with pytest.raises(UsageError, match="split over 2 expert-parallel ranks"):
+        megatron_architecture(str(tmp_path / "legacy" / "iter_0000005"))
+
+
+@pytest.mark.parametrize("option,value,words", [
+    ("moe_router_score_function", "sigmoid", "sigmoid router scores"),
+    ("moe_router_enable_expert_bias", True, "an expert bias"),
+    ("moe_router_topk_scaling_factor", 2.5, "a top-k scaling factor"),
+    ("moe_shared_expert_gate", False, "without --moe-shared-expert-gate")])
+def test_what_the_hf_moe_layouts_cannot_hold_is_declined_in_one_line(moe_megatron, option, value, words):
+    """Routers other than softmax top-k, and an ungated shared expert, have no counterpart in the HF models: one
+    UsageError naming the flag, not a model that computes something else."""
+    from fsdp2_backend.training.megatron_checkpoint import hf_config_from_args
+    from usage_errors import UsageError
+
+    model, args = _megatron_moe_gpt("qwen2_moe" if option == "moe_shared_expert_gate" else "qwen3_moe", seed=7)
+    state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+    setattr(args, option, value)
+    with pytest.raises(UsageError, match=re.escape(words)):
+        hf_config_from_args(args, state)
+
+
+@pytest.mark.parametrize("freq", [1, 2, 3, [0, 1, 1], [1, 0, 1, 0, 1]])
+def test_the_moe_layer_pattern_is_megatron_cores(moe_megatron, freq):
+    """Which layers are MoE: megatron-core's block spec (MoELayer or MLP per layer) for --moe-layer-freq."""
+    import argparse
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from fsdp2_backend.training.megatron_checkpoint_moe import moe_layer_pattern
+
+    layers = len(freq) if isinstance(freq, list) else 5
+    cfg = TransformerConfig(num_layers=layers, hidden_size=H, num_attention_heads=4, num_moe_experts=E,
+                            moe_layer_freq=freq, use_cpu_initialization=True)
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    reference = [layer.submodules.mlp.module is MoELayer for layer in spec.layer_specs]
+    assert moe_layer_pattern(argparse.Namespace(moe_layer_freq=freq), layers) == reference

@@ -19,7 +19,7 @@ import torch
 from tests.helpers import run_distributed, run_pretrain
 from tests.megatron_reference import write_corpus
 from tests.test_megatron_import import SEQ, _megatron_gpt
-from tests.test_megatron_resume import (CLIP, GBS, K, LR, MIN_LR, SEED, T, VOCAB, WARMUP, WD, _CpuForCuda, _dataset,
+from tests.test_megatron_resume import (CLIP, GBS, K, LR, MIN_LR, T, VOCAB, WARMUP, WD, _CpuForCuda, _dataset,
                                         _flags, _hf_weights, _log)
 
 BUCKET = 6000  # parameters per bucket: the tiny model (~33k parameters) spans several buckets

@@ -438,3 +438,136 @@ def test_step35_mtp_layers_load_train_and_export_back(step35_dir, tmp_path, caps
     assert sorted(reloaded) == sorted(state)
     for key, tensor in state.items():
         assert torch.equal(reloaded[key], tensor), key
+
+
+# ---------------------------------------------------------------------------------------------- DeepSeek-V3
+def _deepseek_config(layers):
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(vocab_size=96, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                              num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
+                              num_experts_per_tok=2, intermediate_size=48, moe_intermediate_size=16,
+                              n_routed_experts=4, n_shared_experts=1, n_group=2, topk_group=1,
+                              routed_scaling_factor=2.0, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
+                              qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    return config
+
+
+@pytest.fixture()
+def deepseek_dir(tmp_path):
+    """A DeepSeek-V3 checkpoint as released: N main layers plus one MTP layer at model.layers.N (its decoder-layer
+    keys as transformers writes a layer, per-expert), enorm / hnorm / eh_proj / shared_head.norm, and copies of the
+    embedding and head (embed_tokens, shared_head.head). Written from an (N+1)-layer transformers model."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3ForCausalLM
+
+    n = 2
+    torch.manual_seed(5)
+    full = DeepseekV3ForCausalLM(_deepseek_config(n + 1)).eval()
+    with torch.no_grad():
+        for name, param in full.named_parameters():
+            param.normal_(0.0, 0.3 if param.dim() == 1 else 0.15)
+        for layer in full.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
+    full.save_pretrained(tmp_path / "ckpt")
+    shard = tmp_path / "ckpt" / "model.safetensors"
+    tensors = load_file(shard)
+    gen = torch.Generator().manual_seed(9)
+    h, p = 32, f"model.layers.{n}."
+    extra = {p + "enorm.weight": torch.randn(h, generator=gen) * 0.3, p + "hnorm.weight": torch.randn(h, generator=gen),
+             p + "eh_proj.weight": torch.randn(h, 2 * h, generator=gen) * 0.15,
+             p + "shared_head.norm.weight": torch.randn(h, generator=gen) * 0.3,
+             p + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+             p + "shared_head.head.weight": tensors["lm_head.weight"].clone()}
+    tensors.update(extra)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    config.update(num_hidden_layers=n, num_nextn_predict_layers=1)
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    mtp = {k: v for k, v in tensors.items() if k.startswith(p)}
+    return tmp_path / "ckpt", mtp, full, n
+
+
+def _deepseek_reference_name(key, n):
+    rest = key[len(f"model.layers.{n}."):]
+    named = {"enorm.weight": "mtp.layers.0.enorm.weight", "hnorm.weight": "mtp.layers.0.hnorm.weight",
+             "eh_proj.weight": "mtp.layers.0.eh_proj.weight",
+             "shared_head.norm.weight": "mtp.layers.0.final_layernorm.weight",
+             "embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+    return named.get(rest, "mtp.layers.0.transformer_layer." + rest)
+
+
+def _deepseek_reference_loss(path, mtp, full, n, batch):
+    """Depth 1 by hand around transformers' own DeepSeek-V3 decoder layer (the (N+1)-layer model's last layer,
+    which holds the checkpoint's MTP layer tensors): normed main hidden states of transformers' N-layer model."""
+    from transformers import DeepseekV3ForCausalLM
+
+    main = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = main.config
+    ids, labels, mask, pos = batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"]
+    roll = lambda t: torch.cat([t[:, 1:], torch.zeros_like(t[:, :1])], 1)  # noqa: E731
+    ids1, labels1, mask1 = roll(ids), roll(labels), roll(mask)
+    p, eps = f"model.layers.{n}.", cfg.rms_norm_eps
+    rms = lambda x, w: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))  # noqa: E731  (Llama-style)
+    with torch.no_grad():
+        hidden = main.model(input_ids=ids, position_ids=pos).last_hidden_state
+        x = torch.cat([rms(main.model.embed_tokens.weight[ids1], mtp[p + "enorm.weight"]),
+                       rms(hidden, mtp[p + "hnorm.weight"])], -1) @ mtp[p + "eh_proj.weight"].T
+        S = ids.size(1)
+        causal = torch.zeros(1, 1, S, S).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+        x = full.model.layers[n](x, attention_mask=causal, position_ids=pos,
+                                 position_embeddings=full.model.rotary_emb(x, pos))
+        x = x[0] if isinstance(x, tuple) else x
+        x = rms(x, mtp[p + "shared_head.norm.weight"])
+        ce = F.cross_entropy((x @ main.lm_head.weight.T).flatten(0, 1), labels1.flatten(), reduction="none")
+    return ((ce * mask1.flatten()).sum() / mask1.sum()).item()
+
+
+def test_deepseek_v3_mtp_layer_loads_trains_and_exports_back(deepseek_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from fsdp2_backend.training.hf_export import write_hf_dir
+    from fsdp2_backend.training.loss import GlobalBatchLoss
+
+    path, mtp, full, n = deepseek_dir
+    trainer, ctx = _trainer(path, None)
+    try:
+        state = _full_state(trainer.model)
+        prefix = "mtp.layers.0.transformer_layer.mlp.experts."
+        for key, tensor in mtp.items():
+            if ".mlp.experts." in key:
+                continue
+            assert torch.equal(state[_deepseek_reference_name(key, n)], tensor), key
+        for e in range(4):
+            gate, up, down = (mtp[f"model.layers.{n}.mlp.experts.{e}.{p}.weight"] for p in ("gate_proj", "up_proj",
+                                                                                            "down_proj"))
+            assert torch.equal(state[prefix + "gate_up_proj"][e], torch.cat([gate, up])), e
+            assert torch.equal(state[prefix + "down_proj"][e], down), e
+        batch = _batch(96)
+        reference = _deepseek_reference_loss(path, mtp, full, n, batch)
+        accounting = GlobalBatchLoss(num_microbatches=1, dp_size=1, calculate_per_token_loss=False)
+        with torch.no_grad():
+            trainer._forward_loss(batch, accounting)
+        assert trainer._finish_mtp(1)["mtp_1 loss"] == pytest.approx(reference, rel=1e-5)
+        write_hf_dir(trainer.model, state, tmp_path / "export")
+    finally:
+        ctx.close()
+    on_disk = {}
+    for shard in (tmp_path / "export").glob("*.safetensors"):
+        on_disk.update(load_file(shard))
+    written = {k: v for k, v in on_disk.items() if k.startswith(f"model.layers.{n}.")}
+    assert sorted(written) == sorted(mtp)
+    for key, tensor in mtp.items():
+        assert torch.equal(written[key], tensor), key
+    again, ctx = _trainer(tmp_path / "export", None)
+    try:
+        reloaded = _full_state(again.model)
+    finally:
+        ctx.close()
+    assert sorted(reloaded) == sorted(state)
+    for key, tensor in state.items():
+        assert torch.equal(reloaded[key], tensor), key

@@ -274,7 +274,7 @@ def test_packed_documents_in_sliding_windows_need_ring(tmp_path):
         assert (line in errors) == (cp_type == "ulysses"), (cp_type, errors)
 
 
-def test_neat_packing_sft_with_ring_cp2_equals_one_rank(sft_assets, tmp_path):
+def test_neat_packing_sft_with_ring_cp2_equals_one_rank(sft_assets, tmp_path):  # noqa: F811
     """SFT packed rows (`neat_packing`) under ring cp 2 = one rank (the Ulysses case: tests/test_sft_training.py)."""
     from tests.test_sft_training import _close, _losses, _yaml, run_sft
 

@@ -68,26 +68,16 @@ def test_mindspeed_qwen3_next_tune_yaml_trains_on_two_ranks(tiny_next, tmp_path,
 
 
 def test_mindspeed_ascendc_gdn_pack_cp2_yaml(tiny_next, assets, tmp_path):  # noqa: F811
-    """Two things it asks are declined, each with one line, and turned off in turn: packed documents
-    (reset_attention_mask) with context parallel (the attention CP does not pass document bounds across the cp
-    ranks; found by validation before any process group), and the AscendC GDN ops (`use_flash_gdn`) off an NPU.
-    With both off, the rest of it (model_id qwen3_next from the HF directory with meta init, Ulysses cp 2 over
-    the Gated DeltaNet and attention layers, recompute, the mg data manager with EOD appended) trains 3 steps."""
+    """One thing it asks is declined with one line and turned off: the AscendC GDN ops (`use_flash_gdn`) off an
+    NPU. The rest of it (model_id qwen3_next from the HF directory with meta init, packed documents
+    (reset_attention_mask) under Ulysses cp 2 over the Gated DeltaNet and attention layers — documents under cp:
+    tests/test_packed_context_parallel.py —, recompute, the mg data manager with EOD appended) trains 3 steps."""
     table = json.loads((DATA / "launchers.json").read_text())
     entry = table["head"]["tests__pipeline__st__qwen3-next__qwen3_next_ascendc-GDN_pack_cp2.sh"]
     yaml_file = _yaml_file("head", entry["yaml"])
     dataset = json.dumps({"file_name": assets["parquet"]})
     args = _with_paths(yaml_file, entry["args"], (tiny_next, tiny_next, dataset, str(tmp_path / "output")))
     args += ["--parallel.fsdp_size", "1", *SCALED]
-    command = [sys.executable, os.path.join(REPO, "pretrain_fsdp2.py"), str(yaml_file), *args, "--dry-run"]
-    result = _run(command, {"WORLD_SIZE": "2"}, timeout=300)  # validation's rule: no process group needed
-    assert result.returncode == 2 and "Traceback" not in result.stderr, _failure(result, command)
-    assert _error_lines(result) == [
-        "parallel.cp_size: packed documents (data.reset_attention_mask / reset_position_ids, Megatron "
-        "--reset-attention-mask / --reset-position-ids) are not supported with context parallel — drop them or "
-        "use cp_size 1"], _failure(result, command)
-
-    args += ["--data.reset_attention_mask", "False"]  # change 1
     command = _command(yaml_file, args)
     result = _run(command, {}, timeout=900)
     assert result.returncode != 0 and "exitcode  : 2" in result.stderr, _failure(result, command)
@@ -95,11 +85,12 @@ def test_mindspeed_ascendc_gdn_pack_cp2_yaml(tiny_next, assets, tmp_path):  # no
         "optimization.use_flash_gdn: the AscendC Gated DeltaNet ops need an Ascend NPU (this run is on cpu) — set "
         "it to false (use_triton_gdn on CUDA)"], _failure(result, command)
 
-    command = _command(yaml_file, args + ["--optimization.use_flash_gdn", "False"])  # change 2
+    command = _command(yaml_file, args + ["--optimization.use_flash_gdn", "False"])  # the one change
     _three_steps(_run(command, {}, timeout=900), command)
     run = json.loads((tmp_path / "output" / "iter_0000003" / "run_config.json").read_text())
     assert run["parallel"]["cp_size"] == 2 and run["parallel"]["cp_type"] == "ulysses"
     assert run["data"]["data_manager_type"] == "mg" and run["data"]["append_eod"] is True
+    assert run["data"]["reset_attention_mask"] is True
 
 
 def _error_lines(result):

@@ -127,46 +127,31 @@ class Qwen3NextLayout(MTPLayout):
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-class Step35Layout(MTPLayout):
-    """Step-3.5's MTP layers: the checkpoint's `model.layers.{N + k}` (N = num_hidden_layers; vLLM `step3p5_mtp.py`):
-    `enorm`, `hnorm`, `eh_proj` (over cat(normed embedding, normed hidden)), the decoder layer's own keys directly
-    under the layer, `transformer.shared_head.norm` = final_layernorm and `transformer.shared_head.output` (a copy
-    of the lm head: written on export; on load, Megatron's shared head is used and a different copy is reported).
-    The norms are the model's zero-centred RMSNorm. Unlike Megatron, Step-3.5's model feeds depth 1 the main
-    hidden states *before* the final norm (vLLM's Step3p5ForCausalLM applies `model.norm` only in compute_logits)
-    and depth k the output of depth k-1 before its `shared_head.norm`: followed here (`prenorm_hidden`). The MTP
-    layer's attention type and MLP are the config's `mtp_layer_types` / `mtp_mlp_layer_types` (Step-3.5-Flash:
-    dense MLP); it is built at the index of the last main layer of that attention type (same heads and rotary),
-    with a dense MLP there; its SwiGLU clamp limit is not kept by transformers' config (none is applied)."""
+class TrailingLayersLayout(MTPLayout):
+    """DeepSeek-V3's MTP layers (transformers' `deepseek_v3`, `num_nextn_predict_layers`; DeepSeek's and vLLM's
+    `deepseek_mtp.py`): the checkpoint's `model.layers.{N + k}` (N = num_hidden_layers) with `enorm`, `hnorm`,
+    `eh_proj` over cat(normed embedding, normed hidden), the decoder layer's own keys (an MoE layer: per-expert
+    keys, `mlp.gate.e_score_correction_bias`) directly under the layer, `shared_head.norm` = final_layernorm, and
+    copies of the shared `embed_tokens` and output head (`shared_head.head`): written on export; on load the
+    main model's are used (Megatron's shared embedding and head) and a copy that differs is reported. Depth 1 gets
+    the final-normed hidden states, as in Megatron and vLLM's DeepSeek model (its model returns normed states)."""
 
-    prenorm_hidden = True
-
-    def _types(self, config, num_layers: int):
-        attn = list(getattr(config, "mtp_layer_types", None) or ["full_attention"] * num_layers)
-        mlp = list(getattr(config, "mtp_mlp_layer_types", None) or ["dense"] * num_layers)
-        return attn[:num_layers], mlp[:num_layers]
+    head_norm = "shared_head.norm."
+    copies = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
 
     def check(self, config, num_layers: int) -> None:
         from usage_errors import UsageError
 
         have = getattr(config, "num_nextn_predict_layers", 0) or 0
-        attn, mlp = self._types(config, num_layers)
         if have and num_layers > have:
-            raise UsageError(f"model.mtp_num_layers: {num_layers} MTP layers but the Step-3.5 checkpoint has {have} "
+            raise UsageError(f"model.mtp_num_layers: {num_layers} MTP layers but the checkpoint has {have} "
                              f"(num_nextn_predict_layers) — give at most {have}")
-        if "sparse" in mlp:
-            raise UsageError("model.mtp_num_layers: the checkpoint's Step-3.5 MTP layers have MoE MLPs, which this "
-                             "layout does not map (Step-3.5-Flash's are dense) — unset mtp_num_layers")
-        if len(set(attn)) > 1 or attn[0] not in config.layer_types:
-            raise UsageError(f"model.mtp_num_layers: Step-3.5 MTP layers of attention types {attn} need one type "
-                             f"that a main layer also has — unset mtp_num_layers")
 
     def checkpoint_name(self, name: str, config) -> str:
         match = _OWN.match(name)
         if match is None:
             return name
-        part = {"transformer_layer": "", "final_layernorm": "transformer.shared_head.norm."}.get(
-            match["part"], match["part"] + ".")
+        part = {"transformer_layer": "", "final_layernorm": self.head_norm}.get(match["part"], match["part"] + ".")
         return f"model.layers.{config.num_hidden_layers + int(match['k'])}.{part}{match['rest']}"
 
     def is_mtp_key(self, key: str, config) -> bool:
@@ -179,8 +164,44 @@ class Step35Layout(MTPLayout):
 
     def extra_keys(self, config, num_layers: int) -> Dict[str, str]:
         n = config.num_hidden_layers
-        return {f"model.layers.{n + k}.transformer.shared_head.output.weight": "lm_head.weight"
-                for k in range(num_layers)}
+        return {f"model.layers.{n + k}.{key}": source for k in range(num_layers) for key, source in self.copies.items()}
+
+    def record_depth(self, config, num_layers: int) -> None:
+        config.num_nextn_predict_layers = num_layers
+
+
+class Step35Layout(TrailingLayersLayout):
+    """Step-3.5's MTP layers: the checkpoint's `model.layers.{N + k}` (N = num_hidden_layers; vLLM `step3p5_mtp.py`):
+    `enorm`, `hnorm`, `eh_proj` (over cat(normed embedding, normed hidden)), the decoder layer's own keys directly
+    under the layer, `transformer.shared_head.norm` = final_layernorm and `transformer.shared_head.output` (a copy
+    of the lm head: written on export; on load, Megatron's shared head is used and a different copy is reported).
+    The norms are the model's zero-centred RMSNorm. Unlike Megatron, Step-3.5's model feeds depth 1 the main
+    hidden states *before* the final norm (vLLM's Step3p5ForCausalLM applies `model.norm` only in compute_logits)
+    and depth k the output of depth k-1 before its `shared_head.norm`: followed here (`prenorm_hidden`). The MTP
+    layer's attention type and MLP are the config's `mtp_layer_types` / `mtp_mlp_layer_types` (Step-3.5-Flash:
+    dense MLP); it is built at the index of the last main layer of that attention type (same heads and rotary),
+    with a dense MLP there; its SwiGLU clamp limit is not kept by transformers' config (none is applied)."""
+
+    prenorm_hidden = True
+    head_norm = "transformer.shared_head.norm."
+    copies = {"transformer.shared_head.output.weight": "lm_head.weight"}
+
+    def _types(self, config, num_layers: int):
+        attn = list(getattr(config, "mtp_layer_types", None) or ["full_attention"] * num_layers)
+        mlp = list(getattr(config, "mtp_mlp_layer_types", None) or ["dense"] * num_layers)
+        return attn[:num_layers], mlp[:num_layers]
+
+    def check(self, config, num_layers: int) -> None:
+        from usage_errors import UsageError
+
+        super().check(config, num_layers)
+        attn, mlp = self._types(config, num_layers)
+        if "sparse" in mlp:
+            raise UsageError("model.mtp_num_layers: the checkpoint's Step-3.5 MTP layers have MoE MLPs, which this "
+                             "layout does not map (Step-3.5-Flash's are dense) — unset mtp_num_layers")
+        if len(set(attn)) > 1 or attn[0] not in config.layer_types:
+            raise UsageError(f"model.mtp_num_layers: Step-3.5 MTP layers of attention types {attn} need one type "
+                             f"that a main layer also has — unset mtp_num_layers")
 
     def layer_index(self, config) -> int:
         kind = (getattr(config, "mtp_layer_types", None) or ["full_attention"])[0]
@@ -198,7 +219,7 @@ class Step35Layout(MTPLayout):
         return lambda k: cls(mtp_config, index)
 
     def record_depth(self, config, num_layers: int) -> None:
-        config.num_nextn_predict_layers = num_layers
+        super().record_depth(config, num_layers)
         config.mtp_num_layers = num_layers  # step35_legacy_config writes num_nextn_predict_layers from it
 
     def keys(self, flat: str, config) -> List[str]:
@@ -213,7 +234,7 @@ class Step35Layout(MTPLayout):
 
 def mtp_layout(config) -> MTPLayout:
     """The layout for an HF config: the released one of its model type, else this project's own."""
-    return {"qwen3_next": Qwen3NextLayout, "step3p5": Step35Layout}.get(getattr(config, "model_type", None), MTPLayout)()
+    return {"qwen3_next": Qwen3NextLayout, "step3p5": Step35Layout, "deepseek_v3": TrailingLayersLayout}.get(getattr(config, "model_type", None), MTPLayout)()
 
 
 def _num_experts(config) -> int:
@@ -248,7 +269,8 @@ def to_checkpoint(state_dict: Mapping[str, torch.Tensor], config) -> Dict[str, t
         else:
             out[key] = tensor
     for key, source in layout.extra_keys(config, len(depths)).items():
-        out[key] = state_dict[source].clone()  # a copy of its own: not deduplicated as a tied weight
+        tied = state_dict.get(source, state_dict.get("model.embed_tokens.weight"))  # a tied head: the embedding
+        out[key] = tied.clone()  # a copy of its own: not deduplicated as a tied weight
     return out
 
 

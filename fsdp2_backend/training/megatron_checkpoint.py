@@ -363,4 +363,4 @@ def convert_megatron_checkpoint(path: os.PathLike | str, out_dir: os.PathLike | 
 
 
 __all__ = ["LATEST_FILE", "megatron_iteration_dir", "checkpoint_format", "read_megatron_checkpoint",
-           "hf_config_from_args", "to_hf_state_dict", "convert_megatron_checkpoint"]
+           "legacy_rank_groups", "hf_config_from_args", "to_hf_state_dict", "convert_megatron_checkpoint"]

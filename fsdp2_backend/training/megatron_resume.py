@@ -13,7 +13,8 @@ What maps onto what (megatron-core 0.16.1 ``dist_checkpointing`` / ``optimizer``
   permutations). With them, ``optimizer.state.{param,fp32_param}.KEY`` (the fp32 main weights of a bf16/fp16 run)
   are loaded as the weights. The step is one counter shared by all parameters (``common_step`` or the param
   groups' ``step`` in ``common.pt``). The distributed optimizer's default ``dp_reshardable`` format stores
-  flat per-bucket buffers whose layout only Megatron's grad-buffer code knows: declined, one line. Legacy
+  flat per-bucket buffers (and the step as a ShardedObject): ``megatron_distopt`` maps them back to per-parameter
+  tensors in the same keys (dense GPT, one TP/PP domain; other layouts declined there, one line). Legacy
   ``torch``: ``model_optim_rng.pt['optimizer']`` is the torch optimizer's state dict; its parameter indices are
   matched to names by Megatron's param-group rule (groups by ``wd_mult``; 1-D and ``.bias`` parameters take no
   weight decay; parameters in model order), each shape checked; legacy ``distrib_optim.pt`` is declined.
@@ -96,8 +97,8 @@ def _legacy_files(it_dir: Path, mmap: bool = True) -> list[dict]:
     groups = mc.legacy_rank_groups(it_dir)  # declines pipeline splits
     if len(groups) > 1:
         raise UsageError(f"{it_dir}: a legacy Megatron-LM checkpoint split over {len(groups)} expert-parallel ranks "
-                         f"— resuming it is not mapped; convert it with tools/convert_checkpoint.py and --load the HF "
-                         f"directory (weights only), or re-save it with Megatron-LM's --ckpt-format torch_dist")
+                         f"— resuming it is not mapped; convert it with tools/convert_checkpoint.py and --load the "
+                         f"HF directory (weights only), or re-save it with Megatron-LM's --ckpt-format torch_dist")
     ranks = groups[0]
     out = []
     for rank in ranks:
