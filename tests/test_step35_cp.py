@@ -4,13 +4,13 @@ The tiny Step-3.5 of tests/test_step35.py (full layers with 4 query heads and ro
 dims, sliding layers with 8 heads, theta 500 and full rotary, 2 key/value heads, the head-wise sigmoid output
 gate, a window of 4 over 16 tokens so windows cross every cp chunk, a dense first layer, routed + shared experts
 with the checkpoint's router bias). One spawn of 2 gloo ranks trains it 8 AdamW steps under cp 2 Ulysses and
-cp 2 ring next to a one-process copy: the loss of every step within 1e-4 (relative) and every step-1 gradient
-(the gates' included). Under Ulysses each rank attends with half of every layer type's heads (2 full, 4
+cp 2 ring next to a one-process copy: the loss of every step within 1e-5 (relative; the issue asks 1e-4) and
+every step-1 gradient (the gates' included). Under Ulysses each rank attends with half of every layer type's heads (2 full, 4
 sliding, 1 key/value); the gate then multiplies all heads of its local tokens. The reference is the same model
 code with no parallel stage (itself equal to transformers' Step text model: tests/test_step35.py).
 
-Then MindSpeed-LLM's step35 YAML (which says cp_size 1, cp_type ulysses) with `--parallel.cp_size 2` trains
-through pretrain_fsdp2.py on 2 ranks with the lm losses of its one-rank run; and validation declines a Ulysses
+Then MindSpeed-LLM's step35 YAML (which says cp_size 1, cp_type ulysses) with `--parallel.cp_size 2` and EP 2
+over the two cp ranks trains through pretrain_fsdp2.py with the lm losses of its one-rank run; and validation declines a Ulysses
 cp that does not divide one layer type's heads, naming that layer type.
 """
 import json
@@ -110,7 +110,7 @@ def test_ulysses_and_ring_cp2_train_like_one_process(tmp_path):
     for cp_type, losses in results.items():
         assert len(losses) == STEPS
         for step, (ours, ref) in enumerate(losses):
-            assert ours == pytest.approx(ref, rel=1e-4), (cp_type, step, losses)
+            assert ours == pytest.approx(ref, rel=1e-5), (cp_type, step, losses)
         assert losses[-1][1] < losses[0][1]  # it trains
 
 
@@ -189,7 +189,6 @@ def test_mindspeed_step35_yaml_trains_under_ulysses_cp2_with_the_one_rank_losses
     cp2, log = _train(assets, tmp_path / "cp2", 2, "--parallel.cp_size", "2", "--optimization.moe_grouped_gemm",
                       "True", ep=2)
     assert sorted(cp2) == list(range(1, STEPS + 1)), log[-3000:]
-    print("CP2LOG", log[:4000])  # TEMP
     assert all(0 < loss < 10 for loss in cp2.values()) and cp2[STEPS] < cp2[1], cp2  # finite, and it trains
     for step in range(1, STEPS + 1):
         assert cp2[step] == pytest.approx(one[step], rel=1e-4), (step, one, cp2)
