@@ -4,21 +4,26 @@ scale, padding / document layout).
 
 Why hand-written: autograd through the chunk loop recorded ~20 small ops per chunk and, for every broadcast over
 grouped value heads or over the chunk, a full-size product and a reduction in the backward; on CPU that
-elementwise traffic cost as much as the matmuls. Here the backward is the chunked rule's own adjoint (as in fla's
-chunk backward), in a few batched matmuls plus one reverse loop over chunks whose small matmuls stay in cache,
-with the rest fused into in-place updates (`baddbmm_`, `addcmul_`). Nothing per token is saved beyond the
-forward's chunk tensors and the per-chunk states, so memory stays linear in the sequence length.
+elementwise traffic (and the page faults of fresh sequence-sized temporaries) cost as much as the matmuls. Here
+the backward is the chunked rule's own adjoint (as in fla's chunk backward): one reverse loop over chunks whose
+small matmuls write into preallocated buffers (`out=`, `baddbmm_`), then the elementwise tail. Both passes run in
+blocks of `BLOCK` chunks, so elementwise temporaries are sized by the block, never by the sequence; what is kept
+for the backward is the chunk tensors of the inputs, the UT inverses, [q exp(gc); -w], v_new and the per-chunk
+states — linear in the sequence length (measured: benchmarks/bench_gdn.py).
 
 Layout: chunk index first, so that one chunk's slice is contiguous: q, k [n, B, Hk, 1, C, K]; v [n, B, Hk, G, C,
-V]; g, beta [n, B, Hk, G, C] (value head Hk-index * G + G-index reads key head Hk-index). Per chunk, with
-gc = cumsum(g), D[r, c] = exp(gc_r - gc_c) (r >= c, else 0), T = (I + strict_lower(beta_r k k^T ⊙ D))^-1 (one
-unit-triangular solve), u = T (beta v), w = T (beta exp(gc) k), and S the state before the chunk:
-    v_new = u - w S;   o = (q exp(gc)) S + ((q k^T) ⊙ D) v_new;   S' = exp(gc_C) S + (k exp(gc_C - gc))^T v_new.
-Backward (dS' the gradient of the next state; a document's last chunk takes its final state's gradient):
-    dv_new = ((q k^T) ⊙ D)^T do + k~ dS';   dS = exp(gc_C) dS' + q~^T do - w^T dv_new      (the reverse loop)
-then dq~ = do S^T, dw = -dv_new S^T, dk~ = v_new dS'^T, and through the UT form
-d(beta v) = T^T dv_new, d(beta k~') = T^T dw, dA = -strict_lower((d(beta v) (beta v)^T + d(beta k~') (beta k~')^T) T^T),
-back to q, k, v, beta and gc, whose reverse cumsum is dg.
+V]; g, beta [n, B, Hk, G, C] (value head Hk-index * G + G-index reads key head Hk-index); per-chunk matmuls run
+over the m = B * Hk * G (row, value head) pairs. Per chunk, with gc = cumsum(g), D[r, c] = exp(gc_r - gc_c)
+(r >= c, else 0), T = (I + strict_lower(beta_r k k^T ⊙ D))^-1 (one unit-triangular solve for all chunks),
+u = T (beta v), w = T (beta exp(gc) k), and S the state before the chunk:
+    v_new = u - w S;   o = (q exp(gc)) S + ((q k^T) ⊙ D) v_new;   S' = exp(gc_C) S + (k exp(gc_C - gc))^T v_new
+([q exp(gc); -w] S is one [2C, K] x [K, V] product). Backward, dS' being the gradient of the next state (a
+document's last chunk takes its final state's gradient):
+    dv_new = ((q k^T) ⊙ D)^T do + k~ dS';   dS = exp(gc_C) dS' + [q exp(gc); -w]^T [do; dv_new]
+    d[q exp(gc); -w] = [do; dv_new] S^T;   dk~ = v_new dS'^T;   d(beta v) = T^T dv_new;   d(-beta exp(gc) k) = T^T d(-w)
+    dA = -strict_lower((d(beta v) (beta v)^T + d(-beta exp(gc) k) (-beta exp(gc) k)^T) T^T)
+then back through the elementwise products to q, k, v, beta and gc, whose reverse cumsum within the chunk is dg.
+Checked by `torch.autograd.gradcheck` in float64 and against the sequential oracle (tests/test_gated_delta_rule.py).
 """
 from __future__ import annotations
 
@@ -28,163 +33,192 @@ import torch
 
 Tensor = torch.Tensor
 
+BLOCK = 16  # chunks per block: elementwise temporaries are allocated per block, never for the whole sequence
 
-def _bmm_acc(out: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
-    """out += alpha * a @ b over matching leading dims (out contiguous), as one baddbmm_ call."""
-    out.view(-1, *out.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), alpha=alpha)
-    return out
+
+def _blocks(n: int):
+    return [(lo, min(lo + BLOCK, n)) for lo in range(0, n, BLOCK)]
 
 
 class ChunkedGatedDeltaRule(torch.autograd.Function):
     """(q, k, v, g, beta, initial_state, starts) → (o [n, B, Hk, G, C, V], final states [B or docs, Hk, G, K, V]).
 
     `starts`: None (every row one sequence; initial_state [B, Hk, G, K, V] or None) or the first chunk of each
-    document (B == 1; initial_state [docs, 1, Hk, G, K, V] or None). q is already scaled."""
+    document (B == 1; initial_state [docs, 1, Hk, G, K, V] or None). q is already scaled; all fp32."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, starts: Optional[List[int]]):
         n, batch, k_heads, group, chunk, dv = v.shape
         dk = k.shape[-1]
+        m = batch * k_heads * group  # the (row, value head) pairs: the batch of every per-chunk matmul
         gc = g.cumsum(-1)
         upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
         decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill_(upper, float("-inf")).exp_()
         k_t = k.transpose(-1, -2)
         kk, qk = k @ k_t, q @ k_t  # once per key head, broadcast over the group
-        # solve_triangular reads only the strict lower part (unit diagonal); D is 0 above the diagonal anyway.
         a = kk * decay * beta.unsqueeze(-1)
         eye = torch.eye(chunk, dtype=q.dtype, device=q.device).expand_as(a)
         inverse = torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
         del a
-        eg = gc.exp()
-        u = inverse @ (v * beta.unsqueeze(-1))
-        w = inverse @ (k * (beta * eg).unsqueeze(-1))
-        aqk = qk * decay
-        last = gc[..., -1:]
-        k_dec = k * (last - gc).exp_().unsqueeze(-1)  # [n, B, Hk, G, C, K]
-        step = last.exp().unsqueeze(-1)  # exp(gc_C): the state's decay over the chunk, [n, B, Hk, G, 1, 1]
-
-        state_shape = (batch, k_heads, group, dk, dv)
-        states = q.new_empty(n, *state_shape)  # the state before each chunk
-        v_new = torch.empty_like(u)
+        qw = q.new_empty(n, m, 2 * chunk, dk)  # qw[i] = [q exp(gc); -w]: one operand for both products with S
+        states = q.new_empty(n, m, dk, dv)  # the state before each chunk
+        out = v.new_empty(n, m, chunk, dv)
+        v_new = torch.empty_like(out)
+        scratch = q.new_empty(m, 2 * chunk, dv)
         doc_of_start = {s: j for j, s in enumerate(starts)} if starts is not None else {0: None}
-        doc_starts = set(doc_of_start)
+        if initial_state is not None:
+            initial_shape = initial_state.shape
+            initial_state = initial_state.reshape(-1, m, dk, dv)
         finals = []
-        for i in range(n):
-            if i in doc_starts:  # a sequence / document starts: its initial state (or zero), nothing carried over
-                if initial_state is None:
-                    states[i].zero_()
-                else:
-                    states[i].copy_(initial_state if starts is None else initial_state[doc_of_start[i]])
-            s = states[i]
-            torch.baddbmm(u[i].view(-1, chunk, dv), w[i].view(-1, chunk, dk), s.view(-1, dk, dv), alpha=-1,
-                          out=v_new[i].view(-1, chunk, dv))
-            ends = i + 1 == n or i + 1 in doc_starts
-            nxt = q.new_empty(state_shape) if ends else states[i + 1]
-            torch.mul(s, step[i], out=nxt)
-            _bmm_acc(nxt, k_dec[i].transpose(-1, -2), v_new[i])
-            if ends:
-                finals.append(nxt)
-        out = q * eg.unsqueeze(-1) @ states + aqk @ v_new  # [n, B, Hk, G, C, V]
-        final = torch.cat(finals) if starts is not None else finals[0]
-        ctx.save_for_backward(q, k, v, beta, gc, decay, kk, qk, inverse, w, v_new, states)
+        for lo, hi in _blocks(n):
+            sl = slice(lo, hi)
+            bv, bk, k_dec, step, eg = _block_operands(k, v, gc[sl], beta[sl], m, sl)
+            torch.mul(q[sl], eg.unsqueeze(-1), out=qw[sl, :, :chunk].view(hi - lo, batch, k_heads, group, chunk, dk))
+            inv = inverse[sl].view(hi - lo, m, chunk, chunk)
+            aqk = (qk[sl] * decay[sl]).view(hi - lo, m, chunk, chunk)
+            for j, i in enumerate(range(lo, hi)):
+                s = states[i]
+                if i in doc_of_start:
+                    if initial_state is None:
+                        s.zero_()
+                    else:
+                        s.copy_(initial_state[0 if starts is None else doc_of_start[i]])
+                torch.bmm(inv[j], bk[j], out=qw[i, :, chunk:])
+                torch.bmm(qw[i], s, out=scratch)
+                torch.baddbmm(scratch[:, chunk:], inv[j], bv[j], out=v_new[i])  # T beta v - w S
+                torch.baddbmm(scratch[:, :chunk], aqk[j], v_new[i], out=out[i])
+                ends = i + 1 == n or i + 1 in doc_of_start
+                nxt = q.new_empty(m, dk, dv) if ends else states[i + 1]
+                torch.mul(s, step[j], out=nxt)
+                nxt.baddbmm_(k_dec[j].transpose(1, 2), v_new[i])
+                if ends:
+                    finals.append(nxt)
+        final = torch.stack(finals).view(-1 if starts is not None else batch, k_heads, group, dk, dv)
+        ctx.save_for_backward(q, k, v, beta, gc, decay, kk, qk, inverse, qw, v_new, states)
         ctx.starts = starts
-        ctx.has_initial = initial_state is not None
-        return out, final
+        ctx.initial_shape = None if initial_state is None else initial_shape
+        return out.view(v.shape), final
 
     @staticmethod
     def backward(ctx, d_out, d_final):
-        q, k, v, beta, gc, decay, kk, qk, inverse, w, v_new, states = ctx.saved_tensors
+        q, k, v, beta, gc, decay, kk, qk, inverse, qw, v_new, states = ctx.saved_tensors
         starts = ctx.starts
-        n = v.shape[0]
-        d_out = d_out.contiguous()
-        eg = gc.exp()
-        last = gc[..., -1:]
-        k_decay = (last - gc).exp()
-        k_dec = k * k_decay.unsqueeze(-1)
-        q_dec = q * eg.unsqueeze(-1)
-        step = last.exp().unsqueeze(-1)
-        aqk = qk * decay
-
-        # The reverse loop: d_next[i] = gradient of the state after chunk i; d_vn[i] = gradient of v_new[i].
-        doc_starts = set(starts) if starts is not None else {0}
+        n, batch, k_heads, group, chunk, dv = v.shape
+        dk = k.shape[-1]
+        m = batch * k_heads * group
+        d_out = d_out.contiguous().view(n, m, chunk, dv)
+        doc_of_start = {s: j for j, s in enumerate(starts)} if starts is not None else {0: None}
         n_docs = len(starts) if starts is not None else 1
-        d_vn = aqk.transpose(-1, -2) @ d_out
-        d_next = torch.empty_like(states)
         d_initial = [None] * n_docs
-        doc = n_docs - 1
+        if d_final is not None:
+            d_final = d_final.reshape(-1, m, dk, dv)
 
-        def final_grad(index):
+        def reset(buffer, doc):  # the gradient reaching a document's final state
             if d_final is None:
-                return None
-            return d_final[index] if starts is not None else d_final
-
-        grad = final_grad(doc)
-        if grad is None:
-            d_next[n - 1].zero_()
-        else:
-            d_next[n - 1].copy_(grad)
-        for i in range(n - 1, -1, -1):
-            _bmm_acc(d_vn[i], k_dec[i], d_next[i])
-            if i in doc_starts:
-                target = q.new_empty(states.shape[1:])
+                buffer.zero_()
             else:
-                target = d_next[i - 1]
-            torch.mul(d_next[i], step[i], out=target)
-            _bmm_acc(target, q_dec[i].transpose(-1, -2), d_out[i])
-            _bmm_acc(target, w[i].transpose(-1, -2), d_vn[i], alpha=-1.0)
-            if i in doc_starts:
-                d_initial[doc] = target
-                doc -= 1
-                if i > 0:
-                    grad = final_grad(doc)
-                    if grad is None:
-                        d_next[i - 1].zero_()
-                    else:
-                        d_next[i - 1].copy_(grad)
+                buffer.copy_(d_final[doc])
+
+        d_q, d_k = torch.empty_like(q), torch.empty_like(k)
+        d_v, d_g, d_beta = torch.empty_like(v), torch.empty_like(beta), torch.empty_like(beta)
+        nb = min(BLOCK, n)
+        d_qw = q.new_empty(nb, m, 2 * chunk, dk)
+        d_k_dec = q.new_empty(nb, m, chunk, dk)
+        d_aqk = q.new_empty(nb, m, chunk, chunk)
+        d_bv = q.new_empty(nb, m, chunk, dv)
+        d_bk = q.new_empty(nb, m, chunk, dk)
+        d_a = q.new_empty(nb, m, chunk, chunk)
+        d_step = q.new_empty(nb, m)
+        dd = q.new_empty(m, 2 * chunk, dv)  # [d_out; d_v_new] of the chunk
+        x = q.new_empty(m, chunk, chunk)
+        d_next, d_here = q.new_empty(m, dk, dv), q.new_empty(m, dk, dv)
+        reset(d_next, n_docs - 1)
+        for lo, hi in reversed(_blocks(n)):
+            sl = slice(lo, hi)
+            bv, bk, k_dec, step, eg = _block_operands(k, v, gc[sl], beta[sl], m, sl)
+            inv = inverse[sl].view(hi - lo, m, chunk, chunk)
+            aqk = (qk[sl] * decay[sl]).view(hi - lo, m, chunk, chunk)
+            for i in range(hi - 1, lo - 1, -1):
+                j = i - lo
+                s, vn, inv_t = states[i], v_new[i], inv[j].transpose(1, 2)
+                d_vn = dd[:, chunk:]
+                torch.bmm(aqk[j].transpose(1, 2), d_out[i], out=d_vn)
+                d_vn.baddbmm_(k_dec[j], d_next)
+                dd[:, :chunk].copy_(d_out[i])
+                torch.bmm(dd, s.transpose(1, 2), out=d_qw[j])
+                torch.bmm(vn, d_next.transpose(1, 2), out=d_k_dec[j])
+                torch.sum((d_next * s).view(m, -1), -1, out=d_step[j])
+                torch.bmm(d_out[i], vn.transpose(1, 2), out=d_aqk[j])
+                torch.bmm(inv_t, d_vn, out=d_bv[j])
+                torch.bmm(inv_t, d_qw[j, :, chunk:], out=d_bk[j])
+                torch.bmm(d_bv[j], bv[j].transpose(1, 2), out=x)
+                x.baddbmm_(d_bk[j], bk[j].transpose(1, 2))
+                torch.bmm(x, inv_t, out=d_a[j])
+                torch.mul(d_next, step[j], out=d_here)
+                d_here.baddbmm_(qw[i].transpose(1, 2), dd)
+                if i in doc_of_start:
+                    doc = doc_of_start[i] if starts is not None else 0
+                    d_initial[doc] = d_here.clone()
+                    if i > 0:
+                        reset(d_next, doc - 1)
+                else:
+                    d_next, d_here = d_here, d_next
+            size = hi - lo
+            grads = _block_tail(q[sl], k[sl], v[sl], beta[sl], gc[sl], decay[sl], kk[sl], qk[sl], eg,
+                                d_qw[:size], d_k_dec[:size], d_aqk[:size], d_bv[:size], d_bk[:size], d_a[:size],
+                                d_step[:size], step)
+            for target, grad in zip((d_q, d_k, d_v, d_g, d_beta), grads):
+                target[sl] = grad
         d_init = None
-        if ctx.has_initial:
-            d_init = torch.stack(d_initial) if starts is not None else d_initial[0]
-
-        states_t = states.transpose(-1, -2)
-        d_q_dec = d_out @ states_t  # [n, B, Hk, G, C, K]
-        d_w = d_vn @ states_t  # (negated below)
-        d_k_dec = v_new @ d_next.transpose(-1, -2)
-        d_step = (d_next * states).sum((-1, -2))  # [n, B, Hk, G]
-        d_aqk = d_out @ v_new.transpose(-1, -2)
-
-        # Through the UT form: u = T (beta v), w = T (beta exp(gc) k); d(beta k exp(gc)) = -T^T dw_raw.
-        inverse_t = inverse.transpose(-1, -2)
-        bv = v * beta.unsqueeze(-1)
-        bk = k * (beta * eg).unsqueeze(-1)
-        d_bv = inverse_t @ d_vn
-        d_bk = inverse_t @ d_w
-        d_bk.neg_()
-        x = d_bv @ bv.transpose(-1, -2)
-        _bmm_acc(x, d_bk, bk.transpose(-1, -2))
-        d_a = (x @ inverse_t).tril_(-1).neg_()  # strict lower part: the unit diagonal is not a variable
-        del x
-
-        d_v = d_bv * beta.unsqueeze(-1)
-        d_bk_k = (d_bk * k).sum(-1)  # [n, B, Hk, G, C]: d(beta exp(gc)) per token
-        d_beta = (d_bv * v).sum(-1) + d_bk_k * eg
-        # a = kk ⊙ D ⊙ beta_r; aqk = qk ⊙ D
-        p_k = d_a * decay  # dA ⊙ D
-        d_beta = d_beta + (p_k * kk).sum(-1)
-        p_q = d_aqk * decay
-        e = (p_k * beta.unsqueeze(-1)) * kk + p_q * qk  # dD ⊙ D
-        d_gc = e.sum(-1) - e.sum(-2)
-        d_kk = (p_k * beta.unsqueeze(-1)).sum(3, keepdim=True)
-        d_qk = p_q.sum(3, keepdim=True)
-        d_q = d_qk @ k + (d_q_dec * eg.unsqueeze(-1)).sum(3, keepdim=True)
-        d_k = (d_kk + d_kk.transpose(-1, -2)) @ k + d_qk.transpose(-1, -2) @ q
-        d_k += (d_k_dec * k_decay.unsqueeze(-1) + d_bk * (beta * eg).unsqueeze(-1)).sum(3, keepdim=True)
-        d_gc += (d_q_dec * q_dec).sum(-1) + d_bk_k * beta * eg
-        t = (d_k_dec * k_dec).sum(-1)
-        d_gc -= t
-        d_last = t.sum(-1) + d_step * step[..., 0, 0]
-        d_gc[..., -1] += d_last
-        d_g = d_gc.flip(-1).cumsum(-1).flip(-1)
+        initial_shape = ctx.initial_shape
+        if initial_shape is not None:
+            d_init = torch.stack(d_initial).view(initial_shape)
         return d_q, d_k, d_v, d_g, d_beta, d_init, None
+
+
+def _block_operands(k, v, gc, beta, m, sl):
+    """Per block of chunks: beta v, -beta exp(gc) k, k exp(gc_C - gc) as [block, m, C, D], exp(gc_C) [block, m, 1, 1],
+    exp(gc)."""
+    size, chunk = gc.shape[0], gc.shape[-1]
+    eg = gc.exp()
+    last = gc[..., -1:]
+    bv = (v[sl] * beta.unsqueeze(-1)).view(size, m, chunk, -1)
+    bk = (k[sl] * (beta * eg).neg_().unsqueeze(-1)).view(size, m, chunk, -1)
+    k_dec = (k[sl] * (last - gc).exp_().unsqueeze(-1)).view(size, m, chunk, -1)
+    return bv, bk, k_dec, last.exp().view(size, m, 1, 1), eg
+
+
+def _block_tail(q, k, v, beta, gc, decay, kk, qk, eg, d_qw, d_k_dec, d_aqk, d_bv, d_bk, d_a, d_step, step):
+    """The gradients of one block's q, k, v, g, beta from the loop's per-chunk products (elementwise and small
+    matmuls)."""
+    shape = beta.shape  # [block, B, Hk, G, C]
+    chunk = shape[-1]
+    d_a = d_a.view(*shape, chunk).tril_(-1).neg_()  # strict lower: the unit diagonal is not a variable
+    d_bv, d_bk = d_bv.view(*shape, -1), d_bk.view(*shape, -1)
+    d_q_dec = d_qw[:, :, :chunk].reshape(*shape, -1)
+    d_k_dec = d_k_dec.view(*shape, -1)
+    last = gc[..., -1:]
+    k_decay = (last - gc).exp()
+    d_v = d_bv * beta.unsqueeze(-1)
+    d_bk_k = (d_bk * k).sum(-1).neg_()  # d(beta exp(gc)) per token (bk = -beta exp(gc) k)
+    d_beta = (d_bv * v).sum(-1) + d_bk_k * eg
+    p_k = d_a * decay
+    d_beta += (p_k * kk).sum(-1)
+    p_q = d_aqk.view(*shape, chunk) * decay
+    p_k *= beta.unsqueeze(-1)
+    e = p_k * kk + p_q * qk  # dD ⊙ D
+    d_gc = e.sum(-1) - e.sum(-2)
+    d_kk = p_k.sum(3, keepdim=True)
+    d_qk = p_q.sum(3, keepdim=True)
+    d_q = d_qk @ k + (d_q_dec * eg.unsqueeze(-1)).sum(3, keepdim=True)
+    d_k = (d_kk + d_kk.transpose(-1, -2)) @ k + d_qk.transpose(-1, -2) @ q
+    d_k += (d_k_dec * k_decay.unsqueeze(-1) - d_bk * (beta * eg).unsqueeze(-1)).sum(3, keepdim=True)
+    d_gc += (d_q_dec * q).sum(-1) * eg + d_bk_k * beta * eg
+    t = (d_k_dec * k).sum(-1) * k_decay
+    d_gc -= t
+    d_gc[..., -1] += t.sum(-1) + d_step.view(shape[:-1]) * step.view(shape[:-1])
+    d_g = d_gc.flip(-1).cumsum(-1).flip(-1)
+    return d_q, d_k, d_v, d_g, d_beta
 
 
 def chunked_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int,

@@ -82,6 +82,7 @@ def _megatron_dp2(rank, world_size, root):
                 for sharding, where in (("dp_reshardable", "mg"), ("fully_reshardable", "mg_full")):
                     _save_like_megatron_lm(root / where, sharding, rank, model, optimizer, scheduler, args,
                                            dist_checkpointing, ShardedObject)
+    _reap_checkpoint_writers()
     if rank == 0:
         reference["weights"] = {k: v.detach().clone() for k, v in model.state_dict().items()
                                 if isinstance(v, torch.Tensor) and "_extra_state" not in k}
@@ -110,6 +111,18 @@ def _save_like_megatron_lm(root, sharding, rank, model, optimizer, scheduler, ar
                             str(it_dir))
     if rank == 0:
         (root / "latest_checkpointed_iteration.txt").write_text(str(K))
+
+
+def _reap_checkpoint_writers():
+    """megatron-core's checkpoint writer forks worker processes (dist_checkpointing/strategies/filesystem_async.py);
+    here (CPU, gloo) a worker that has written its files can stay blocked at its exit, and would outlive the test
+    holding pytest's output pipe: the finished workers are waited for, a blocked one is ended."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
 
 
 @pytest.fixture(scope="module")

@@ -302,3 +302,26 @@ def test_scaled_down_corpus_line_logs_mindspeeds_loss(tmp_path):
     config = json.loads((tmp_path / "ckpt" / "iter_0000002" / "run_config.json").read_text())["model"]
     assert (config["model_id"], config["moe_router_score_function"], config["moe_router_load_balancing_type"]) == \
         ("deepseek_v3", "sqrtsoftplus", ["mindspeed_seq_aux_loss"])
+
+
+def test_context_parallel_2_prints_the_one_rank_mindspeed_loss(tmp_path):
+    """Ulysses cp 2: each rank's share of every sequence's loss (its own scores, the counts summed over the cp
+    group) adds up to the one-rank loss; 4 steps agree (the gradients too, or later steps would drift)."""
+    from tests.helpers import run_pretrain
+    from tests.test_router_context_parallel import _values
+    from tests.test_router_training import FLAGS
+
+    flags = list(FLAGS)
+    for flag, value in (("--train-iters", "4"), ("--save-interval", "100"), ("--moe-router-score-function",
+                                                                             "sqrtsoftplus")):
+        flags[flags.index(flag) + 1] = value
+    flags += ["--moe-router-load-balancing-type", "none", "--seq-aux"]
+    _, log1 = run_pretrain(flags, tmp_path / "one")
+    _, log2 = run_pretrain(flags, tmp_path / "cp2", "--context-parallel-size", "2",
+                           "--context-parallel-algo", "ulysses_cp_algo", ranks=2)
+    one, cp2 = _values(log1), _values(log2)
+    assert sorted(one) == [1, 2, 3, 4] and sorted(cp2) == [1, 2, 3, 4], (log1[-1500:], log2[-1500:])
+    for it in one:
+        assert set(one[it]) == {"lm loss", "z_loss", "load_balancing_loss"}, one[it]
+        for name, value in one[it].items():
+            assert cp2[it][name] == pytest.approx(value, rel=1e-4, abs=1e-6), (it, name, one[it], cp2[it])

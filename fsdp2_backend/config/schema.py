@@ -89,8 +89,9 @@ class ModelArguments:
                                                       "head_dim ** mup_attn_scale_power.")
     mup_attn_scale_power: float = help_field(1.0, "(Megatron) µP attention-scale power (0.5: standard 1/sqrt(d)).")
     # Megatron's MoE router (megatron-core's TopKRouter); unset fields keep the model's own routing
-    moe_router_score_function: Optional[Literal["softmax", "sigmoid"]] = help_field(
-        None, "(Megatron) Router score function; unset: the model's own.")
+    moe_router_score_function: Optional[Literal["softmax", "sigmoid", "sqrtsoftplus"]] = help_field(
+        None, "(Megatron) Router score function (sqrtsoftplus: MindSpeed's sqrt(softplus(logits)), routed as "
+              "sigmoid); unset: the model's own.")
     moe_router_pre_softmax: Optional[bool] = help_field(
         None, "(Megatron) Softmax over all experts before the top-k (no renormalisation); unset: the model's own.")
     moe_router_topk_scaling_factor: Optional[float] = help_field(None, "(Megatron) Scale of the top-k routing weights.")
@@ -101,7 +102,8 @@ class ModelArguments:
                "global token counts (saved in checkpoints).")
     moe_router_bias_update_rate: float = help_field(1e-3, "(Megatron) Expert-bias update rate.")
     moe_router_load_balancing_type: Optional[Union[str, List[str]]] = help_field(
-        None, "(Megatron) aux_loss, seq_aux_loss, global_aux_loss, sinkhorn or none (or a list): Megatron's "
+        None, "(Megatron) aux_loss, seq_aux_loss, global_aux_loss, sinkhorn, none or mindspeed_seq_aux_loss "
+              "(MindSpeed's --seq-aux under 'none', logged as load_balancing_loss) (or a list): Megatron's "
               "losses replace the model's own aux loss; unset: the HF model's own (router_aux_loss_coef).")
     moe_aux_loss_coeff: Union[float, List[float]] = help_field(
         0.0, "(Megatron) Coefficient of each load-balancing loss (one per type when a list).")

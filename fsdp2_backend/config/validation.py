@@ -167,7 +167,7 @@ def _check_seed_rules(config: Config, errors: List[str]) -> None:
         for name, why in ((chunk, "optimization.chunk_loss_size (the head computes the MTP loss from full logits)"),
                           (p.tp_size > 1, "parallel.tp_size > 1 (the MTP layers get no tensor-parallel plan yet)"),
                           (p.ep_size > 1, "parallel.ep_size > 1 (the MTP layer's experts get no expert plan yet)"),
-                          (config.model.model_id not in (None, "qwen3", "qwen3_next", "step35"),  # models/mtp_layouts.py
+                          (config.model.model_id not in (None, "qwen3", "qwen3_next", "step35", "deepseek_v3"),  # mtp_layouts.py
                            f"model.model_id {config.model.model_id} (no MTP layer layout for it yet)"),
                           (config.model.model_id == "qwen3_next" and mtp != 1,  # one fc / norm pair in its layout
                            f"model.model_id qwen3_next and mtp_num_layers {mtp} (Qwen3-Next's MTP layout holds one "

@@ -98,6 +98,13 @@ class Qwen3NextLayout(MTPLayout):
             return name
         return self._PARTS[match["part"]].format(k=match["k"]) + match["rest"]
 
+    def check(self, config, num_layers: int) -> None:
+        if num_layers != 1:
+            from usage_errors import UsageError
+
+            raise UsageError(f"model.mtp_num_layers: {num_layers} depths, but Qwen3-Next's MTP layout holds one "
+                             f"(one fc / norm pair) — give mtp_num_layers 1")
+
     def layer_index(self, config) -> int:
         full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
         return full[-1] if full else config.num_hidden_layers - 1
@@ -161,6 +168,21 @@ class TrailingLayersLayout(MTPLayout):
     def is_candidate(self, key: str, config, num_layers: int) -> bool:
         match = _LAYER.match(key)
         return bool(match) and config.num_hidden_layers <= int(match[1]) < config.num_hidden_layers + num_layers
+
+    def layer_factory(self, model: nn.Module) -> Callable[[int], nn.Module]:
+        """The model's decoder layer; under `model_id deepseek_v3` its MoE block swapped like the main layers'
+        (`moe/family_swap.py`: stacked experts, the project's router)."""
+        base, family = super().layer_factory(model), getattr(model, "_family", None)
+        if family is None:
+            return base
+
+        def build(k: int) -> nn.Module:
+            from fsdp2_backend.models.moe.family_swap import swap_blocks
+
+            layer = base(k)
+            swap_blocks(layer, family, model.config)
+            return layer
+        return build
 
     def extra_keys(self, config, num_layers: int) -> Dict[str, str]:
         n = config.num_hidden_layers

@@ -176,12 +176,14 @@ def swap_router(router_cls: type, config, hf_router: nn.Module) -> TopKRouter:
     return router
 
 
-def swap_blocks(model: nn.Module, family: Family) -> None:
-    """Every sparse block of `model`: stacked experts, the project's router, the grouped block's forward."""
+def swap_blocks(model: nn.Module, family: Family, config=None) -> None:
+    """Every sparse block of `model` (a causal LM, or one layer of it with the model's `config`, e.g. an MTP
+    layer): stacked experts, the project's router, the grouped block's forward."""
+    config = model.config if config is None else config
     for module in list(model.modules()):
         if type(module) is family.block:
             module.experts = grouped_experts(module.experts)
-            module.gate = swap_router(family.router, model.config, module.gate)
+            module.gate = swap_router(family.router, config, module.gate)
             module.__class__ = family.grouped_block
 
 
