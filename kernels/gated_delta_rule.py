@@ -3,15 +3,14 @@ the Ascend op, behind one entry point `chunk_gated_delta_rule` that the model ca
 
 The recurrence, per head, with state S (K x V), for t = 1..T (q scaled by 1/sqrt(K)):
     S <- exp(g_t) * S;   S <- S + beta_t * k_t (v_t - k_t^T S)^T;   o_t = S^T q_t
-The reference computes it chunk by chunk (WY / UT form, as in the Gated DeltaNet paper): inside a chunk of C
-tokens everything is batched matmuls and one unit-triangular solve; only the C x-smaller state hand-off runs as a
-loop over chunks (never one per token). Everything runs in fp32 whatever the input dtype; the output is cast
-back. The scan is one autograd Function with a hand-written backward (`kernels/gated_delta_rule_scan.py`: the
-chunked rule's adjoint, a reverse loop over chunks plus batched matmuls; autograd through the chunk loop spent as
-much on elementwise temporaries as on the matmuls): the per-chunk states are the only thing kept per chunk,
-so memory stays linear in the sequence length. transformers' own torch fallback writes each chunk's output into
-one preallocated tensor in place, whose backward copies the whole gradient once per chunk (quadratic); here
-chunk outputs are computed after the state scan in one batched matmul.
+The reference computes it chunk by chunk (WY / UT form, as in the Gated DeltaNet paper): one unit-triangular
+solve for all chunks, then a loop over chunks (never one per token) of a few matmuls each. Everything runs in
+fp32 whatever the input dtype; the output is cast back. The scan is one autograd Function with a hand-written
+backward (`kernels/gated_delta_rule_scan.py`: the chunked rule's adjoint, a reverse loop over chunks, both passes
+in blocks of chunks so temporaries are sized by the block; autograd through the chunk loop spent as much on
+elementwise temporaries as on the matmuls): memory stays linear in the sequence length. transformers' own torch
+fallback writes each chunk's output into one preallocated tensor in place, whose backward copies the whole
+gradient once per chunk (quadratic).
 
 Packed documents (`cu_seqlens`, see `kernels/varlen.py`): every document is laid out from a chunk boundary
 (zero padding up to the next multiple of C: a padded token has k = v = 0, beta = 0, g = 0, so it neither

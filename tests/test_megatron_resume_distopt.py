@@ -11,6 +11,7 @@ more iterations: the reference. Our engine, given only `--load` and the run's fl
 losses for K+1 and K+2 and end with its weights; without the optimizer state (`--no-load-optim`) K+2 differs.
 """
 import random
+import re
 
 import numpy as np
 import pytest
@@ -79,9 +80,9 @@ def _megatron_dp2(rank, world_size, root):
             reference["lr"][iteration] = next(g["lr"] for g in optimizer.param_groups if g["default_config"])
             if iteration == K:
                 args.consumed_train_samples, args.consumed_valid_samples = K * GBS, 0
-                for sharding, where in (("dp_reshardable", "mg"), ("fully_reshardable", "mg_full")):
-                    _save_like_megatron_lm(root / where, sharding, rank, model, optimizer, scheduler, args,
-                                           dist_checkpointing, ShardedObject)
+                _save_like_megatron_lm(root / "mg", rank, model, optimizer, scheduler, args, dist_checkpointing,
+                                       ShardedObject)
+                torch.save(_live_state(model, optimizer), root / f"live_state_{rank}.pt")
     _reap_checkpoint_writers()
     if rank == 0:
         reference["weights"] = {k: v.detach().clone() for k, v in model.state_dict().items()
@@ -90,15 +91,27 @@ def _megatron_dp2(rank, world_size, root):
     parallel_state.destroy_model_parallel()
 
 
-def _save_like_megatron_lm(root, sharding, rank, model, optimizer, scheduler, args, dist_checkpointing,
-                           ShardedObject):
-    """Megatron-LM's save_checkpoint: the same keys in the same files. `dp_reshardable` is what `--ckpt-format
-    torch_dist` writes by default; `fully_reshardable` (`--dist-ckpt-optim-fully-reshardable`) is the reference
-    for the reader: megatron-core's own per-parameter tensors of the same state."""
+def _live_state(model, optimizer):
+    """{parameter name: (this rank's range in the flattened parameter, {param / exp_avg / exp_avg_sq: its shard})}
+    taken from megatron-core's live DistributedOptimizer at the save: the reader's reference."""
+    inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+    out = {}
+    for name, param in model.named_parameters():
+        if param in inner.model_param_gbuf_map:  # this rank owns part of this parameter's state
+            shard = inner._get_model_param_range_map(param)["param"]
+            tensors = inner._get_main_param_and_optimizer_states(param)
+            out[name] = (shard.start, shard.end, param.numel(), {k: tensors[k].detach().clone() for k in
+                                                   ("param", "exp_avg", "exp_avg_sq")})
+    return out
+
+
+def _save_like_megatron_lm(root, rank, model, optimizer, scheduler, args, dist_checkpointing, ShardedObject):
+    """Megatron-LM's save_checkpoint with its default optimizer format (what `--ckpt-format torch_dist` writes
+    without `--dist-ckpt-optim-fully-reshardable`): the same keys in the same files."""
     rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
            "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}
     it_dir = root / f"iter_{K:07d}"
-    metadata = {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False,
+    metadata = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
                 "chained_optim_avoid_prefix": True}
     model_sd = model.sharded_state_dict(metadata=metadata)
     if rank == 0:
@@ -134,26 +147,32 @@ def megatron_dp2(tmp_path_factory):
     return root, prefix, torch.load(root / "reference.pt", weights_only=False)
 
 
-def test_the_bucket_reader_gives_megatron_cores_own_per_parameter_state(megatron_dp2):
-    """The flat buckets read back per parameter equal, bit for bit, what megatron-core itself writes for the same
-    optimizer in its per-parameter format (`fully_reshardable`, saved at the same moment); the other spec's
-    parameter order (Transformer Engine's) does not reproduce the saved weights, so it is not taken."""
+def test_the_bucket_reader_gives_megatron_cores_per_parameter_state(megatron_dp2):
+    """The flat buckets read back per parameter equal, bit for bit, megatron-core's live optimizer state at the save
+    (each rank's shard of every parameter's main weight and moments, put together); the other spec's parameter
+    order (Transformer Engine's) does not reproduce the saved weights, so it is not taken."""
     from fsdp2_backend.training import megatron_distopt as md
-    from fsdp2_backend.training.megatron_resume import _OPTIM_RE, _torch_dist_tensors
+    from fsdp2_backend.training.megatron_resume import _torch_dist_tensors
 
     root, _, _ = megatron_dp2
-    it_dir, full_dir = root / "mg" / f"iter_{K:07d}", root / "mg_full" / f"iter_{K:07d}"
+    it_dir = root / "mg" / f"iter_{K:07d}"
     weights = _torch_dist_tensors(it_dir, lambda k: not k.startswith(("optimizer.", "rng_state"))
                                   and "_extra_state" not in k)
     got, objects = md.read_dp_reshardable(it_dir, weights)
-    expected = {}
-    for key, value in _torch_dist_tensors(full_dir, lambda k: bool(_OPTIM_RE.match(k))).items():
-        kind, name = _OPTIM_RE.match(key).groups()
-        expected.setdefault("param" if kind == "fp32_param" else kind, {})[name] = value
-    assert sorted(expected) == sorted(got) and sorted(expected["exp_avg"]) == sorted(weights)
-    for kind in expected:
-        for name, value in expected[kind].items():
-            assert torch.equal(got[kind][name], value), (kind, name)
+    saved_name = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",  # local spec's names
+                  "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+    full: dict = {}
+    for rank in (0, 1):
+        for name, (start, end, numel, shards) in torch.load(root / f"live_state_{rank}.pt").items():
+            for kind, shard in shards.items():
+                full.setdefault((name, kind), torch.full((numel,), float("nan")))[start:end] = shard
+    assert len(full) == 3 * sum(v.shape[0] if k.startswith("decoder.layers.") else 1 for k, v in weights.items())
+    for (name, kind), value in full.items():
+        match = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
+        layer, inner = match.groups() if match else (None, name)
+        key = name if layer is None else f"decoder.layers.{saved_name.get(inner, inner)}"
+        tensor = got[kind][key] if layer is None else got[kind][key][int(layer)]
+        assert torch.equal(tensor.reshape(-1), value), (kind, name)  # NaN left = a range no rank owned: unequal
     assert {g["step"] for g in objects["optimizer"]["param_groups"]} == {float(K)}
     (record,) = _torch_dist_tensors(it_dir, lambda k: "per_bucket_numel_unpadded" in k).values()
     unpadded = next(iter(record[0][0].values()))  # [one shard: [one grad buffer: {dtypes: sizes}]]
@@ -179,7 +198,7 @@ def test_resumes_a_dp_reshardable_run_as_megatron_core_continues_it(megatron_dp2
         assert consumed == iteration * GBS
         assert f"{lr:.6E}" == f"{reference['lr'][iteration]:.6E}"
         assert loss == pytest.approx(reference["loss"][iteration], abs=1e-5), iteration
-    _, args = _megatron_gpt(qk_layernorm=True, tied=False, seed=11)
+    args = torch.load(root / "mg" / f"iter_{K:07d}" / "common.pt", weights_only=False)["args"]  # as megatron saved
     config = hf_config_from_args(args, reference["weights"])
     expected = to_hf_state_dict(reference["weights"], config)
     ours = _hf_weights(tmp_path / "out" / "hf")

@@ -11,6 +11,10 @@ both to the sink attention (`kernels.sink_attention`, which builds the window ov
 the sinks of this rank's heads — also the windows of an eager/SDPA model (step35; no sinks: the SDPA maths with
 the window); ring masks the window by global positions and merges the sinks last. Ulysses splits every layer's
 own heads: a model whose layer types have their own head counts (step35) is checked per layer type.
+Packed documents (position ids restarting at each document: reset_position_ids, neat_packing): Ulysses gathers
+the whole sequence's position ids and runs an eager/SDPA model's attention as the packed attention
+(`models/packed_attention.py`, per document); ring masks its blocks by document (`ring.py`). Sliding windows
+over packed documents are ring's only (the sink attention takes no documents).
 """
 from __future__ import annotations
 
@@ -94,8 +98,9 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
     if dropout:
         raise UsageError("attention_dropout: must be 0 with context parallel — set it to 0")
     if any(kwargs.get(name) is not None for name in _PACKING_KWARGS):
-        raise UsageError("context parallel: packed documents (cu_seq_lens / actual_seq_len) are not supported with "
-                         "cp_size > 1 — drop --reset-attention-mask / --reset-position-ids or use cp_size 1")
+        raise UsageError("context parallel: packed documents given as cu_seq_lens are not supported with cp_size > 1 "
+                         "— mark them by restarting position ids (--reset-position-ids, data.neat_packing), or use "
+                         "cp_size 1")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if spec.cp_type == "ring":
         return ring_attention(query, key, value, scale, spec.group, sinks, sliding_window,
