@@ -3,9 +3,9 @@
     python benchmarks/gpu_check.py          # one CUDA GPU (benchmarks/gpu_check.sh runs it), well under 8 minutes
     python benchmarks/gpu_check.py --dry    # CPU, tiny shapes, seconds: the same steps, for CI
 
-1. Triton kernels on the GPU (not the interpreter): RMSNorm, gated RMSNorm and the gated delta rule, forward and
-   backward, fp32 and bf16, against their torch references (--dry: fp32 under the triton interpreter,
-   TRITON_INTERPRET=1).
+1. Triton kernels on the GPU (not the interpreter): RMSNorm, gated RMSNorm, the gated delta rule and the causal
+   conv1d, forward and backward, fp32 and bf16, against their torch references (--dry: fp32 under the triton
+   interpreter, TRITON_INTERPRET=1).
 2. A Qwen3-1.7B-shaped model (hidden 2048, 16 heads / 8 KV heads of 128, SwiGLU 6144, vocab 151936; 8 of its 28
    layers) trained through the real entry point, pretrain_fsdp2.py, on one rank with Megatron flags: mock data,
    bf16, FSDP2, --use-flash-attn (SDPA) and --use-fused-rmsnorm, --log-throughput. Its log lines give tokens/s,
@@ -99,6 +99,34 @@ def check_gdn(device: str = "cuda", length: int = 1000, dtypes=(torch.float32, t
               "and backward)")
 
 
+def check_conv1d(device: str = "cuda", length: int = 1000, channels: int = 1536,
+                 dtypes=(torch.float32, torch.bfloat16)) -> None:
+    """The triton causal conv1d (kernels/causal_conv1d_triton.py, SiLU) against the torch reference: two rows
+    packed as three documents (one crossing the row boundary), with bias; output, dx, dweight, dbias."""
+    from kernels.causal_conv1d import causal_conv1d_reference
+    from kernels.causal_conv1d_triton import triton_causal_conv1d
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    cu = torch.tensor([0, length // 3, length + 7, 2 * length], dtype=torch.int32, device=device)
+    base = [torch.randn(2, length, channels, generator=gen, device=device),
+            torch.randn(channels, 4, generator=gen, device=device) * 0.5,
+            torch.randn(channels, generator=gen, device=device)]
+    for dtype in dtypes:
+        outs = []
+        for fn in (triton_causal_conv1d, causal_conv1d_reference):
+            leaves = [x.to(dtype).requires_grad_() for x in base]
+            out = fn(*leaves, "silu", cu)
+            out.float().pow(2).sum().backward()
+            outs.append([out.float()] + [leaf.grad.float() for leaf in leaves])
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        for got, want in zip(*outs):
+            err = ((got - want).abs().max() / want.abs().max().clamp(min=1e-6)).item()
+            assert err < tol, f"causal_conv1d {dtype}: relative error {err:.2e}"
+        where = torch.cuda.get_device_name() if device == "cuda" else "the triton interpreter (cpu)"
+        print(f"kernel causal_conv1d {str(dtype)[6:]}: triton on {where} matches the torch reference (forward and "
+              "backward)")
+
+
 def engine_run(shape: dict, dry: bool) -> dict:
     s = shape
     flags = (f"--num-layers {s['layers']} --hidden-size {s['hidden']} --ffn-hidden-size {s['ffn']} "
@@ -177,9 +205,11 @@ def main() -> None:
     if dry:  # the same checks under the triton interpreter (fp32 only: its bf16 math is not the GPU's)
         check_kernels("cpu", shape=(2, 4, 128), dtypes=(torch.float32,))
         check_gdn("cpu", length=12, dtypes=(torch.float32,))
+        check_conv1d("cpu", length=12, channels=12, dtypes=(torch.float32,))
     else:
         check_kernels()
         check_gdn()
+        check_conv1d()
     engine = engine_run(shape, dry)
     bare = bare_run(shape, device)
     print(f"model: Qwen3-1.7B-shaped, {shape['layers']} layers, seq {shape['seq']}, micro-batch {shape['mbs']}, "

@@ -3,9 +3,10 @@ activation fused and document resets for packed rows, as a torch.autograd.Functi
 
 Same math as `kernels.causal_conv1d.causal_conv1d_reference`: x [B, T, C] (channels last), weight [C, W],
     pre[t, c] = bias[c] + sum_j weight[c, j] * x[t - lag_j, c],   lag_j = W - 1 - j,   y = silu(pre) (or pre),
-where tap j counts only while `position[t] >= lag_j`: with `cu_seqlens` the positions restart at 0 at every
-document start (`kernels.varlen.position_ids_from_cu_seqlens`), so the window never reaches into the previous
-document; without them position = t (taps before the row start are zero). fp32 inside, one rounding to x's dtype.
+where tap j counts only while `position[t] >= lag_j` and `t >= lag_j`: with `cu_seqlens` the positions restart
+at 0 at every document start (`kernels.varlen.position_ids_from_cu_seqlens`), so the window never reaches into the
+previous document; taps before the row start are zero (as in the reference, also for a document that cu_seqlens
+runs on from the previous row); without cu_seqlens position = t. fp32 inside, one rounding to x's dtype.
 
 Forward: one program per (row, block of T, block of C); the W taps are W shifted masked loads of the block.
 Backward (s = sigmoid(pre)): dpre = dy * s * (1 + pre * (1 - s)) — the pre-activation is recomputed by the
@@ -44,7 +45,9 @@ def _conv_pre(X, W, BIAS, POS, row, t, c, tmask, cmask, T, C, WIDTH: tl.constexp
         acc += tl.load(BIAS + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
     for j in tl.static_range(WIDTH):
         lag = WIDTH - 1 - j
-        valid = tmask & (pos >= lag)  # position <= t, so this also keeps t - lag inside the row
+        # inside t's document and inside the row (taps before the row start are zero, as in the reference, even
+        # where cu_seqlens lets a document run on from the previous row)
+        valid = tmask & (pos >= lag) & (t >= lag)
         xs = tl.load(X + (row * T + t - lag)[:, None] * C + c[None, :], mask=valid[:, None] & cmask[None, :],
                      other=0.0).to(tl.float32)
         w = tl.load(W + c * WIDTH + j, mask=cmask, other=0.0).to(tl.float32)
@@ -56,7 +59,7 @@ def _conv_pre(X, W, BIAS, POS, row, t, c, tmask, cmask, T, C, WIDTH: tl.constexp
 def _fwd(X, W, BIAS, POS, DY, OUT, T, C, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr,
          SILU: tl.constexpr, GRAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """GRAD False: OUT = act(pre) in OUT's dtype. GRAD True: OUT = dy * act'(pre) in fp32 (the backward's dpre)."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # offsets in int64: B*T*C may pass 2**31
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     tmask, cmask = t < T, c < C
@@ -78,7 +81,7 @@ def _fwd(X, W, BIAS, POS, DY, OUT, T, C, WIDTH: tl.constexpr, HAS_BIAS: tl.const
 @triton.jit
 def _bwd(X, W, POS, DPRE, DX, DW_PARTIAL, DB_PARTIAL, T, C, blocks_per_program, WIDTH: tl.constexpr,
          HAS_POS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # offsets in int64: B*T*C may pass 2**31
     pid_t = tl.program_id(1)
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < C
@@ -99,7 +102,7 @@ def _bwd(X, W, POS, DPRE, DX, DW_PARTIAL, DB_PARTIAL, T, C, blocks_per_program, 
             mask = tmask[:, None] & cmask[None, :]
             d = tl.load(DPRE + (row * T + t)[:, None] * C + c[None, :], mask=mask, other=0.0)
             xs = tl.load(X + (row * T + t - lag)[:, None] * C + c[None, :],
-                         mask=(tmask & (pos >= lag))[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+                         mask=(tmask & (pos >= lag) & (t >= lag))[:, None] & cmask[None, :], other=0.0).to(tl.float32)
             dw += tl.sum(d * xs, axis=0)
             if j == 0:
                 db += tl.sum(d, axis=0)

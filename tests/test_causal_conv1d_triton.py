@@ -2,8 +2,9 @@
 in a fresh process, against the torch reference `kernels.causal_conv1d.causal_conv1d_reference` (itself checked
 against a per-token oracle and transformers' `causal_conv1d_fn` in tests/test_gated_delta_rule.py): outputs and
 the gradients of x, weight and bias — lengths and channel counts not a multiple of the blocks, several T blocks per
-backward program, packed documents (one of length 1, a row boundary inside the packing), with and without SiLU,
-kernel widths 4 and 3, fp32 and bf16; and which implementation Qwen3-Next's mixer selects on each device.
+backward program, packed documents (one of length 1, a row boundary inside the packing, one running on from one
+row into the next), with and without SiLU, kernel widths 4 and 3, fp32 and bf16; and which implementation
+Qwen3-Next's mixer selects on each device.
 Shapes are tiny: the interpreter runs every program in Python.
 """
 from __future__ import annotations
@@ -48,6 +49,9 @@ small = dict(block_t=4, block_c=8)  # 13 tokens = 4 T blocks (the last one parti
 case(2, 13, 10, 4, torch.float32, True, "silu", None, small, 0, 1e-5)
 # packed: documents 2, 7 | 1, 8 over two rows of 9 (a document of one token; a row start is a document start)
 case(2, 9, 10, 4, torch.float32, False, "silu", [0, 2, 9, 10, 18], small, 1, 1e-5)
+# a document running on from one row into the next (cu_seqlens over the flattened tokens): the reference's taps
+# stop at the row start
+case(2, 9, 6, 4, torch.float32, True, "silu", [0, 3, 12, 18], small, 5, 1e-5)
 # no activation, width 3, packed with bias
 case(1, 11, 5, 3, torch.float32, True, None, [0, 4, 5, 11], small, 2, 1e-5)
 # the default blocks (one partial block)

@@ -132,5 +132,6 @@ def test_the_log_line_names_the_kernel_that_runs():
         apply_fused_ops(model, OptimizationArguments(use_triton_gdn=True), device, log=lines[device].append)
     assert not fla_importable()  # this project never installs flash-linear-attention
     assert lines["cuda"] == ["use_triton_gdn: this project's triton gated delta rule (kernels/gated_delta_rule_"
-                             "triton.py; flash-linear-attention not installed) in 3 Gated DeltaNet layers on cuda"]
+                             "triton.py; flash-linear-attention not installed) and triton causal conv1d in 3 Gated "
+                             "DeltaNet layers on cuda"]
     assert lines["cpu"][0].startswith("use_triton_gdn: no triton Gated DeltaNet kernel on cpu")

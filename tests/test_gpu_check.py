@@ -10,7 +10,7 @@ def test_gpu_check_dry_mode_prints_both_sides():
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry"], cwd=REPO, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    for kernel in ("rmsnorm", "rmsnorm_gated", "gated_delta_rule"):  # the kernel checks, under the interpreter
+    for kernel in ("rmsnorm", "rmsnorm_gated", "gated_delta_rule", "causal_conv1d"):  # under the interpreter
         assert f"kernel {kernel} float32: triton on the triton interpreter (cpu) matches" in proc.stdout
     figures = re.findall(r"^(engine \(pretrain_fsdp2.py\)|bare fully_shard loop)\s+tokens/s\s+([\d.]+)\s+TFLOP/s\s+"
                          r"([\d.]+)\s+MFU % (n/a)$", proc.stdout, re.M)

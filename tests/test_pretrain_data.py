@@ -172,3 +172,47 @@ def test_dataloader_drop_last_applies_to_validation_not_training(tmp_path, drop_
     if not drop_last:  # the last partial group [12] goes to rank 0
         assert torch.equal(valid[-1]["tokens"][0], data.datasets[1][12]["tokens"])
     assert [len(b["tokens"]) for b in data.train_loader] == [2, 2, 2]  # training always drops it
+
+
+def test_reset_attention_mask_alone_gives_megatrons_per_document_result(tmp_path):
+    """--reset-attention-mask without --reset-position-ids: Megatron masks attention per document and keeps the
+    positions running. The batch here carries the documents as restarting positions (the one packed
+    representation); for a rotary model its logits equal megatron-core's mask and positions fed to the model
+    (the mask from megatron-core's own GPTDataset). Before, the flag was accepted and had no effect at all."""
+    mcore = pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    prefix = write_corpus(str(tmp_path / "c" / "text_document"), 200, seed=5, max_len=12, vocab_size=128)
+    tokenizer = IdsTokenizer(vocab_size=128)
+    config = _config(tmp_path, dataset=prefix, split="100,0,0", reset_attention_mask=True, append_eod=True)
+    config.training.eval_interval = None
+    data = build_pretrain_data(config, tokenizer, 0, 1, 0, 2, 2, 3)
+    ref = BlendedMegatronDatasetBuilder(mcore.GPTDataset, list(data.sample_counts), lambda: True, mcore.GPTDatasetConfig(
+        random_seed=1234, sequence_length=SEQ, blend=([prefix], None), split="100,0,0", tokenizer=tokenizer,
+        reset_position_ids=False, reset_attention_mask=True, eod_mask_loss=False, create_attention_mask=True)).build()
+    batch = next(iter(data.train_loader))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    model.config._attn_implementation = "sdpa"
+    documents_seen = 0
+    for row in range(2):
+        sample = ref[0][row]
+        assert torch.equal(batch["tokens"][row], sample["tokens"])
+        assert torch.equal(sample["position_ids"], torch.arange(SEQ))  # Megatron's positions run on
+        starts = int((batch["position_ids"][row] == 0).sum())
+        documents_seen += starts
+        allowed = ~sample["attention_mask"][0]  # True = masked in Megatron's mask
+        additive = torch.zeros(SEQ, SEQ).masked_fill(~allowed, float("-inf"))[None, None]
+        with torch.no_grad():
+            want = model(input_ids=sample["tokens"][None], position_ids=sample["position_ids"][None],
+                         attention_mask=additive).logits
+            # as the trainer calls it (no cache: transformers then reads documents from restarting positions)
+            got = model(input_ids=batch["tokens"][row][None], position_ids=batch["position_ids"][row][None],
+                        use_cache=False).logits
+            plain = model(input_ids=batch["tokens"][row][None], use_cache=False).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if starts > 1:  # attention across documents differs: the mask matters here
+            assert (plain - want).abs().max() > 1e-3
+    assert documents_seen > 2

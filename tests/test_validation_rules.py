@@ -183,3 +183,21 @@ def _errors_of(config) -> str:
     except UsageError as err:
         return str(err)
     return ""
+
+
+def test_reset_attention_mask_alone_is_for_rotary_positions(tmp_path):
+    """Per-document attention with Megatron's running positions is built by restarting the positions at each
+    document (data/pretrain.py), which equals Megatron's result for rotary positions only: learned absolute
+    positions (GPT-2) are refused; with reset_position_ids as well they are fine."""
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4).save_pretrained(str(tmp_path))
+    config = Config()
+    config.model.model_name_or_path, config.model.train_from_scratch = str(tmp_path), True
+    config.data.data_manager_type, config.data.mock_data, config.data.cutoff_len = "mg", True, 32
+    config.data.reset_attention_mask, config.data.append_eod = True, True
+    config.training.output_dir = str(tmp_path / "out")
+    assert "data.reset_attention_mask: per-document attention with running positions is built for rotary " \
+           "positions only" in _errors_of(config)
+    config.data.reset_position_ids = True
+    assert "data.reset_attention_mask" not in _errors_of(config)

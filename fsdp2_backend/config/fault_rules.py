@@ -148,6 +148,13 @@ def _check_model_shape(config: Config, facts: ModelFacts, errors: List[str]) -> 
     if learned and isinstance(positions, int) and config.data.cutoff_len > positions:
         errors.append(f"data.cutoff_len: {config.data.cutoff_len} exceeds the model's {positions} learned "
                       f"positions (max_position_embeddings) — shorten the sequence (Megatron --seq-length)")
+    d = config.data
+    if learned and d.data_manager_type == "mg" and d.reset_attention_mask and not d.reset_position_ids:
+        # data/pretrain.py restarts the positions at each document, which equals Megatron's running positions
+        # under a per-document mask for rotary (relative) positions only
+        errors.append("data.reset_attention_mask: per-document attention with running positions is built for "
+                      "rotary positions only; this model has learned absolute positions — add "
+                      "data.reset_position_ids (Megatron --reset-position-ids) too")
 
 
 def check_save_dir(config: Config, errors: List[str]) -> None:

@@ -338,6 +338,10 @@ def _notices(config: Config) -> List[str]:
         if isinstance(config.data.dataset, dict):  # MindSpeed's inline dataset: pretraining reads file_name only
             notices += [f"data.dataset.{key}: no effect in pretraining (only file_name is read)"
                         for key in config.data.dataset if key != "file_name"]
+    if config.data.data_manager_type == "mg" and config.data.reset_position_ids and not config.data.reset_attention_mask:
+        notices.append("data.reset_position_ids: the restarting positions also mark document boundaries here, so "
+                       "attention (and recurrent state) stays within each document — Megatron attends across them "
+                       "without --reset-attention-mask")
     notices += sft_notices(config)
     notices += quant_notices(config)
     t = config.training

@@ -77,7 +77,13 @@ def build_pretrain_data(config, tokenizer, dp_rank: int, dp_size: int, consumed_
             random_seed=training.seed, sequence_length=data.cutoff_len, blend=blend,
             blend_per_split=blend_per_split, split=None if blend_per_split else data.split,
             path_to_cache=data.data_cache_path, mmap_bin_files=data.mmap_bin_files,
-            tokenizer=dataset_tokenizer(tokenizer), reset_position_ids=data.reset_position_ids,
+            # reset_attention_mask: attention within each document (the seed: actual_seq_len from the EODs), the
+            # positions running on in Megatron. Documents have one representation here, positions restarting at
+            # each (kernels/varlen.py); with rotary (relative) positions a document's outputs do not depend on
+            # where its positions start, so restarting them gives Megatron's result (absolute positions are
+            # declined in validation: config/fault_rules.py).
+            tokenizer=dataset_tokenizer(tokenizer),
+            reset_position_ids=bool(data.reset_position_ids or data.reset_attention_mask),
             reset_attention_mask=bool(data.reset_attention_mask), eod_mask_loss=data.eod_mask_loss,
             create_attention_mask=bool(data.create_attention_mask_in_dataloader),
             shared_storage=not data.no_shared_storage, shuffle=not training.disable_shuffling,

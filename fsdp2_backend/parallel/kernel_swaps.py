@@ -240,12 +240,12 @@ def _gdn_lines(model: nn.Module, optimization_args, device_type: str) -> list:
     for flag in set_flags:
         if flag == "use_triton_gdn":
             if device_type == "cuda" and fla_importable():
-                lines.append(f"use_triton_gdn: flash-linear-attention's triton chunk_gated_delta_rule in {len(ours)} "
-                             "Gated DeltaNet layers on cuda")
+                lines.append(f"use_triton_gdn: flash-linear-attention's triton chunk_gated_delta_rule and this "
+                             f"project's triton causal conv1d in {len(ours)} Gated DeltaNet layers on cuda")
             elif device_type == "cuda":
                 lines.append(f"use_triton_gdn: this project's triton gated delta rule (kernels/gated_delta_rule_"
-                             f"triton.py; flash-linear-attention not installed) in {len(ours)} Gated DeltaNet layers "
-                             "on cuda")
+                             f"triton.py; flash-linear-attention not installed) and triton causal conv1d in "
+                             f"{len(ours)} Gated DeltaNet layers on cuda")
             else:
                 lines.append(f"use_triton_gdn: no triton Gated DeltaNet kernel on {device_type} (triton kernels "
                              "on CUDA only) — running the torch reference")

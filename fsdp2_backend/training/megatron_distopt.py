@@ -68,10 +68,6 @@ _BEFORE = ("embedding.word_embeddings.weight", "embedding.position_embeddings.we
 _AFTER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight", "output_layer.bias")
 
 
-def is_dp_reshardable(keys) -> bool:
-    return any(_BUCKET_RE.match(k) for k in keys)
-
-
 def _decline(it_dir: Path, why: str) -> UsageError:
     return UsageError(f"{it_dir}: the distributed optimizer's dp_reshardable state {why} — re-save the checkpoint "
                       f"with Megatron-LM's --dist-ckpt-optim-fully-reshardable, or resume with --no-load-optim")
@@ -83,7 +79,8 @@ def _param_order(weights: dict[str, torch.Tensor], layer_order: tuple, it_dir: P
     known = set(_BEFORE) | set(_AFTER) | {f"decoder.layers.{k}" for k in _LOCAL}
     unknown = sorted(k for k in weights if k not in known)
     if unknown:
-        raise _decline(it_dir, f"is laid out by parameter order, and {unknown[0]} has no known place in it")
+        raise _decline(it_dir, f"is laid out in parameter order, and {unknown[0]} has no known place in it (dense GPT "
+                               f"layers only: MoE / MLA / MTP are not mapped in this format)")
     num_layers = {weights[f"decoder.layers.{k}"].shape[0] for k in layer_keys}
     order = [(k, None) for k in _BEFORE if k in weights]
     for i in range(num_layers.pop() if num_layers else 0):
