@@ -10,9 +10,9 @@ iteration K it saves as Megatron-LM does by default (`distrib_optim_sharding_typ
 more iterations: the reference. Our engine, given only `--load` and the run's flags, must print megatron-core's
 losses for K+1 and K+2 and end with its weights; without the optimizer state (`--no-load-optim`) K+2 differs.
 The reader alone is checked against megatron-core's live optimizer at the save (each rank's shard of every
-parameter's main weight and moments, dumped by the ranks), bit for bit. (megatron-core's own `fully_reshardable`
-save of this multi-bucket DP-2 state is not a usable reference: it warns that a parameter range "exceeds unpadded
-buffer ... padded with zeros" and its per-parameter `param` tensors differ from the saved model weights.)
+parameter's main weight and moments, dumped by the ranks), bit for bit. megatron-core's own `fully_reshardable`
+save of this multi-bucket DP-2 state is no reference: it slices the gathered state at offsets shifted by the
+inter-bucket padding (it warns "param range exceeds unpadded buffer", its issue #504); such a checkpoint is declined.
 """
 import random
 import re
@@ -85,8 +85,9 @@ def _megatron_dp2(rank, world_size, root):
             reference["lr"][iteration] = next(g["lr"] for g in optimizer.param_groups if g["default_config"])
             if iteration == K:
                 args.consumed_train_samples, args.consumed_valid_samples = K * GBS, 0
-                _save_like_megatron_lm(root / "mg", rank, model, optimizer, scheduler, args, dist_checkpointing,
-                                       ShardedObject)
+                for sharding, where in (("dp_reshardable", "mg"), ("fully_reshardable", "mg_full")):
+                    _save_like_megatron_lm(root / where, sharding, rank, model, optimizer, scheduler, args,
+                                           dist_checkpointing, ShardedObject)
                 torch.save(_live_state(model, optimizer), root / f"live_state_{rank}.pt")
     _reap_checkpoint_writers()
     if rank == 0:
@@ -110,13 +111,14 @@ def _live_state(model, optimizer):
     return out
 
 
-def _save_like_megatron_lm(root, rank, model, optimizer, scheduler, args, dist_checkpointing, ShardedObject):
-    """Megatron-LM's save_checkpoint with its default optimizer format (what `--ckpt-format torch_dist` writes
-    without `--dist-ckpt-optim-fully-reshardable`): the same keys in the same files."""
+def _save_like_megatron_lm(root, sharding, rank, model, optimizer, scheduler, args, dist_checkpointing,
+                           ShardedObject):
+    """Megatron-LM's save_checkpoint: the same keys in the same files; `dp_reshardable` is what `--ckpt-format
+    torch_dist` writes by default, `fully_reshardable` what `--dist-ckpt-optim-fully-reshardable` writes."""
     rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
            "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}
     it_dir = root / f"iter_{K:07d}"
-    metadata = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+    metadata = {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False,
                 "chained_optim_avoid_prefix": True}
     model_sd = model.sharded_state_dict(metadata=metadata)
     if rank == 0:
@@ -157,7 +159,7 @@ def test_the_bucket_reader_gives_megatron_cores_per_parameter_state(megatron_dp2
     (each rank's shard of every parameter's main weight and moments, put together); the other spec's parameter
     order (Transformer Engine's) does not reproduce the saved weights, so it is not taken."""
     from fsdp2_backend.training import megatron_distopt as md
-    from fsdp2_backend.training.megatron_resume import _torch_dist_tensors
+    from fsdp2_backend.training.megatron_resume import _torch_dist_optimizer, _torch_dist_tensors
 
     root, _, _ = megatron_dp2
     it_dir = root / "mg" / f"iter_{K:07d}"
@@ -192,6 +194,10 @@ def test_the_bucket_reader_gives_megatron_cores_per_parameter_state(megatron_dp2
     with pytest.raises(UsageError, match="could not be matched .* --dist-ckpt-optim-fully-reshardable, or resume "
                                          "with --no-load-optim"):
         md.read_dp_reshardable(it_dir, tampered)
+    # the same state saved fully_reshardable by megatron-core is shifted (its issue #504): declined, not loaded
+    full_dir = root / "mg_full" / f"iter_{K:07d}"
+    with pytest.raises(UsageError, match="does not line up with the model weights .* dp_reshardable format"):
+        _torch_dist_optimizer(full_dir, torch.load(full_dir / "common.pt", weights_only=False), weights)
 
 
 def test_resumes_a_dp_reshardable_run_as_megatron_core_continues_it(megatron_dp2, tmp_path):

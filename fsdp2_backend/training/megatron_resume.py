@@ -11,10 +11,12 @@ What maps onto what (megatron-core 0.16.1 ``dist_checkpointing`` / ``optimizer``
   tensor's own layout (non-distributed optimizer, and ``--use-distributed-optimizer`` saved ``fully_reshardable``
   / ``fully_sharded_model_space``), so the weights' conversion converts them too (the qkv / fc1 splits are row
   permutations). With them, ``optimizer.state.{param,fp32_param}.KEY`` (the fp32 main weights of a bf16/fp16 run)
-  are loaded as the weights. The step is one counter shared by all parameters (``common_step`` or the param
-  groups' ``step`` in ``common.pt``). The distributed optimizer's default ``dp_reshardable`` format stores
-  flat per-bucket buffers (and the step as a ShardedObject): ``megatron_distopt`` maps them back to per-parameter
-  tensors in the same keys (dense GPT, one TP/PP domain; other layouts declined there, one line). Legacy
+  are loaded as the weights; they must equal the model weights cast (megatron-core's ``fully_reshardable`` save of
+  several padded buckets shifts them and the moments: declined). The step is one counter shared by all parameters
+  (``common_step`` or the param groups' ``step`` in ``common.pt``). The distributed optimizer's default
+  ``dp_reshardable`` format stores flat per-bucket buffers (and the step as a ShardedObject): ``megatron_distopt``
+  maps them back to per-parameter tensors in the same keys (dense GPT, one TP/PP domain; other layouts declined
+  there, one line). Legacy
   ``torch``: ``model_optim_rng.pt['optimizer']`` is the torch optimizer's state dict; its parameter indices are
   matched to names by Megatron's param-group rule (groups by ``wd_mult``; 1-D and ``.bias`` parameters take no
   weight decay; parameters in model order), each shape checked; legacy ``distrib_optim.pt`` is declined.
@@ -193,6 +195,16 @@ def _torch_dist_optimizer(it_dir: Path, common: dict, weights: dict) -> tuple[di
         out["param" if kind == "fp32_param" else kind][name] = value
     if not out["exp_avg"]:
         raise UsageError(f"{it_dir}: holds no Adam moments (optimizer.state.exp_avg.*) — resume with --no-load-optim")
+    # The model weights are the main weights cast to the model's dtype. megatron-core 0.16.1's fully_reshardable save
+    # of a distributed optimizer with padded buckets (several buckets: --overlap-grad-reduce) slices the state at
+    # offsets shifted by the inter-bucket padding (its warning "param range exceeds unpadded buffer", issue #504).
+    shifted = sorted(k for k, v in out["param"].items() if k in weights and not torch.equal(v.to(weights[k].dtype),
+                                                                                            weights[k]))
+    if shifted:
+        raise UsageError(f"{it_dir}: the optimizer's per-parameter state does not line up with the model weights "
+                         f"({shifted[0]}, ...: megatron-core's fully_reshardable save of multi-bucket distributed-"
+                         f"optimizer state shifts it, its issue #504) — re-save with Megatron-LM's default "
+                         f"dp_reshardable format, or resume with --no-load-optim")
     return out, _common_step(common.get("optimizer"), it_dir)
 
 
