@@ -201,3 +201,21 @@ def test_reset_attention_mask_alone_is_for_rotary_positions(tmp_path):
            "positions only" in _errors_of(config)
     config.data.reset_position_ids = True
     assert "data.reset_attention_mask" not in _errors_of(config)
+
+
+@pytest.mark.parametrize("model_type, expected", [
+    ("gpt_oss", "set model.model_id gpt_oss for this gpt_oss model, or drop them"),
+    ("deepseek_v2", "no model id here implements deepseek_v2's MoE; drop them")])
+def test_router_options_on_a_transformers_model_name_the_id_or_say_none(tmp_path, model_type, expected):
+    """Megatron's router options with model_id unset on a model type that is not promoted automatically: the
+    line names the model id that carries the router, or says no id does (before, it asked for an id to set
+    even where none exists)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "num_attention_heads": 4,
+                                                      "hidden_size": 64, "num_hidden_layers": 2,
+                                                      "vocab_size": 128}))
+    config = Config()
+    config.model.model_name_or_path, config.model.train_from_scratch = str(tmp_path), True
+    config.model.moe_z_loss_coeff = 1e-3
+    config.data.data_manager_type, config.data.mock_data = "mg", True
+    config.training.output_dir = str(tmp_path / "out")
+    assert expected in _errors_of(config)

@@ -61,12 +61,20 @@ def router_errors(m) -> List[str]:
     return errors
 
 
+# The model ids whose MoE blocks carry the project's router, by the HF model type they build (besides
+# ROUTER_MODEL_TYPES, promoted automatically).
+_MODEL_IDS_BY_TYPE = {"minimax_m2": "minimax_m27", "gpt_oss": "gpt_oss", "step3p5": "step35",
+                      "qwen3_next": "qwen3_next"}
+
+
 def check_router_model(config: "Config", facts: "ModelFacts", errors: List[str]) -> None:
     """Megatron's router lives in this project's MoE models: a transformers model without a model id has none."""
     m = config.model
     if megatron_router_set(m) and m.model_id is None and facts.model_type not in (None,) + ROUTER_MODEL_TYPES:
+        model_id = _MODEL_IDS_BY_TYPE.get(facts.model_type)
         errors.append(f"model.moe_router_*: Megatron's router options need this project's model implementation — "
-                      f"set model.model_id for this {facts.model_type} model, or drop them")
+                      + (f"set model.model_id {model_id} for this {facts.model_type} model, or drop them" if model_id
+                         else f"no model id here implements {facts.model_type}'s MoE; drop them"))
     norm = (m.architecture or {}).get("norm_topk_prob", (facts.config_json or {}).get("norm_topk_prob"))
     swapped = m.model_id == "deepseek_v3" or megatron_router_set(m) or config.parallel.ep_size > 1 or \
         config.optimization.moe_grouped_gemm or config.optimization.fix_router
