@@ -13,12 +13,10 @@ elementwise passes, vectorised over the whole batch). "triton" — `kernels/caus
 backward, SiLU fused, the same document resets), on CUDA only; Qwen3-Next's Gated DeltaNet selects it together
 with its triton gated delta rule (`use_triton_gdn`: the conv is the first half of the same mixer, so one flag
 covers both; see `conv1d_implementation`). On NPU (`use_flash_gdn`) the torch reference's plain tensor ops run:
-torch_npu has no documented training causal-conv1d op with document resets. Dao-AILab's causal-conv1d CUDA
-kernel is used only when the caller asks for it and the package is importable.
+torch_npu has no documented training causal-conv1d op with document resets.
 """
 from __future__ import annotations
 
-import importlib.util
 from typing import Optional
 
 import torch
@@ -63,8 +61,7 @@ def conv1d_implementation(device_type: str, gdn_implementation: str = "torch") -
 
 
 def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = "silu",
-                  cu_seqlens: Optional[Tensor] = None, use_cuda_kernel: bool = False,
-                  implementation: str = "torch") -> Tensor:
+                  cu_seqlens: Optional[Tensor] = None, implementation: str = "torch") -> Tensor:
     """Depthwise causal conv1d with the implementation for x's device (see the module docstring);
     `implementation` "triton" runs the triton kernels on CUDA tensors (DTensors: the reference)."""
     if implementation == "triton" and x.device.type == "cuda" and \
@@ -72,9 +69,4 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, acti
         from kernels.causal_conv1d_triton import triton_causal_conv1d
 
         return triton_causal_conv1d(x, weight, bias, activation, cu_seqlens)
-    if use_cuda_kernel and x.device.type == "cuda" and cu_seqlens is None and \
-            importlib.util.find_spec("causal_conv1d") is not None:
-        from causal_conv1d import causal_conv1d_fn  # guarded: optional CUDA package
-
-        return causal_conv1d_fn(x.transpose(1, 2), weight, bias, activation=activation).transpose(1, 2)
     return causal_conv1d_reference(x, weight, bias, activation, cu_seqlens)
