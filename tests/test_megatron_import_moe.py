@@ -189,13 +189,10 @@ def _megatron_moe_run(root, kind: str, fmt: str):
     losses."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from tests.megatron_reference import write_corpus
-    from tests.test_megatron_resume import (CLIP, GBS, LR, MIN_LR, T, WARMUP, WD, K, _CpuForCuda, _dataset,
-                                            _save_like_megatron_lm)
+    from tests.test_megatron_resume import (GBS, K, _CpuForCuda, _dataset, _save_like_megatron_lm,
+                                            megatron_training_stack, megatron_training_step)
 
     prefix = write_corpus(str(root / "data" / "text_document"), 120, seed=7, vocab_size=VOCAB - 1)
     data = _dataset(prefix, str(root / "mcore_cache"))
@@ -204,29 +201,12 @@ def _megatron_moe_run(root, kind: str, fmt: str):
     model.train()
     losses = {}
     with _CpuForCuda():
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), model)
-        optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-            clip_grad=CLIP, use_distributed_optimizer=distributed), [ddp])
-        scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=LR, min_lr=MIN_LR,
-                                            lr_warmup_steps=WARMUP * GBS, lr_decay_steps=T * GBS,
-                                            lr_decay_style="cosine", start_wd=WD, end_wd=WD, wd_incr_steps=T * GBS,
-                                            wd_incr_style="constant")
-        mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+        ddp, optimizer, scheduler = megatron_training_stack(model, distributed)
         for iteration in range(1, K + 3):
             samples = [data[(iteration - 1) * GBS + j] for j in range(GBS)]
             batch = {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask",
                                                                              "position_ids")}
-            ddp.zero_grad_buffer()
-            optimizer.zero_grad()
-            out = ddp(batch["tokens"], batch["position_ids"], attention_mask=mask, labels=batch["labels"])
-            loss = (out.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
-            loss.backward()
-            ddp.finish_grad_sync()
-            assert optimizer.step()[0]
-            scheduler.step(increment=GBS)
-            losses[iteration] = loss.item()
+            losses[iteration] = megatron_training_step(ddp, optimizer, scheduler, batch)
             if iteration == K:
                 args.consumed_train_samples, args.consumed_valid_samples = K * GBS, 0
                 _save_like_megatron_lm(root / "mg", fmt, model, optimizer, scheduler, args,

@@ -59,13 +59,43 @@ def _dataset(prefix, cache):
     return BlendedMegatronDatasetBuilder(GPTDataset, [T * GBS, 0, 0], lambda: True, config).build()[0]
 
 
+def megatron_training_stack(model, distributed_optimizer: bool, **ddp_options):
+    """megatron-core's own DDP, optimizer (torch AdamW) and scheduler over `model`, with this file's settings;
+    call inside `_CpuForCuda`. `ddp_options`: more DistributedDataParallelConfig fields (bucket size, ...)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer, **ddp_options), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+        clip_grad=CLIP, use_distributed_optimizer=distributed_optimizer), [ddp])
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=LR, min_lr=MIN_LR,
+                                        lr_warmup_steps=WARMUP * GBS, lr_decay_steps=T * GBS,
+                                        lr_decay_style="cosine", start_wd=WD, end_wd=WD, wd_incr_steps=T * GBS,
+                                        wd_incr_style="constant")
+    return ddp, optimizer, scheduler
+
+
+def megatron_training_step(ddp, optimizer, scheduler, batch) -> float:
+    """One megatron-core iteration on `batch` (tokens, labels, loss_mask, position_ids): the loss before it."""
+    mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = ddp(batch["tokens"], batch["position_ids"], attention_mask=mask, labels=batch["labels"])
+    loss = (losses.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+    loss.backward()
+    ddp.finish_grad_sync()
+    assert optimizer.step()[0]
+    scheduler.step(increment=GBS)
+    return loss.item()
+
+
 def _megatron_run(root, fmt: str, distributed_optimizer: bool):
     """Trains K iterations, saves root/mg in Megatron-LM's layout, trains 2 more; returns the reference."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     prefix = write_corpus(str(root / "data" / "text_document"), 120, seed=7, vocab_size=VOCAB - 1)
     data = _dataset(prefix, str(root / "mcore_cache"))
@@ -73,29 +103,12 @@ def _megatron_run(root, fmt: str, distributed_optimizer: bool):
     model.train()
     reference = {"loss": {}, "lr": {}}
     with _CpuForCuda():
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer), model)
-        optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-            clip_grad=CLIP, use_distributed_optimizer=distributed_optimizer), [ddp])
-        scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=LR, min_lr=MIN_LR,
-                                            lr_warmup_steps=WARMUP * GBS, lr_decay_steps=T * GBS,
-                                            lr_decay_style="cosine", start_wd=WD, end_wd=WD, wd_incr_steps=T * GBS,
-                                            wd_incr_style="constant")
-        mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+        ddp, optimizer, scheduler = megatron_training_stack(model, distributed_optimizer)
         for iteration in range(1, K + 3):
             samples = [data[(iteration - 1) * GBS + j] for j in range(GBS)]
             batch = {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask",
                                                                              "position_ids")}
-            ddp.zero_grad_buffer()
-            optimizer.zero_grad()
-            losses = ddp(batch["tokens"], batch["position_ids"], attention_mask=mask, labels=batch["labels"])
-            loss = (losses.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
-            loss.backward()
-            ddp.finish_grad_sync()
-            assert optimizer.step()[0]
-            scheduler.step(increment=GBS)
-            reference["loss"][iteration] = loss.item()
+            reference["loss"][iteration] = megatron_training_step(ddp, optimizer, scheduler, batch)
             reference["lr"][iteration] = next(g["lr"] for g in optimizer.param_groups if g["default_config"])
             if iteration == K:
                 args.consumed_train_samples, args.consumed_valid_samples = K * GBS, 0

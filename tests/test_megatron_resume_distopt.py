@@ -23,9 +23,9 @@ import torch
 
 from tests.helpers import run_distributed, run_pretrain
 from tests.megatron_reference import write_corpus
-from tests.test_megatron_import import SEQ, _megatron_gpt
-from tests.test_megatron_resume import (CLIP, GBS, K, LR, MIN_LR, T, VOCAB, WARMUP, WD, _CpuForCuda, _dataset,
-                                        _flags, _hf_weights, _log)
+from tests.test_megatron_import import _megatron_gpt
+from tests.test_megatron_resume import (GBS, K, VOCAB, _CpuForCuda, _dataset, _flags, _hf_weights, _log,
+                                        megatron_training_stack, megatron_training_step)
 from usage_errors import UsageError
 
 BUCKET = 6000  # parameters per bucket: the tiny model (~33k parameters) spans several buckets
@@ -42,9 +42,6 @@ def _megatron_dp2(rank, world_size, root):
     torch.cuda.synchronize = lambda *a, **k: None
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     torch.set_num_threads(1)
@@ -57,28 +54,12 @@ def _megatron_dp2(rank, world_size, root):
     args.data_parallel_size = world_size
     reference = {"loss": {}, "lr": {}}
     with _CpuForCuda():
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True,
-            bucket_size=BUCKET), model)
-        optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-            clip_grad=CLIP, use_distributed_optimizer=True), [ddp])
-        scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=LR, min_lr=MIN_LR,
-                                            lr_warmup_steps=WARMUP * GBS, lr_decay_steps=T * GBS,
-                                            lr_decay_style="cosine", start_wd=WD, end_wd=WD, wd_incr_steps=T * GBS,
-                                            wd_incr_style="constant")
-        mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+        ddp, optimizer, scheduler = megatron_training_stack(model, True, overlap_grad_reduce=True,
+                                                            bucket_size=BUCKET)
         for iteration in range(1, K + 3):
             sample = data[(iteration - 1) * GBS + rank]  # Megatron's sampler: rank r reads the r-th micro-batch
             batch = {key: sample[key][None] for key in ("tokens", "labels", "loss_mask", "position_ids")}
-            ddp.zero_grad_buffer()
-            optimizer.zero_grad()
-            losses = ddp(batch["tokens"], batch["position_ids"], attention_mask=mask, labels=batch["labels"])
-            loss = (losses.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
-            loss.backward()
-            ddp.finish_grad_sync()
-            assert optimizer.step()[0]
-            scheduler.step(increment=GBS)
+            loss = torch.tensor(megatron_training_step(ddp, optimizer, scheduler, batch))
             mean = loss.detach().clone()
             torch.distributed.all_reduce(mean)
             reference["loss"][iteration] = mean.item() / world_size
