@@ -26,6 +26,21 @@ def test_head_tail_indices_cover_sequence_once():
     assert sorted(every.tolist()) == list(range(24))
 
 
+def test_gathered_positions_are_computed_once_per_forward_tensor():
+    """Every layer of one forward hands the attention the same position_ids tensor: what is gathered from it is
+    computed once (one collective per micro-batch) and again for a new tensor or another group / shape."""
+    from fsdp2_backend.parallel.context_parallel.batch import OncePerTensor
+
+    memo, calls = OncePerTensor(), []
+    first, second = torch.arange(8)[None], torch.arange(8)[None]
+    compute = lambda t: lambda: calls.append(t) or t * 2  # noqa: E731
+    for _ in range(3):  # three layers of one forward
+        assert torch.equal(memo(first, ("group", 1), compute(first)), first * 2)
+    memo(second, ("group", 1), compute(second))  # the next micro-batch: equal values, a new tensor
+    memo(second, ("other group", 1), compute(second))
+    assert [t is first for t in calls] == [True, False, False]
+
+
 def test_layout_errors_name_the_numbers():
     with pytest.raises(UsageError) as err:
         tp_cp_checks.check_layout(num_heads=6, num_kv_heads=3, tp_size=4)

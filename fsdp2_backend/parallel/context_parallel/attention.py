@@ -33,6 +33,7 @@ from usage_errors import UsageError
 from fsdp2_backend.models.packed_attention import PACKED_ATTENTION
 from kernels.sink_attention import transformers_sink_attention
 from kernels.varlen import is_packed
+from fsdp2_backend.parallel.context_parallel.batch import OncePerTensor
 from fsdp2_backend.parallel.context_parallel.ring import ring_attention
 from fsdp2_backend.parallel.context_parallel.ulysses import heads_to_seq, replicate_kv_heads, seq_to_heads
 from fsdp2_backend.parallel.tp_cp_checks import context_parallel_problems, normalize_cp_type
@@ -42,6 +43,7 @@ SPEC_ATTRIBUTE = "context_parallel_spec"
 _SUPPORTED_LAYER_TYPES = {"full_attention"}
 _SINK_ATTENTION = "sink_attention"  # kernels.sink_attention's name: takes the sinks and the window
 _SDPA_FAMILY = ("eager", "sdpa", None)  # Ulysses runs these as SDPA; a window then goes to the sink attention
+_FULL_POSITIONS = OncePerTensor()  # Ulysses: the whole sequence's position ids, gathered once per forward
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
@@ -116,7 +118,9 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
     # attention (per document), flash attention reads them itself.
     shard_positions = kwargs.pop("position_ids", None)
     if shard_positions is not None:
-        full_positions = _gather_sequence(shard_positions.expand(query.shape[0], -1).contiguous(), spec.group)
+        full_positions = _FULL_POSITIONS(
+            shard_positions, (id(spec.group), query.shape[0]),
+            lambda: _gather_sequence(shard_positions.expand(query.shape[0], -1).contiguous(), spec.group))
         if spec.inner_attention == PACKED_ATTENTION:
             kwargs["position_ids"] = full_positions
         elif is_packed(full_positions):

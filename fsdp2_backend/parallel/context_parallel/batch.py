@@ -12,7 +12,7 @@ shifting loss).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,26 @@ from fsdp2_backend.parallel.tp_cp_checks import normalize_cp_type, sequence_leng
 Tensor = torch.Tensor
 PER_TOKEN_KEYS = ("input_ids", "labels", "position_ids", "loss_mask")
 _PACKING_KEYS = ("actual_seq_len", "cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")
+
+
+class OncePerTensor:
+    """A one-entry memo keyed by tensor identity: every attention layer of one forward receives the same
+    `position_ids` tensor, so what is gathered from it over the cp group (the whole sequence's positions,
+    Ulysses; the document ids of every shard, ring) is computed by the first layer and reused by the others and by
+    recomputation — one collective per micro-batch, not one per layer. Every cp rank calls in the same pattern
+    (the same code path with its own tensor), so hits and misses agree across ranks."""
+
+    def __init__(self):
+        self._key: Optional[Tensor] = None  # held, so its identity cannot be reused while it is the key
+        self._context: tuple = ()
+        self._value = None
+
+    def __call__(self, key: Tensor, context: tuple, compute: Callable[[], object]):
+        """`compute()`, or its value from the last call with this very tensor and an equal `context` (the group,
+        the shapes: whatever else the value depends on)."""
+        if key is not self._key or context != self._context:
+            self._key, self._context, self._value = key, context, compute()
+        return self._value
 
 
 def sequence_indices(seq_len: int, cp_rank: int, cp_size: int, cp_type: str, device=None) -> Tensor:

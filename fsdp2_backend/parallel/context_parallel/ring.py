@@ -26,6 +26,7 @@ from typing import List, Tuple
 import torch
 import torch.distributed as dist
 
+from fsdp2_backend.parallel.context_parallel.batch import OncePerTensor
 from fsdp2_backend.parallel.context_parallel.blockwise import block_backward, block_forward, merge_into
 from kernels.varlen import document_ids_from_position_ids, is_packed
 
@@ -172,6 +173,9 @@ def _exchange_pair(kv: Tensor, dkv: Tensor, group: dist.ProcessGroup) -> Tuple[T
     return kv_part.view(kv.shape).to(kv.dtype), dkv_part.view(dkv.shape)
 
 
+_DOCUMENTS = OncePerTensor()  # the document ids of every shard, gathered once per forward (not once per layer)
+
+
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup, sinks=None,
                    window=None, position_ids=None) -> Tensor:
     """Causal attention of this rank's head-tail shard; q [b, h, 2c, d], k/v [b, hkv, 2c, d] → [b, h, 2c, d];
@@ -180,5 +184,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.Pr
     pass position ids or none (they are gathered)."""
     if q.shape[2] % 2:
         raise ValueError(f"ring attention needs an even local sequence (two chunks), got {q.shape[2]}")
-    documents = _document_shards(position_ids, q.shape[0], group, q.shape[2])
+    documents = None if position_ids is None else _DOCUMENTS(
+        position_ids, (id(group), q.shape[0], q.shape[2]),
+        lambda: _document_shards(position_ids, q.shape[0], group, q.shape[2]))
     return _RingAttention.apply(q, k, v, scale, group, sinks, window, documents)
