@@ -221,3 +221,28 @@ def _saved_keys(path):
 
     with safe_open(str(path / "model.safetensors"), framework="pt") as handle:
         return set(handle.keys())
+
+
+def test_a_config_carrying_transformers_experts_choice_builds_our_models_first_in_a_process():
+    """transformers caches on the first class it checks whether a class may take `_experts_implementation`; our
+    grouped subclasses inherited the answer or not depending on which model a process built first, so a config
+    from `from_pretrained` (it carries "grouped_mm") failed to build our model when ours came first (found by the
+    full test run). A fresh process builds ours first, for the grouped model ids."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    code = """
+import torch
+from tests.test_qwen3_next import tiny_next_config
+from tests.test_qwen3_moe import tiny_moe_config
+from fsdp2_backend.models.qwen3_next import build_qwen3_next
+from fsdp2_backend.models.registry import model_spec
+for build, config in ((build_qwen3_next, tiny_next_config()), (model_spec("qwen3_moe").build, tiny_moe_config())):
+    config._experts_implementation = "grouped_mm"
+    build(config)
+print("built")
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "built" in result.stdout, result.stderr[-2000:]

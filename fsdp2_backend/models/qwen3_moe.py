@@ -66,6 +66,9 @@ class Qwen3MoeGroupedBlock(Qwen3MoeSparseMoeBlock):
 class Qwen3MoeGroupedForCausalLM(Qwen3MoeForCausalLM):
     """`Qwen3MoeForCausalLM` whose sparse blocks use `GroupedExperts` and `Qwen3MoeRouter` (same weights)."""
 
+    # transformers' cached "may this class take config._experts_implementation?", fixed (models/moe/grouped_causal_lm)
+    _can_set_experts_implementation_cached_value = True
+
     def __init__(self, config):
         super().__init__(config)
         swap_blocks(self, _FAMILY)  # the one block swap of every MoE family (models/moe/family_swap.py)

@@ -163,6 +163,9 @@ class Qwen3NextGroupedForCausalLM(Qwen3NextForCausalLM):
     A packed batch (position ids restarting at 0) reaches the GDN layers as `cu_seqlens`; the full-attention
     layers see the same position ids, from which transformers builds its block-diagonal causal mask."""
 
+    # transformers' cached "may this class take config._experts_implementation?", fixed (models/moe/grouped_causal_lm)
+    _can_set_experts_implementation_cached_value = True
+
     def __init__(self, config):
         super().__init__(config)
         for layer in self.model.layers:

@@ -39,7 +39,8 @@ from transformers.models.mixtral import modeling_mixtral as mx
 from transformers.models.qwen2_moe import modeling_qwen2_moe as q2
 
 from fsdp2_backend.models.moe.experts import GroupedExperts
-from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, attach_aux_loss
+from fsdp2_backend.models.moe.grouped_causal_lm import GroupedMoECausalLM
+from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter
 
 
 # -- routers: the project's router, recognised by transformers as the family's own ------------------------------
@@ -187,32 +188,6 @@ def swap_blocks(model: nn.Module, family: Family, config=None) -> None:
             module.__class__ = family.grouped_block
 
 
-class _GroupedMixin:
-    """The causal-LM methods the swapped models share (mixed in before transformers' class)."""
-
-    _family: Family
-
-    def forward(self, *args, **kwargs):
-        """transformers' forward; with Megatron's losses on, `aux_loss` is their weighted sum over the layers."""
-        return attach_aux_loss(self, super().forward(*args, **kwargs))
-
-    def _init_weights(self, module):
-        if isinstance(module, GroupedExperts):  # as transformers initialises its experts class
-            hf = object.__new__(self._family.experts)
-            hf.__dict__.update(module.__dict__)
-            return super()._init_weights(hf)
-        super()._init_weights(module)
-        if isinstance(module, TopKRouter):
-            module.reset_buffers()
-
-    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
-        """transformers' save (its per-expert on-disk layout), naming transformers' own class in config.json."""
-        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
-        if is_main_process:
-            self.config.architectures = [self._family.causal_lm.__name__]
-            self.config.save_pretrained(save_directory)
-
-
 def _grouped_class(model_type: str) -> type:
     family = FAMILIES[model_type]
 
@@ -224,7 +199,9 @@ def _grouped_class(model_type: str) -> type:
             config.router_aux_loss_coef = 1.0
 
     name = family.causal_lm.__name__.replace("ForCausalLM", "GroupedForCausalLM")
-    return type(name, (_GroupedMixin, family.causal_lm), {"__init__": __init__, "_family": family})
+    return type(name, (GroupedMoECausalLM, family.causal_lm),
+                {"__init__": __init__, "_family": family, "hf_experts_class": family.experts,
+                 "hf_class": family.causal_lm})
 
 
 GROUPED_CLASSES: Dict[str, type] = {model_type: _grouped_class(model_type) for model_type in FAMILIES}

@@ -9,6 +9,14 @@
   (`hf_class`), so the export loads in transformers without this project.
 
 A model lists the mixin first: `class XGroupedForCausalLM(GroupedMoECausalLM, XForCausalLM)`.
+
+`config._experts_implementation` (transformers' choice of experts kernel, which a config from `from_pretrained`
+carries): transformers decides whether a class may take it by looking for its `@use_experts_implementation`
+decorator in the source of the class's module, and caches the answer on the first class it checks, which a
+subclass inherits or not depending on which model the process built first. Our stacked experts ignore the
+setting (their kernel is the project's `moe_grouped_gemm`), so the answer is fixed on the class (also on qwen3_moe's
+and qwen3_next's, which do not use the mixin): such a config builds our model in any order. (Not on step35: its
+inner Step3p7TextModel checks again and takes no setting; its configs never carry one.)
 """
 from __future__ import annotations
 
@@ -20,6 +28,9 @@ from fsdp2_backend.models.moe.router import TopKRouter, attach_aux_loss
 
 class GroupedMoECausalLM:
     """Mixin over a transformers `PreTrainedModel` causal LM (see the module docstring)."""
+
+    # transformers' cached answer to "may this class take config._experts_implementation?" (module docstring)
+    _can_set_experts_implementation_cached_value = True
 
     hf_experts_class: Optional[type] = None  # transformers' experts module our GroupedExperts replaced
     hf_class: Optional[type] = None          # transformers' causal LM class config.json names on export
