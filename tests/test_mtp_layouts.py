@@ -122,6 +122,28 @@ def _full_state(model):
 
 
 # ------------------------------------------------------------------------------------------ plain references
+def assert_export_round_trip(export, prefix, mtp, state, model_id):
+    """The export at `export` holds exactly the checkpoint's MTP tensors `mtp` under their published names (the
+    keys starting with `prefix`), and loading it back into `model_id` gives `state` bit for bit."""
+    from safetensors.torch import load_file
+
+    on_disk = {}
+    for shard in export.glob("*.safetensors"):
+        on_disk.update(load_file(shard))
+    written = {k: v for k, v in on_disk.items() if k.startswith(prefix)}
+    assert sorted(written) == sorted(mtp)  # the published names, nothing else
+    for key, tensor in mtp.items():
+        assert torch.equal(written[key], tensor), key
+    again, ctx = _trainer(export, model_id)
+    try:
+        reloaded = _full_state(again.model)
+    finally:
+        ctx.close()
+    assert sorted(reloaded) == sorted(state)
+    for key, tensor in state.items():
+        assert torch.equal(reloaded[key], tensor), key
+
+
 def _zc_rms(x, w, eps):  # Qwen3-Next's zero-centred RMSNorm: the stored weight w is applied as 1 + w
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)
 
@@ -255,7 +277,6 @@ def test_qwen3_next_mtp_loss_equals_a_hand_computed_reference_and_trains(next_di
 
 
 def test_qwen3_next_export_writes_the_published_names_and_reloads_exactly(next_dir, tmp_path):
-    from safetensors.torch import load_file
     from transformers import Qwen3NextForCausalLM
 
     from fsdp2_backend.training.hf_export import write_hf_dir
@@ -267,25 +288,11 @@ def test_qwen3_next_export_writes_the_published_names_and_reloads_exactly(next_d
         write_hf_dir(trainer.model, state, tmp_path / "export")
     finally:
         ctx.close()
-    on_disk = {}
-    for shard in (tmp_path / "export").glob("*.safetensors"):
-        on_disk.update(load_file(shard))
-    written = {k: v for k, v in on_disk.items() if k.startswith("mtp.")}
-    assert sorted(written) == sorted(mtp)  # the published names, nothing else
-    for key, tensor in mtp.items():
-        assert torch.equal(written[key], tensor), key
     import json
 
     assert json.loads((tmp_path / "export" / "config.json").read_text())["mtp_num_hidden_layers"] == 1
     Qwen3NextForCausalLM.from_pretrained(tmp_path / "export")  # transformers still reads it (MTP keys ignored)
-    again, ctx = _trainer(tmp_path / "export", "qwen3_next")
-    try:
-        reloaded = _full_state(again.model)
-    finally:
-        ctx.close()
-    assert sorted(reloaded) == sorted(state)
-    for key, tensor in state.items():
-        assert torch.equal(reloaded[key], tensor), key
+    assert_export_round_trip(tmp_path / "export", "mtp.", mtp, state, "qwen3_next")
 
 
 def test_validation_takes_qwen3_next_with_one_depth_only():

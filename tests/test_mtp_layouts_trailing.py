@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_mtp_layouts import _batch, _full_state, _partial_rope, _swiglu, _trainer, _zc_rms
+from tests.test_mtp_layouts import (_batch, _full_state, _partial_rope, _swiglu, _trainer, _zc_rms,
+                                    assert_export_round_trip)
 
 
 # ------------------------------------------------------------------------------------------------- Step-3.5
@@ -102,8 +103,6 @@ def _step35_reference_loss(text, head, mtp, cfg, batch):
 
 
 def test_step35_mtp_layers_load_train_and_export_back(step35_dir, tmp_path, capsys):
-    from safetensors.torch import load_file
-
     from fsdp2_backend.training.hf_export import write_hf_dir
     from fsdp2_backend.training.logging import parse_train_line
     from fsdp2_backend.training.loss import GlobalBatchLoss
@@ -133,24 +132,10 @@ def test_step35_mtp_layers_load_train_and_export_back(step35_dir, tmp_path, caps
                                                                                               "eh_proj.weight"])
     finally:
         ctx.close()
-    on_disk = {}
-    for shard in (tmp_path / "export").glob("*.safetensors"):
-        on_disk.update(load_file(shard))
-    written = {k: v for k, v in on_disk.items() if k.startswith(f"model.layers.{n}.")}
-    assert sorted(written) == sorted(mtp)
-    for key, tensor in mtp.items():
-        assert torch.equal(written[key], tensor), key
     import json
 
     assert json.loads((tmp_path / "export" / "config.json").read_text())["num_nextn_predict_layers"] == 1
-    again, ctx = _trainer(tmp_path / "export", "step35")
-    try:
-        reloaded = _full_state(again.model)
-    finally:
-        ctx.close()
-    assert sorted(reloaded) == sorted(state)
-    for key, tensor in state.items():
-        assert torch.equal(reloaded[key], tensor), key
+    assert_export_round_trip(tmp_path / "export", f"model.layers.{n}.", mtp, state, "step35")
 
 
 # ---------------------------------------------------------------------------------------------- DeepSeek-V3
@@ -242,8 +227,6 @@ def _deepseek_reference_loss(path, mtp, full, n, batch):
 
 @pytest.mark.parametrize("model_id", [None, "deepseek_v3"])
 def test_deepseek_v3_mtp_layer_loads_and_exports_back(deepseek_dir, tmp_path, model_id):
-    from safetensors.torch import load_file
-
     from fsdp2_backend.training.hf_export import write_hf_dir
     from fsdp2_backend.training.loss import GlobalBatchLoss
 
@@ -276,18 +259,4 @@ def test_deepseek_v3_mtp_layer_loads_and_exports_back(deepseek_dir, tmp_path, mo
         write_hf_dir(trainer.model, state, tmp_path / "export")
     finally:
         ctx.close()
-    on_disk = {}
-    for shard in (tmp_path / "export").glob("*.safetensors"):
-        on_disk.update(load_file(shard))
-    written = {k: v for k, v in on_disk.items() if k.startswith(f"model.layers.{n}.")}
-    assert sorted(written) == sorted(mtp)
-    for key, tensor in mtp.items():
-        assert torch.equal(written[key], tensor), key
-    again, ctx = _trainer(tmp_path / "export", model_id)
-    try:
-        reloaded = _full_state(again.model)
-    finally:
-        ctx.close()
-    assert sorted(reloaded) == sorted(state)
-    for key, tensor in state.items():
-        assert torch.equal(reloaded[key], tensor), key
+    assert_export_round_trip(tmp_path / "export", f"model.layers.{n}.", mtp, state, model_id)
