@@ -9,8 +9,9 @@ setup(
     version="0.1.0",
     description="A Megatron-LM compatible drop-in FSDP2 training backend over Hugging Face models",
     python_requires=">=3.10",
-    packages=find_packages(include=["usage_errors", "megatron_compat", "megatron_compat.*", "fsdp2_backend",
-                                    "fsdp2_backend.*", "kernels", "kernels.*"]),
+    # Two top-level packages, both names our own: nothing that shadows another PyPI project (Hugging Face's
+    # `kernels`, which transformers >= 5.25 imports; `tools`). tools/*.py are scripts, not a package.
+    packages=find_packages(include=["megatron_compat", "megatron_compat.*", "fsdp2_backend", "fsdp2_backend.*"]),
     package_data={"megatron_compat": ["*.json", "*.txt"]},
     install_requires=[
         "torch>=2.9",  # the exact CPU wheel CI uses is pinned in the Makefile

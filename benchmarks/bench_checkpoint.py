@@ -25,7 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PRESETS = {
     # the demo's model (tools/demo_assets.py) with a 2048-token vocabulary

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.helpers import run_distributed, tiny_qwen3_config  # noqa: E402
 

@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 IMPLEMENTATIONS = ("ours", "transformers")
 
@@ -29,7 +28,7 @@ def _measure(impl: str, length: int, heads: int, k_heads: int, dim: int, chunk: 
     from fsdp2_backend.training.logging import peak_memory_bytes
 
     if impl == "ours":
-        from kernels.gated_delta_rule import chunk_gated_delta_rule_reference as fn
+        from fsdp2_backend.kernels.gated_delta_rule import chunk_gated_delta_rule_reference as fn
     else:
         from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule as fn
     torch.manual_seed(0)

@@ -30,7 +30,6 @@ import warnings
 
 import numpy
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
 STAGES = ("document index", "sample index", "shuffle index", "blending index")
 SEED = 1234

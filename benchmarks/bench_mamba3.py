@@ -25,7 +25,6 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def quadratic_reference(q, k, v, adt, dt, trap, angles):
@@ -81,7 +80,7 @@ def _child(args) -> None:
     """One measurement in this (fresh) process; prints one JSON line."""
     import torch
 
-    from kernels.mamba3_scan import mamba3_chunk_scan
+    from fsdp2_backend.kernels.mamba3_scan import mamba3_chunk_scan
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     inputs = _inputs(args.length, args.heads, args.headdim, args.dstate, args.device)

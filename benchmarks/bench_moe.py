@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 EXPERTS = "model.layers.{*}.mlp.experts"
@@ -132,7 +131,7 @@ def _time(fn, repeats):
 
 
 def bench_grouped_gemm(args):
-    from kernels.grouped_gemm import grouped_linear
+    from fsdp2_backend.kernels.grouped_gemm import grouped_linear
 
     cases = []
     for experts in (8, 32, 64):

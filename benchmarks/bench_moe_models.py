@@ -25,8 +25,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_moe import _reset_peak_rss, _status_mb  # noqa: E402  the same RSS measurement
 
@@ -154,7 +152,7 @@ def bench_attention(args):
 
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-    from kernels.sink_attention import transformers_sink_attention
+    from fsdp2_backend.kernels.sink_attention import transformers_sink_attention
 
     s, h, d = args.attn_seq, 8, 64
     g = torch.Generator().manual_seed(0)

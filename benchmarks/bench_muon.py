@@ -13,7 +13,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.helpers import run_distributed  # noqa: E402  (the repo's gloo launcher)
 
 

@@ -20,7 +20,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.helpers import run_distributed, tiny_qwen3_config  # noqa: E402  (the repo's gloo launcher)
 
 VARIANTS = {"bf16": None, "mxfp8, bf16 all-gather": (False, "on-demand"),

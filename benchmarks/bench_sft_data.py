@@ -21,7 +21,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def preprocessing(samples: int, cutoff: int, workers: int) -> dict:

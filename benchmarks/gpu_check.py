@@ -39,10 +39,10 @@ SHAPES = {  # Qwen3-1.7B's layer shape; --dry: a tiny one
 
 
 def check_kernels(device: str = "cuda", shape=(4, 512, 256), dtypes=(torch.float32, torch.bfloat16)) -> None:
-    from kernels.rmsnorm import rms_norm_reference
-    from kernels.rmsnorm_gated import rms_norm_gated_reference
-    from kernels.rmsnorm_gated_triton import triton_rms_norm_gated
-    from kernels.rmsnorm_triton import triton_rms_norm
+    from fsdp2_backend.kernels.rmsnorm import rms_norm_reference
+    from fsdp2_backend.kernels.rmsnorm_gated import rms_norm_gated_reference
+    from fsdp2_backend.kernels.rmsnorm_gated_triton import triton_rms_norm_gated
+    from fsdp2_backend.kernels.rmsnorm_triton import triton_rms_norm
 
     torch.manual_seed(0)
     cases = [("rmsnorm", triton_rms_norm, rms_norm_reference,
@@ -70,8 +70,8 @@ def check_kernels(device: str = "cuda", shape=(4, 512, 256), dtypes=(torch.float
 def check_gdn(device: str = "cuda", length: int = 1000, dtypes=(torch.float32, torch.bfloat16)) -> None:
     """The triton gated delta rule (kernels/gated_delta_rule_triton.py) against the torch chunked reference: two
     rows packed as three documents (one crossing the row boundary), grouped value heads, initial / final states."""
-    from kernels.gated_delta_rule import chunk_gated_delta_rule_reference
-    from kernels.gated_delta_rule_triton import triton_chunk_gated_delta_rule
+    from fsdp2_backend.kernels.gated_delta_rule import chunk_gated_delta_rule_reference
+    from fsdp2_backend.kernels.gated_delta_rule_triton import triton_chunk_gated_delta_rule
 
     gen = torch.Generator(device=device).manual_seed(0)
     dk = dv = 128 if device == "cuda" else 8
@@ -103,8 +103,8 @@ def check_conv1d(device: str = "cuda", length: int = 1000, channels: int = 1536,
                  dtypes=(torch.float32, torch.bfloat16)) -> None:
     """The triton causal conv1d (kernels/causal_conv1d_triton.py, SiLU) against the torch reference: two rows
     packed as three documents (one crossing the row boundary), with bias; output, dx, dweight, dbias."""
-    from kernels.causal_conv1d import causal_conv1d_reference
-    from kernels.causal_conv1d_triton import triton_causal_conv1d
+    from fsdp2_backend.kernels.causal_conv1d import causal_conv1d_reference
+    from fsdp2_backend.kernels.causal_conv1d_triton import triton_causal_conv1d
 
     gen = torch.Generator(device=device).manual_seed(0)
     cu = torch.tensor([0, length // 3, length + 7, 2 * length], dtype=torch.int32, device=device)

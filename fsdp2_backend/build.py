@@ -138,7 +138,7 @@ def train_length(config: Config, global_batch_size: int, build_data: Callable, b
     train_samples // gbs (counted step by step under a batch-size ramp-up: `batch_schedule`), or num_train_epochs
     of the train split (its one-epoch sample count read from a one-iteration build); only that last way knows an
     epoch's length."""
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
 
     training = config.training
     if training.max_steps and training.max_steps > 0:
@@ -178,7 +178,7 @@ def monitoring_options(config: Config, ctx, model, start_iteration: int,
 
 def build(config: Config) -> TrainJob:
     """Assembles the run on this process's rank (collective: every rank calls it). `config` is validated."""
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
     from fsdp2_backend.data.pretrain import build_pretrain_data, data_iterator
     from fsdp2_backend.distributed.context import ParallelContext
     from fsdp2_backend.config.model_facts import resume_checkpoint

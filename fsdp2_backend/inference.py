@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, List, Sequence, Tuple
 
 from fsdp2_backend.config import Config, InferenceArguments, ModelArguments
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 if TYPE_CHECKING:
     import torch

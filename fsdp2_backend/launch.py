@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from fsdp2_backend.config import Config
 from fsdp2_backend.config.loading import build_config, load_yaml, split_native_overrides, to_yaml
 from fsdp2_backend.config.validation import validate_with_notices
-from usage_errors import UsageError, exit_on_usage_error
+from fsdp2_backend.usage_errors import UsageError, exit_on_usage_error
 
 DRY_RUN_FLAG = "--dry-run"
 HELP_FLAGS_FLAG, HELP_CONFIG_FLAG = "--help-flags", "--help-config"
@@ -172,7 +172,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         install(config.training.exit_signal)
     from fsdp2_backend.build import run_training
-    from kernels.mx import quiet_torchao_import_noise
+    from fsdp2_backend.kernels.mx import quiet_torchao_import_noise
 
     quiet_torchao_import_noise()
     with exit_on_usage_error():  # also a RunStopped (NaN loss, full disk): one line, exit code 1

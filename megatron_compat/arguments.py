@@ -20,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 _HERE = Path(__file__).resolve().parent
 MEGATRON_TABLE = _HERE / "megatron_lm_arguments.json"

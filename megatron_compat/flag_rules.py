@@ -6,7 +6,7 @@ Three kinds, one per flag: `mapped` (a native config field takes its meaning; th
 Tables are keyed by the option name (`--no-rope-fusion` → `no_rope_fusion`). The mapped flags and the
 architecture flags are handled in `translate_handlers` and `architecture`, which may decline them or find them
 without effect for particular values. Megatron-LM groups that are wholly out of scope get a
-group-wide rule. `tools/gen_migration_table.py` prints this table, so the README cannot drift from the code.
+group-wide rule. `fsdp2_backend/cli/gen_migration_table.py` prints this table, so the README cannot drift from the code.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence, Tuple
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from megatron_compat import architecture, flag_rules, shell_words
 from megatron_compat.arguments import defaults, megatron_groups, option_strings, parse_megatron, takes_value
 from megatron_compat.translate_handlers import DERIVED_STEPS, HANDLERS, loads_checkpoint

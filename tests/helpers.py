@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 
-from tools.demo_assets import (build_tiny_model_dir, stdlib_texts, tiny_qwen3_config,  # noqa: F401
+from fsdp2_backend.cli.demo_assets import (build_tiny_model_dir, stdlib_texts, tiny_qwen3_config,  # noqa: F401
                                train_bytelevel_tokenizer)
 
 

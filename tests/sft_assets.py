@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from tools.demo_assets import build_tiny_model_dir, stdlib_texts
+from fsdp2_backend.cli.demo_assets import build_tiny_model_dir, stdlib_texts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 QWEN3_TEMPLATE = os.path.join(HERE, "data", "sft", "qwen3_chat_template.jinja")

@@ -6,7 +6,7 @@ from fsdp2_backend.config import GROUPS, Config
 from fsdp2_backend.config import validation as config_validation
 from fsdp2_backend.training.batch_rampup import BatchSizeSchedule, parse_step_schedule
 from megatron_compat.translate import translate_megatron
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 # (global batch, micro batch, data-parallel size, [start, increment, samples], decrease_batch_size_if_needed)
 RAMPS = [(1024, 1, 8, [16, 8, 300000], False), (8, 2, 1, [2, 2, 20], False), (64, 4, 2, [8, 8, 1000], False),

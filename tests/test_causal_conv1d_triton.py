@@ -14,14 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kernels.causal_conv1d import conv1d_implementation
+from fsdp2_backend.kernels.causal_conv1d import conv1d_implementation
 
 REPO = Path(__file__).resolve().parents[1]
 
 CHECK = r"""
 import torch
-from kernels.causal_conv1d import causal_conv1d_reference as reference
-from kernels.causal_conv1d_triton import triton_causal_conv1d as conv
+from fsdp2_backend.kernels.causal_conv1d import causal_conv1d_reference as reference
+from fsdp2_backend.kernels.causal_conv1d_triton import triton_causal_conv1d as conv
 
 def case(batch, length, channels, width, dtype, bias, activation, cu, blocks, seed, tol):
     gen = torch.Generator().manual_seed(seed)

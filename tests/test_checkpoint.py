@@ -232,7 +232,7 @@ def test_two_ranks_save_one_rank_resumes(tmp_path):
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     """Real single-process DCP saves of a plain module: rotation, marker, resume order, restarts."""
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
     from fsdp2_backend.training import checkpoint_io as io
     from fsdp2_backend.training.checkpoint import CheckpointManager, load_checkpoint
 
@@ -356,7 +356,7 @@ def test_manager_from_training_args(tmp_path):
 
 
 def test_convert_rejects_a_directory_without_checkpoint(tmp_path):
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
     from fsdp2_backend.training.hf_export import convert_checkpoint
 
     with pytest.raises(UsageError, match="no complete checkpoint"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fsdp2_backend.config import Config
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from tests.helpers import run_distributed, tiny_qwen3_config
 
 STEPS, SEQ, MBS, VOCAB, CHUNK = 3, 16, 2, 128, 5  # 32 tokens per micro-batch: 6 chunks of 5 and one of 2

@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import REPO, run_pretrain
 from tests.test_resume_e2e import FLAGS
-from tools.compare_runs import compare, main, parse_log_line, read_run, DEFAULT_RTOL
+from fsdp2_backend.cli.compare_runs import compare, main, parse_log_line, read_run, DEFAULT_RTOL
 
 DATA = f"{REPO}/tests/data/megatron_logs"
 BLUE, ORANGE = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)

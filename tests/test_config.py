@@ -10,7 +10,7 @@ import pytest
 from fsdp2_backend.config import Config, GROUPS
 from fsdp2_backend.config.loading import build_config, coerce, load_yaml, split_native_overrides, to_yaml
 from fsdp2_backend.config.validation import normalise, validate
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 SEED = Path(__file__).parent / "data" / "fsdp2_arguments_reference.txt"
 SECTION_GROUP = {"ModelArguments": "model", "DataArguments": "data", "ParallelArguments": "parallel",

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.parallel import tp_cp_checks
 from fsdp2_backend.parallel.context_parallel import blockwise
 from fsdp2_backend.parallel.context_parallel.batch import sequence_indices, shard_batch_for_cp, shift_labels

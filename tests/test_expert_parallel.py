@@ -204,7 +204,7 @@ def test_expert_parallel_with_expert_fsdp_on_four_ranks():
 
 
 def test_mc2_dispatcher_is_a_usage_error_off_npu():
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
     from fsdp2_backend.parallel.moe_dispatch import make_dispatcher
 
     with pytest.raises(UsageError, match="parallel.ep_dispatcher: 'mc2'.*Ascend NPU only"):
@@ -212,7 +212,7 @@ def test_mc2_dispatcher_is_a_usage_error_off_npu():
 
 
 def test_ep_modules_must_be_stacked_experts():
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
     from fsdp2_backend.parallel.expert_parallel import expert_modules
 
     model = _model()
@@ -226,7 +226,7 @@ def test_layouts_that_would_reduce_wrongly_are_refused():
     from types import SimpleNamespace
 
     from fsdp2_backend.config import ParallelArguments
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
     from fsdp2_backend.parallel.expert_parallel import apply_expert_parallel
 
     def apply(**fields):

@@ -12,7 +12,7 @@ import pytest
 
 from fsdp2_backend.launch import parse_command_line
 from tests.helpers import REPO, tiny_model_dir
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 SCRATCH = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --seq-length 32 "
            "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 --train-iters 8 --lr 1e-3 "

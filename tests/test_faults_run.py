@@ -183,7 +183,7 @@ def test_last_iteration_on_a_save_interval_exports_once(tmp_path):
 def test_generate_given_the_runs_yaml_uses_its_newest_checkpoint(runs, tokenizer_dir, tmp_path, capsys):
     import yaml
 
-    from tools.generate import main
+    from fsdp2_backend.cli.generate import main
 
     save = runs["root"] / "straight"
     config = tmp_path / "run.yaml"

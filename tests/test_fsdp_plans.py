@@ -5,7 +5,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2_backend.config import Config
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from tests.helpers import tiny_qwen3_config
 
 

@@ -16,8 +16,8 @@ from torch import nn
 
 from fsdp2_backend.config import Config, OptimizationArguments
 from fsdp2_backend.parallel.kernel_swaps import ROTARY_GLOBAL, apply_fused_ops
-from kernels import rotary
-from kernels.rmsnorm import rms_norm, rms_norm_implementation, rms_norm_reference
+from fsdp2_backend.kernels import rotary
+from fsdp2_backend.kernels.rmsnorm import rms_norm, rms_norm_implementation, rms_norm_reference
 from tests.helpers import tiny_model_dir, tiny_qwen3_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -76,8 +76,8 @@ def test_dispatch_by_device():
 
 TRITON_CHECK = r"""
 import torch
-from kernels.rmsnorm import rms_norm_reference
-from kernels.rmsnorm_triton import triton_rms_norm
+from fsdp2_backend.kernels.rmsnorm import rms_norm_reference
+from fsdp2_backend.kernels.rmsnorm_triton import triton_rms_norm
 
 torch.manual_seed(0)
 # rows > the backward's program count (4 here) exercise its row loop; 48 and 100 are not powers of two (masking)

@@ -7,9 +7,9 @@ the taps. Documents packed with cu_seqlens must equal the documents run one by o
 import pytest
 import torch
 
-from kernels.causal_conv1d import causal_conv1d, causal_conv1d_reference
-from kernels.gated_delta_rule import chunk_gated_delta_rule, chunk_gated_delta_rule_reference, gdn_implementation
-from usage_errors import UsageError
+from fsdp2_backend.kernels.causal_conv1d import causal_conv1d, causal_conv1d_reference
+from fsdp2_backend.kernels.gated_delta_rule import chunk_gated_delta_rule, chunk_gated_delta_rule_reference, gdn_implementation
+from fsdp2_backend.usage_errors import UsageError
 
 
 def sequential_gated_delta_rule(q, k, v, g, beta, initial_state=None):

@@ -8,8 +8,8 @@ sequential oracle.
 import pytest
 import torch
 
-import kernels.gated_delta_rule_scan as scan
-from kernels.gated_delta_rule import chunk_gated_delta_rule_reference
+import fsdp2_backend.kernels.gated_delta_rule_scan as scan
+from fsdp2_backend.kernels.gated_delta_rule import chunk_gated_delta_rule_reference
 from tests.test_gated_delta_rule import _grads, _inputs, sequential_gated_delta_rule
 
 

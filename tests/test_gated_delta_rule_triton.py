@@ -11,14 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kernels.gated_delta_rule import gdn_implementation
+from fsdp2_backend.kernels.gated_delta_rule import gdn_implementation
 
 REPO = Path(__file__).resolve().parents[1]
 
 CHECK = r"""
 import torch
 from tests.test_gated_delta_rule import _grads, _inputs, sequential_gated_delta_rule as oracle
-from kernels.gated_delta_rule_triton import triton_chunk_gated_delta_rule as gdn
+from fsdp2_backend.kernels.gated_delta_rule_triton import triton_chunk_gated_delta_rule as gdn
 
 def close(a, b, tol, msg=""):
     torch.testing.assert_close(a.double(), b.double(), atol=tol, rtol=tol, msg=msg)
@@ -122,7 +122,7 @@ def test_the_log_line_names_the_kernel_that_runs():
     from fsdp2_backend.config import OptimizationArguments
     from fsdp2_backend.models.qwen3_next import build_qwen3_next
     from fsdp2_backend.parallel.kernel_swaps import apply_fused_ops
-    from kernels.gated_delta_rule import fla_importable
+    from fsdp2_backend.kernels.gated_delta_rule import fla_importable
     from tests.test_qwen3_next import tiny_next_config
 
     model = build_qwen3_next(tiny_next_config())

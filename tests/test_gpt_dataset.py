@@ -9,7 +9,7 @@ from megatron_compat.data import index_building
 from megatron_compat.data.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset, MockGPTLowLevelDataset
 from megatron_compat.data.indexed_dataset import IndexedDataset
 from megatron_compat.data.utils import Split
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from tests.megatron_reference import IdsTokenizer, assert_same_samples, write_corpus
 
 mcore = pytest.importorskip("megatron.core.datasets.gpt_dataset")

@@ -9,7 +9,7 @@ import torch
 
 from fsdp2_backend.models.gpt_oss import GptOssGroupedExperts, GptOssRouter, build_gpt_oss
 from fsdp2_backend.models.qwen3_moe import configure_moe
-from kernels.sink_attention import sink_attention, sink_attention_reference
+from fsdp2_backend.kernels.sink_attention import sink_attention, sink_attention_reference
 
 
 @pytest.mark.parametrize("window, block, masked", [(None, 1024, False), (5, 4, False), (3, 7, True)])

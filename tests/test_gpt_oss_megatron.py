@@ -16,7 +16,7 @@ from fsdp2_backend.config import GROUPS, Config
 from fsdp2_backend.models.loading import load_hf_config
 from megatron_compat.translate import translate_megatron
 from tests.helpers import run_pretrain
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 LINES = json.loads((Path(__file__).resolve().parent / "data" / "launch_corpus.json").read_text())
 LINE = LINES["megatron-lm:examples/gptoss/02_train.sh"]
@@ -95,7 +95,7 @@ def test_line_minus_fp8_builds_megatrons_gpt_oss():
 def test_window_semantics_match_flash_attentions_left_right():
     """Megatron's --window-size (L, 0): query i sees keys i-L..i (flash-attention's convention); transformers'
     sliding_window L+1 built from it allows exactly those keys."""
-    from kernels.sink_attention import _allowed
+    from fsdp2_backend.kernels.sink_attention import _allowed
 
     _, hf = _hf_config(_edit(LINE, drop=tuple(FP8), window_size="3,0"))
     pos = torch.arange(12)

@@ -24,7 +24,7 @@ def assets(tmp_path_factory):
     import pyarrow.parquet as pq
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    from tools.demo_assets import stdlib_texts
+    from fsdp2_backend.cli.demo_assets import stdlib_texts
 
     root = tmp_path_factory.mktemp("gpt_oss_assets")
     parquet = root / "train.parquet"

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.grouped_gemm import grouped_linear, grouped_mm_supported, select_backend
+from fsdp2_backend.kernels.grouped_gemm import grouped_linear, grouped_mm_supported, select_backend
 
 needs_grouped_mm = pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch without grouped_mm")
 

@@ -98,7 +98,7 @@ def test_converter_bad_input_exits_2(tmp_path):
 def test_export_never_replaces_a_directory_that_is_not_an_export(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
     from fsdp2_backend.training.hf_export import export_hf
 
     (tmp_path / "iter_0000010").mkdir()  # e.g. the output directory itself, holding checkpoints

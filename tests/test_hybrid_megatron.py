@@ -172,7 +172,7 @@ def test_scaled_down_corpus_line_trains_two_steps_on_one_cpu_rank(tmp_path):
 def test_the_lines_tensor_parallel_is_declined_in_one_line():
     from fsdp2_backend.config import GROUPS, Config
     from fsdp2_backend.config import validation as config_validation
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
 
     fields = translate_megatron(LINE).fields
     config = Config(**{group: GROUPS[group](**values) for group, values in fields.items()})

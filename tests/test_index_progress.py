@@ -68,7 +68,7 @@ def test_pretraining_data_shows_the_lines_and_checks_token_ids(tmp_path, capsys)
 
     from fsdp2_backend.config import Config
     from fsdp2_backend.data.pretrain import build_pretrain_data
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
 
     prefix = write_corpus(str(tmp_path / "c" / "text_document"), 200, seed=3, vocab_size=1000)
     config = Config()

@@ -10,7 +10,7 @@ import numpy
 import pytest
 import torch
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.data.indexed_dataset import (DType, IndexedDataset, IndexedDatasetBuilder, get_bin_path,
                                                   get_idx_path)
 

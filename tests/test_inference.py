@@ -116,7 +116,7 @@ def test_sampling_is_seeded_by_training_seed(model_dir):
 
 
 def test_empty_prompt_is_a_usage_error(model_dir):
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
 
     with pytest.raises(UsageError, match="prompt 2: '' encodes to no tokens"):
         generate(_config(model_dir, max_new_tokens=2), ["x", ""])

@@ -11,7 +11,7 @@ import pytest
 
 from fsdp2_backend.config import validation as config_validation
 from fsdp2_backend.config import GROUPS, Config
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.translate import translate_megatron
 
 # A copy of shared/megatron/launch_corpus.json: 60 real launch lines, kept with the tests.

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from kernels.mamba3_scan import mamba3_chunk_scan
+from fsdp2_backend.kernels.mamba3_scan import mamba3_chunk_scan
 
 
 def _rotate(x, theta):

@@ -9,15 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kernels.mamba3_scan import mamba3_scan_implementation
+from fsdp2_backend.kernels.mamba3_scan import mamba3_scan_implementation
 
 REPO = Path(__file__).resolve().parents[1]
 
 CHECK = r"""
 import torch
 from tests.test_mamba3_scan import _inputs, sequential_oracle
-from kernels.mamba3_scan import mamba3_chunk_scan
-from kernels.mamba3_scan_triton import triton_mamba3_chunk_scan
+from fsdp2_backend.kernels.mamba3_scan import mamba3_chunk_scan
+from fsdp2_backend.kernels.mamba3_scan_triton import triton_mamba3_chunk_scan
 
 for b, l, r, h, n, p, a, cs in [(2, 13, 1, 3, 8, 4, 2, 4), (1, 20, 2, 2, 16, 8, 4, 8), (2, 9, 3, 1, 8, 4, 2, 5),
                                 (1, 7, 1, 2, 8, 4, 1, 16)]:

@@ -114,7 +114,7 @@ def test_mindspeed_mamba3_yaml_trains_on_two_cpu_ranks(tmp_path, name):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tools.demo_assets import stdlib_texts
+    from fsdp2_backend.cli.demo_assets import stdlib_texts
 
     launcher = json.loads((MINDSPEED / "launchers.json").read_text())["head"][f"{name}.sh"]
     model = _mindspeed_model_dir(tmp_path / "model")

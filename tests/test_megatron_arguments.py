@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from megatron_compat import arguments
 from megatron_compat.arguments import build_parser, parse_megatron, parse_megatron_args
 

@@ -88,7 +88,7 @@ def test_yarn_flags_are_reported_mapped_and_plain_mla_stays_plain_rope():
 
 
 def test_yarn_flags_without_mla_are_still_declined():
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
 
     argv = [a for a in MLA if a != "--multi-latent-attention"]
     argv = [a for i, a in enumerate(argv) if not (a.startswith("--q-") or a.startswith("--kv-") or a.startswith(

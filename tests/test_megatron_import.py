@@ -114,7 +114,7 @@ def _class_that_disappears(tmp_path):
                                                    ("torch_dist", False, True)])
 def test_megatron_checkpoint_converts_with_equal_logits(megatron, tmp_path, fmt, qk_layernorm, tied):
     from fsdp2_backend.training.checkpoint_io import resume_point
-    from tools.convert_checkpoint import main as convert
+    from fsdp2_backend.cli.convert_checkpoint import main as convert
 
     model, args = _megatron_gpt(qk_layernorm, tied, seed=3)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
@@ -209,7 +209,7 @@ def _tp2_rank(rank, world_size, root):
 def test_a_tensor_parallel_checkpoint_converts_with_equal_logits(tmp_path):
     """A TP=2 save (qkv, fc1 gate/up, proj, fc2, embedding and output layer sharded per rank), in torch_dist
     (global tensors) and in the legacy format (mp_rank_00, mp_rank_01: merged here), reads as one model."""
-    from tools.convert_checkpoint import main as convert
+    from fsdp2_backend.cli.convert_checkpoint import main as convert
 
     run_distributed(_tp2_rank, 2, str(tmp_path))
     reference = torch.load(tmp_path / "reference.pt")

@@ -112,7 +112,7 @@ KINDS = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "grouped": "qwen3_m
                                       ("qwen2_moe", "torch"), ("grouped", "torch_dist"), ("grouped", "torch"),
                                       ("mixtral", "torch_dist")])
 def test_megatron_moe_checkpoint_converts_with_equal_logits(moe_megatron, tmp_path, kind, fmt):
-    from tools.convert_checkpoint import main as convert
+    from fsdp2_backend.cli.convert_checkpoint import main as convert
 
     model, args = _megatron_moe_gpt(kind, seed=3)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
@@ -270,7 +270,7 @@ def test_an_expert_parallel_checkpoint_converts_with_equal_logits(tmp_path):
     """An EP=2 save: torch_dist (global expert tensors) and legacy (`mp_rank_00_000`, `mp_rank_00_001`, local expert
     indices 0, 1 on each: global 2, 3 on the second) read as the one model megatron-core ran."""
     from tests.helpers import run_distributed
-    from tools.convert_checkpoint import main as convert
+    from fsdp2_backend.cli.convert_checkpoint import main as convert
 
     run_distributed(_ep2_rank, 2, str(tmp_path))
     reference = torch.load(tmp_path / "reference.pt")
@@ -280,7 +280,7 @@ def test_an_expert_parallel_checkpoint_converts_with_equal_logits(tmp_path):
         torch.testing.assert_close(got, reference["logits"], rtol=0, atol=1e-5, msg=fmt)
     # `--load` of the legacy EP split is one line (its per-rank optimizer state is not mapped): convert it instead
     from fsdp2_backend.training.megatron_resume import megatron_architecture
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
 
     with pytest.raises(UsageError, match="split over 2 expert-parallel ranks"):
         megatron_architecture(str(tmp_path / "legacy" / "iter_0000005"))
@@ -295,7 +295,7 @@ def test_what_the_hf_moe_layouts_cannot_hold_is_declined_in_one_line(moe_megatro
     """Routers other than softmax top-k, and an ungated shared expert, have no counterpart in the HF models: one
     UsageError naming the flag, not a model that computes something else."""
     from fsdp2_backend.training.megatron_checkpoint import hf_config_from_args
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
 
     model, args = _megatron_moe_gpt("qwen2_moe" if option == "moe_shared_expert_gate" else "qwen3_moe", seed=7)
     state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}

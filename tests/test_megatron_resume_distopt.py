@@ -26,7 +26,7 @@ from tests.megatron_reference import write_corpus
 from tests.test_megatron_import import _megatron_gpt
 from tests.test_megatron_resume import (GBS, K, VOCAB, _CpuForCuda, _dataset, _flags, _hf_weights, _log,
                                         megatron_training_stack, megatron_training_step)
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 BUCKET = 6000  # parameters per bucket: the tiny model (~33k parameters) spans several buckets
 

@@ -160,7 +160,7 @@ def assets(tmp_path_factory):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tools.demo_assets import stdlib_texts
+    from fsdp2_backend.cli.demo_assets import stdlib_texts
 
     root = tmp_path_factory.mktemp("mindspeed_assets")
     parquet = root / "train-00000-of-00001.parquet"

@@ -27,7 +27,7 @@ def assets(tmp_path_factory):
     import pyarrow.parquet as pq
     from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
 
-    from tools.demo_assets import stdlib_texts
+    from fsdp2_backend.cli.demo_assets import stdlib_texts
 
     root = tmp_path_factory.mktemp("minimax_assets")
     parquet = root / "train.parquet"

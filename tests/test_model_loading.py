@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fsdp2_backend.config import Config
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from tests.helpers import tiny_model_dir, tiny_qwen3_config
 
 

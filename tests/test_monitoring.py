@@ -9,7 +9,7 @@ from fsdp2_backend.config import Config
 from fsdp2_backend.config.validation import validate_with_notices
 from fsdp2_backend.training.logging import TrainLogger, parse_train_line
 from fsdp2_backend.training.metrics_writers import ProgressLog, memory_scalars, params_l2_norm
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 
 def test_params_norm_is_torchs_norm_of_all_parameters_and_in_the_line():

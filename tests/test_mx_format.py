@@ -9,8 +9,8 @@ saturated to ±448. It works in float64 on the exponent and mantissa directly (n
 import pytest
 import torch
 
-from kernels.mx import mx_dequantize, mx_fake_quantize, mx_quantize
-from kernels.mx_linear import mx_grouped_linear, mx_linear
+from fsdp2_backend.kernels.mx import mx_dequantize, mx_fake_quantize, mx_quantize
+from fsdp2_backend.kernels.mx_linear import mx_grouped_linear, mx_linear
 
 E4M3_MAX, E4M3_EMAX, E4M3_MIN_EXP, E4M3_MBITS = 448.0, 8, -6, 3
 

@@ -142,7 +142,7 @@ def _export_holds_unquantised_weights(export_dir):
     assert q.dtype == torch.float32
     assert torch.equal(q, full["model.layers.0.self_attn.q_proj.weight"])
     # Not a dequantised MXFP8 copy: quantising it again changes it.
-    from kernels.mx import mx_fake_quantize
+    from fsdp2_backend.kernels.mx import mx_fake_quantize
 
     assert not torch.equal(q, mx_fake_quantize(q))
     AutoModelForCausalLM.from_pretrained(export_dir)  # loads with plain transformers

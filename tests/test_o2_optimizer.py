@@ -10,7 +10,7 @@ from fsdp2_backend.config import GROUPS, Config
 from fsdp2_backend.config.validation import validate
 from fsdp2_backend.training.o2_adamw import BF16StateAdamW
 from megatron_compat.translate import translate_megatron
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 LR, BETAS, EPS, WD, STEPS = 1e-2, (0.9, 0.95), 1e-8, 0.1, 30
 

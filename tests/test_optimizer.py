@@ -6,7 +6,7 @@ import tempfile
 import pytest
 import torch
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.training.optimizer import ShardedMuon, build_optimizer
 from tests.helpers import run_distributed, tiny_qwen3_config
 

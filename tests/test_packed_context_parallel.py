@@ -256,7 +256,7 @@ def test_packed_documents_in_sliding_windows_need_ring(tmp_path):
     sequence) takes no documents, so packed documents with sliding-window layers ask for ring; ring passes."""
     from fsdp2_backend.config import Config
     from fsdp2_backend.config.validation import validate
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
 
     config = tiny_qwen3_config(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
     config.save_pretrained(str(tmp_path))

@@ -11,7 +11,7 @@ import pytest
 from megatron_compat.data.preprocess import output_prefix_for, preprocess_files
 from megatron_compat.data.tokenizer import build_tokenizer
 from tests.test_preprocess_data import _run_tool, corpus, hf_dir  # noqa: F401 (fixtures)
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 
 def _bad_run(tmp_path, hf_dir, content, *extra):

@@ -11,7 +11,7 @@ import torch
 
 from fsdp2_backend.config import Config
 from fsdp2_backend.data.pretrain import build_pretrain_data, data_iterator, pretrain_sample_counts
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.data.tokenizer import NullTokenizer
 from tests.helpers import run_distributed
 from tests.megatron_reference import IdsTokenizer, write_corpus

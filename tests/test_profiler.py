@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fsdp2_backend.config import ProfilingArguments
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.training.profiler import StepProfiler
 from tests.helpers import run_distributed
 

@@ -5,7 +5,7 @@ from fsdp2_backend.config import Config
 from fsdp2_backend.config.validation import validate, validate_with_notices
 from megatron_compat.translate import translate_megatron
 from tests.test_translate import BASE
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 
 def _config(**model):

@@ -8,8 +8,8 @@ import pytest
 from fsdp2_backend.config.loading import field_help
 from fsdp2_backend.launch import parse_command_line
 from megatron_compat.arguments import build_parser as megatron_parser
-from tools.preprocess_data import build_parser as preprocess_parser
-from tools.update_docs import DOCS, generated_docs, stale_docs
+from fsdp2_backend.cli.preprocess_data import build_parser as preprocess_parser
+from fsdp2_backend.cli.update_docs import DOCS, generated_docs, stale_docs
 
 pytestmark = pytest.mark.unit
 
@@ -29,7 +29,7 @@ def readme() -> str:
 
 def test_generated_docs_up_to_date():
     stale = [str(path.relative_to(REPO)) for path in stale_docs()]
-    assert not stale, f"out of date: {', '.join(stale)} — run: python -m tools.update_docs"
+    assert not stale, f"out of date: {', '.join(stale)} — run: python -m fsdp2_backend.cli.update_docs"
 
 
 def test_readme_gives_the_two_setup_commands():

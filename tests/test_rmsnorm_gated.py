@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.rmsnorm import rms_norm_reference
-from kernels.rmsnorm_gated import rms_norm_gated, rms_norm_gated_implementation, rms_norm_gated_reference
+from fsdp2_backend.kernels.rmsnorm import rms_norm_reference
+from fsdp2_backend.kernels.rmsnorm_gated import rms_norm_gated, rms_norm_gated_implementation, rms_norm_gated_reference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -86,8 +86,8 @@ def test_dispatch_by_device():
 
 TRITON_CHECK = r"""
 import itertools, torch
-from kernels.rmsnorm_gated import rms_norm_gated_reference
-from kernels.rmsnorm_gated_triton import triton_rms_norm_gated
+from fsdp2_backend.kernels.rmsnorm_gated import rms_norm_gated_reference
+from fsdp2_backend.kernels.rmsnorm_gated_triton import triton_rms_norm_gated
 
 torch.manual_seed(0)
 # rows > the backward's 4 programs exercise its row loop; 48 / 100 / 12 are not powers of two (masking)

@@ -263,7 +263,7 @@ def test_native_fields_and_their_rules():
     from fsdp2_backend.config import ModelArguments
     from fsdp2_backend.config.loading import build_config
     from fsdp2_backend.config.router_rules import router_errors
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
 
     config = build_config([("test", {"model": {"moe_router_score_function": "sqrtsoftplus",
                                                "moe_router_load_balancing_type": "mindspeed_seq_aux_loss",

@@ -7,7 +7,7 @@ import pytest
 
 from fsdp2_backend.config import Config
 from fsdp2_backend.config.validation import validate
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from tests.helpers import SaveRecorder, run_distributed, tiny_model_dir
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fsdp2_backend.config import TrainingArguments
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.training.scheduler import ParamScheduler, scheduler_steps
 
 with warnings.catch_warnings():

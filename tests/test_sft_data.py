@@ -14,9 +14,9 @@ from fsdp2_backend.data.sft.formats import DatasetAttr, convert_example
 from fsdp2_backend.data.sft.loader import dataset_attrs
 from fsdp2_backend.data.sft.pipeline import _load_or_build, prepare_datasets
 from fsdp2_backend.data.sft.supervised import IGNORE_INDEX, greedy_knapsack, pack_examples
-from kernels.varlen import cu_seqlens_from_position_ids
+from fsdp2_backend.kernels.varlen import cu_seqlens_from_position_ids
 from tests.sft_assets import alpaca_rows, qwen3_like_tokenizer, write_jsonl
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 
 @pytest.fixture(scope="module")

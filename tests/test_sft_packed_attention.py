@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 from fsdp2_backend.data.sft.collator import SFTCollator
 from fsdp2_backend.data.sft.supervised import IGNORE_INDEX
 from fsdp2_backend.models.packed_attention import PACKED_ATTENTION, packed_attention
-from tools.demo_assets import tiny_qwen3_config
+from fsdp2_backend.cli.demo_assets import tiny_qwen3_config
 
 
 class _Module:

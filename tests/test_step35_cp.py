@@ -129,7 +129,7 @@ def _published_config(tmp_path):
 def _validation_errors(model_dir, cp_size, cp_type):
     from fsdp2_backend.config import Config
     from fsdp2_backend.config.validation import validate
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
 
     config = Config()
     config.model.model_name_or_path, config.model.model_id = model_dir, "step35"

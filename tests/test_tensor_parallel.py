@@ -100,7 +100,7 @@ def test_tp2_matches_one_rank_with_and_without_sequence_parallel(tmp_path):
 def test_heads_not_divisible_by_tp_is_a_usage_error():
     from transformers import Qwen3ForCausalLM
 
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
     from fsdp2_backend.parallel.tensor_parallel import apply_tensor_parallel
 
     class ThreeRankMesh:  # only .size() is read before the check; a real 3-rank group is not needed to fail

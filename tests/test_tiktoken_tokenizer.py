@@ -16,7 +16,7 @@ from megatron_compat.data.tokenizer import build_tokenizer
 from megatron_compat.translate import translate_megatron
 from tests.helpers import run_pretrain, stdlib_texts
 from tests.test_preprocess_data import ENV, TOOL, _assert_same, _megatron_reference
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 mcore_tok = pytest.importorskip("megatron.core.tokenizers.text.utils.build_tokenizer")
 BPE_TOKENS = 340

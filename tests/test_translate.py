@@ -4,7 +4,7 @@ import argparse
 import pytest
 
 from fsdp2_backend.config import GROUPS, Config
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.arguments import build_parser, defaults, option_strings
 from megatron_compat.translate import report_lines, translate_megatron, translate_report
 

@@ -4,7 +4,7 @@ import pytest
 
 from megatron_compat.translate import translate_megatron, translate_report
 from tests.test_translate import BASE
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 
 def test_optimizer_schedule_flags():

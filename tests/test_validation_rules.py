@@ -15,7 +15,7 @@ from fsdp2_backend.config import Config
 from fsdp2_backend.config.model_facts import model_facts
 from fsdp2_backend.config.validation import validate, validate_with_notices
 from tests.helpers import REPO
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
         "--seq-length 32 --max-position-embeddings 64 --micro-batch-size 1 --train-iters 4 --mock-data "

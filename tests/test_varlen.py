@@ -1,7 +1,7 @@
 """kernels/varlen: position ids <-> cu_seqlens, against a plain Python walk over the rows."""
 import torch
 
-from kernels.varlen import cu_seqlens_from_position_ids, is_packed, position_ids_from_cu_seqlens
+from fsdp2_backend.kernels.varlen import cu_seqlens_from_position_ids, is_packed, position_ids_from_cu_seqlens
 
 
 def _python_cu_seqlens(rows):

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Literal, Tuple, Union
 import yaml
 
 from fsdp2_backend.config.schema import GROUPS, Config
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}

@@ -11,7 +11,7 @@ import importlib.util
 from dataclasses import replace
 from typing import List
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 SFT_TEMPLATES = ("qwen3", "gpt", "empty")
 SFT_TOOL_FORMATS = ("qwen", "default")

@@ -28,7 +28,7 @@ from fsdp2_backend.config.router_rules import (ROUTER_MODEL_TYPES, check_router_
 from fsdp2_backend.config.layout import parallel_layout
 from fsdp2_backend.config.schema import Config
 from fsdp2_backend.config.sft_rules import check_sft, normalise_sft, sft_notices
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 # Data fields that only the SFT data path (data_manager_type lf) reads: with pretraining they have no effect, and
 # MindSpeed's pretraining YAMLs set some (template), so they are accepted and reported once.

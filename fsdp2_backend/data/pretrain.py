@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Subset
 
 from fsdp2_backend.config.validation import dataset_entries
 from fsdp2_backend.data.sampler import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.data.builder import BlendedMegatronDatasetBuilder
 from megatron_compat.data.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron_compat.data.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig

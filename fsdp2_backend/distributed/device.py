@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 DEFAULT_BACKEND = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 # Backends each device type can run; gloo works for tensors on any host-visible device too, but FSDP2's

@@ -32,8 +32,8 @@ from fsdp2_backend.distributed.dtensor import local_tensor
 from fsdp2_backend.models.moe.experts import GroupedExperts
 from fsdp2_backend.models.moe.grouped_causal_lm import GroupedMoECausalLM
 from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter
-from kernels.grouped_gemm import grouped_linear
-from kernels.sink_attention import register_sink_attention
+from fsdp2_backend.kernels.grouped_gemm import grouped_linear
+from fsdp2_backend.kernels.sink_attention import register_sink_attention
 
 ATTENTION = "sink_attention"
 _MXFP4 = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<name>gate_up_proj|down_proj)$")

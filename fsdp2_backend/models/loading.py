@@ -24,7 +24,7 @@ from torch import nn
 
 from fsdp2_backend.config import ModelArguments
 from fsdp2_backend.distributed.dtensor import local_tensor
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.models.registry import ModelSpec, model_spec, register_model_types
 from fsdp2_backend.models.nemotron_h import honour_time_step_limit
 

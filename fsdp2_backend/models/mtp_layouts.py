@@ -100,7 +100,7 @@ class Qwen3NextLayout(MTPLayout):
 
     def check(self, config, num_layers: int) -> None:
         if num_layers != 1:
-            from usage_errors import UsageError
+            from fsdp2_backend.usage_errors import UsageError
 
             raise UsageError(f"model.mtp_num_layers: {num_layers} depths, but Qwen3-Next's MTP layout holds one "
                              f"(one fc / norm pair) — give mtp_num_layers 1")
@@ -147,7 +147,7 @@ class TrailingLayersLayout(MTPLayout):
     copies = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
 
     def check(self, config, num_layers: int) -> None:
-        from usage_errors import UsageError
+        from fsdp2_backend.usage_errors import UsageError
 
         have = getattr(config, "num_nextn_predict_layers", 0) or 0
         if have and num_layers > have:
@@ -214,7 +214,7 @@ class Step35Layout(TrailingLayersLayout):
         return attn[:num_layers], mlp[:num_layers]
 
     def check(self, config, num_layers: int) -> None:
-        from usage_errors import UsageError
+        from fsdp2_backend.usage_errors import UsageError
 
         super().check(config, num_layers)
         attn, mlp = self._types(config, num_layers)
@@ -303,7 +303,7 @@ def load_from_checkpoint(own: Dict[str, torch.Tensor], read: Callable[[str], tor
     """Our MTP state (`own` names → full tensors) read from a checkpoint holding `keys` (`read(key)` gives one):
     None when the checkpoint holds no MTP tensor of this layout; a problem (missing / unexpected names) raises.
     Names in `optional` (buffers such as Megatron's router state) may be absent."""
-    from usage_errors import UsageError
+    from fsdp2_backend.usage_errors import UsageError
 
     layout = mtp_layout(config)
     present = set(keys)

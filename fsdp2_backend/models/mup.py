@@ -27,7 +27,7 @@ from typing import Any, Set
 import torch
 from torch import nn
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 # Megatron's output_layer_init_method targets (linear_proj, linear_fc2) under HF names.
 OUTPUT_PROJECTIONS = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "attn.c_proj.weight", "mlp.c_proj.weight")

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from kernels.varlen import cu_seqlens_from_position_ids, is_packed
-from usage_errors import UsageError
+from fsdp2_backend.kernels.varlen import cu_seqlens_from_position_ids, is_packed
+from fsdp2_backend.usage_errors import UsageError
 
 PACKED_ATTENTION = "fsdp2_packed"
 

@@ -35,10 +35,10 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextExperts
 from fsdp2_backend.models.moe.experts import GroupedExperts
 from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, attach_aux_loss
 from fsdp2_backend.models.qwen3_moe import configure_moe
-from kernels.causal_conv1d import causal_conv1d, conv1d_implementation
-from kernels.gated_delta_rule import chunk_gated_delta_rule
-from kernels.rmsnorm_gated import rms_norm_gated
-from kernels.varlen import cu_seqlens_from_position_ids, is_packed
+from fsdp2_backend.kernels.causal_conv1d import causal_conv1d, conv1d_implementation
+from fsdp2_backend.kernels.gated_delta_rule import chunk_gated_delta_rule
+from fsdp2_backend.kernels.rmsnorm_gated import rms_norm_gated
+from fsdp2_backend.kernels.varlen import cu_seqlens_from_position_ids, is_packed
 
 # Private kwargs from the model's forward to its GDN layers (attention functions ignore them; flash attention's
 # cu_seq_lens_* are its own): the packed rows' cu_seqlens, and the position ids (context parallel gathers them).

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable, List, Mapping, Optional
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 if TYPE_CHECKING:  # torch stays out of this module's imports: config validation reads the model ids
     import torch
@@ -73,7 +73,7 @@ def _build_qwen3_next(hf_config) -> nn.Module:
 def _configure_qwen3_next(model: nn.Module, config) -> None:
     from fsdp2_backend.distributed.device import detect_device_type
     from fsdp2_backend.models.qwen3_next import configure_qwen3_next
-    from kernels.gated_delta_rule import gdn_implementation
+    from fsdp2_backend.kernels.gated_delta_rule import gdn_implementation
 
     o = config.optimization
     configure_qwen3_next(model, moe_grouped_gemm=o.moe_grouped_gemm, fix_router=o.fix_router,

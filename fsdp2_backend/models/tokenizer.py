@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from fsdp2_backend.config import ModelArguments
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 
 def _split(tokens: Optional[str]) -> list:

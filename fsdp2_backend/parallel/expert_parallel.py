@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.models.moe.experts import GroupedExperts
 from fsdp2_backend.parallel.moe_dispatch import make_dispatcher
 from fsdp2_backend.parallel.plans import lenient_matches, require_matches

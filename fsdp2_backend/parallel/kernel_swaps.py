@@ -37,11 +37,11 @@ import torch
 from torch import nn
 
 from fsdp2_backend.config import OptimizationArguments
-from kernels.dispatch import describe_choice
-from kernels.gated_delta_rule import fla_importable
-from kernels.rmsnorm_gated import rms_norm_gated_implementation
-from kernels.rmsnorm import rms_norm, rms_norm_implementation, rms_norm_reference
-from kernels.rotary import apply_rotary_pos_emb, apply_rotary_pos_emb_reference, rotary_implementation
+from fsdp2_backend.kernels.dispatch import describe_choice
+from fsdp2_backend.kernels.gated_delta_rule import fla_importable
+from fsdp2_backend.kernels.rmsnorm_gated import rms_norm_gated_implementation
+from fsdp2_backend.kernels.rmsnorm import rms_norm, rms_norm_implementation, rms_norm_reference
+from fsdp2_backend.kernels.rotary import apply_rotary_pos_emb, apply_rotary_pos_emb_reference, rotary_implementation
 
 ROTARY_GLOBAL = "apply_rotary_pos_emb"
 GDN_FLAGS = ("use_triton_gdn", "use_flash_gdn", "use_triton_rmsnormgated")
@@ -201,7 +201,7 @@ def _use_flash_attn(model: nn.Module, device_type: str) -> str:
     if not hasattr(model, "set_attn_implementation"):
         return f"use_flash_attn: {type(model).__name__} has no attention interface — no effect"
     if any(name.endswith(".sinks") for name, _ in model.named_parameters()):  # gpt_oss: sdpa / flash drop sinks
-        from kernels.sink_attention import register_sink_attention
+        from fsdp2_backend.kernels.sink_attention import register_sink_attention
 
         model.set_attn_implementation(register_sink_attention())
         return f"use_flash_attn: attention sinks — SDPA with the sinks as a key column (sink_attention) on {device_type}"

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.models.moe.routing import sort_by_expert
 
 DISPATCHERS = ("eager", "fused", "mc2")

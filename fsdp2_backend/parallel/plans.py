@@ -16,7 +16,7 @@ from typing import Iterable, List, Sequence, Tuple
 
 from torch import nn
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 
 @lru_cache(maxsize=None)

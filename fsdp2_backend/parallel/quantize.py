@@ -28,7 +28,7 @@ from fsdp2_backend.config import Config
 from fsdp2_backend.parallel.mx.names import EXPERTS_CONVERTER, LINEAR_CONVERTER
 from fsdp2_backend.parallel.mx.weight import MXSettings, MXTrainingWeight, unwrap
 from fsdp2_backend.parallel.plans import lenient_matches, matches
-from kernels.mx import BLOCK
+from fsdp2_backend.kernels.mx import BLOCK
 
 
 def _selected(name: str, apply: List[str], ignored: List[str]) -> bool:
@@ -47,7 +47,7 @@ def apply_quantization(model: nn.Module, config: Config) -> List[str]:
     """Converts the selected modules in place; returns the names of the converted modules."""
     from fsdp2_backend.models.moe.experts import GroupedExperts
     from fsdp2_backend.training.checkpoint_io import print_rank0
-    from kernels.mx_linear import mx_grouped_linear
+    from fsdp2_backend.kernels.mx_linear import mx_grouped_linear
 
     m = config.model
     lenient_matches(model, m.quant_apply_modules, "model.quant_apply_modules")

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.distributed.dtensor import local_tensor
 from fsdp2_backend.parallel.plans import match_modules, matches
 from fsdp2_backend.parallel.tp_cp_checks import tensor_parallel_problems

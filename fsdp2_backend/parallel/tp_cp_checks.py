@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 CP_TYPES = ("ulysses", "ring")
 

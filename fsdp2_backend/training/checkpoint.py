@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from usage_errors import RunStopped, UsageError
+from fsdp2_backend.usage_errors import RunStopped, UsageError
 from fsdp2_backend.training import checkpoint_io as io
 from fsdp2_backend.training import rng_state
 from fsdp2_backend.training.hf_export import save_tokenizer

@@ -36,7 +36,7 @@ import shutil
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.training.loss import chunked_masked_loss_sum
 
 

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.training import checkpoint_io as io
 from megatron_compat.data.utils import rank_zero_first
 

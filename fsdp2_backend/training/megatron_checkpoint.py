@@ -39,7 +39,7 @@ import torch
 
 from fsdp2_backend.training.checkpoint_io import LATEST_FILE  # the same marker name as Megatron-LM's
 from fsdp2_backend.training.megatron_checkpoint_moe import is_moe, moe_config, moe_layer_to_hf, normalize_experts
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 _ITER_RE = re.compile(r"^iter_\d+$")
 _LEGACY_RE = re.compile(r"^mp_rank_(\d\d)(?:_(\d\d\d))?(?:_(\d\d\d))?$")  # tp[, pp][, ep]: get_checkpoint_name

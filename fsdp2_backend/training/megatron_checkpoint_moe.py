@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 _LOCAL = re.compile(r"^(?P<pre>.*\.mlp\.experts\.)local_experts\.(?P<e>\d+)\.(?P<rest>linear_fc[12]\.(?:weight|bias))$")
 _TE_GROUPED = re.compile(r"^(?P<pre>.*\.mlp\.experts\.)(?P<fc>linear_fc[12])\.(?P<kind>weight|bias)(?P<e>\d+)$")

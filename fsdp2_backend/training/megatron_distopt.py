@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 _BUCKET_RE = re.compile(r"^(.*?distributed\.dp_group_idx_\d+)\.gbuf_idx_(\d+)\.dtype_\((torch\.\w+), (torch\.\w+)\)"
                         r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")

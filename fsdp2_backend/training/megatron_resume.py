@@ -53,7 +53,7 @@ import torch
 
 from fsdp2_backend.training import megatron_checkpoint as mc
 from fsdp2_backend.training.checkpoint_io import print_rank0
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 _OPTIM_RE = re.compile(r"^optimizer\.(?:chained_\d+\.)?state\.(exp_avg|exp_avg_sq|param|fp32_param)\.(.+)$")
 _UNMAPPED_SHARDING = ("dp_zero_gather_scatter", "fully_sharded_bucket_space", "fsdp_dtensor")

@@ -35,7 +35,7 @@ try:
 except ImportError:  # pragma: no cover
     from torch.distributed._tensor import DTensor, distribute_tensor
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 
 # Module names of QK-norm layers: HF (Qwen3, Qwen3-Next, ...) and Megatron spellings.

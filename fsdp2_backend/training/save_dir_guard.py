@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Optional, Tuple
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 LOCK_FILE = ".fsdp2_run.lock"
 

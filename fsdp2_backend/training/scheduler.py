@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Optional
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 LR_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")

@@ -38,7 +38,7 @@ from fsdp2_backend.models.moe.router import finish_router_step
 from fsdp2_backend.training.chunked_forward import check_chunked_loss_model, chunked_loss_forward
 from fsdp2_backend.training.exit_conditions import ExitTimer
 from fsdp2_backend.training.exit_signal import ExitSignal
-from usage_errors import RunStopped, UsageError
+from fsdp2_backend.usage_errors import RunStopped, UsageError
 from fsdp2_backend.training.grad_clip import clip_grad_norm
 from fsdp2_backend.training.loss import GlobalBatchLoss, masked_loss_sum
 from fsdp2_backend.training.logging import TrainLogger

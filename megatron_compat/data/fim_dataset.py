@@ -32,7 +32,7 @@ import numpy
 
 from megatron_compat.data.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron_compat.data.utils import Split
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 FIM_TOKEN_ROLES = ("prefix", "middle", "suffix", "pad", "eod")
 DEFAULT_FIM_TOKENS = {"prefix": "<fim_prefix>", "middle": "<fim_middle>", "suffix": "<fim_suffix>",

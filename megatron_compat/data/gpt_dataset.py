@@ -26,7 +26,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy
 import torch
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.data import index_building
 from megatron_compat.data.dataset_config import BlendedMegatronDatasetConfig
 from megatron_compat.data.megatron_dataset import MegatronDataset, cached_arrays

@@ -30,7 +30,7 @@ from typing import Optional, Sequence, Tuple, Type, Union
 
 import numpy
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, TextIO, Union
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.data import fast_bpe, fast_spm
 from megatron_compat.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 from megatron_compat.data.preprocess_worker import EncodeSettings, Encoder, parse_line

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 _SPLIT_CHUNK_CHARS = 1_000_000
 _ARRAY_TYPECODE = {numpy.uint8: "B", numpy.int8: "b", numpy.int16: "h", numpy.int32: "i", numpy.int64: "q",

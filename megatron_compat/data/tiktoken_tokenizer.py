@@ -25,7 +25,7 @@ from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence
 
 from megatron_compat.data.tokenizer_identity import _TEXT_TOKENIZER
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 # the two pre-tokenizer regexes of megatron-core 0.16.1 (tiktoken_tokenizer.py), verbatim facts
 PATTERNS = {

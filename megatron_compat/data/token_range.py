@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 
 import numpy
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.data.indexed_dataset import _IndexReader, get_bin_path, get_idx_path
 
 logger = logging.getLogger(__name__)

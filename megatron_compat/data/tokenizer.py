@@ -27,7 +27,7 @@ import os
 from typing import List, Optional, Sequence
 
 from megatron_compat.data import tokenizer_identity
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 HF_TYPES = ("HuggingFaceTokenizer", "PretrainedFromHF")
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")

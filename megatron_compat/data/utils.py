@@ -97,7 +97,7 @@ def barrier(error: Optional[BaseException] = None, what: str = "data: preparing 
         failed = torch.tensor([int(error is not None)], device=device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if error is None and failed.item():
-            from usage_errors import UsageError
+            from fsdp2_backend.usage_errors import UsageError
 
             raise UsageError(f"{what} failed on another rank (rank {dist.get_rank()} stops too) — see that "
                              "rank's error")

@@ -16,7 +16,7 @@ import os
 from typing import Any, List, Optional
 
 from fsdp2_backend.data.sft.formats import FORMATS, DatasetAttr, convert_example
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow",
               ".txt": "text"}

@@ -30,7 +30,7 @@ from fsdp2_backend.data.sft.loader import dataset_attrs, load_one, merge, worker
 from fsdp2_backend.data.sft.supervised import IGNORE_INDEX, SupervisedProcessor
 from fsdp2_backend.data.sft.template import get_template
 from megatron_compat.data.utils import global_rank, rank_zero_first
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 COLUMNS = ["input_ids", "labels", "doc_lens"]
 SET_NAMES = "sft_sets.json"  # in tokenized_path: the saved sets' names, written last (its presence = complete)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from fsdp2_backend.data.sft.formats import ASSISTANT, FUNCTION, OBSERVATION, USER
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 
 Turn = Tuple[str, str]  # (prompt text, reply text)
 TOOL_FORMATS = ("qwen", "default")

@@ -33,10 +33,10 @@ from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fsdp2_backend.models.mamba3.configuration import Mamba3Config
-from kernels.mamba3_scan import mamba3_scan
-from kernels.rmsnorm import rms_norm_reference
-from kernels.rmsnorm_gated import rms_norm_gated, rms_norm_gated_reference
-from kernels.varlen import cu_seqlens_from_position_ids, is_packed
+from fsdp2_backend.kernels.mamba3_scan import mamba3_scan
+from fsdp2_backend.kernels.rmsnorm import rms_norm_reference
+from fsdp2_backend.kernels.rmsnorm_gated import rms_norm_gated, rms_norm_gated_reference
+from fsdp2_backend.kernels.varlen import cu_seqlens_from_position_ids, is_packed
 
 
 class Mamba3RMSNorm(nn.Module):

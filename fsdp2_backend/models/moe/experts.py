@@ -19,7 +19,7 @@ from torch import nn
 
 from fsdp2_backend.distributed.dtensor import local_tensor
 from fsdp2_backend.models.moe.routing import sort_by_expert
-from kernels.grouped_gemm import grouped_linear
+from fsdp2_backend.kernels.grouped_gemm import grouped_linear
 
 
 

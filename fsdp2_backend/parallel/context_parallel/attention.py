@@ -29,10 +29,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.models.packed_attention import PACKED_ATTENTION
-from kernels.sink_attention import transformers_sink_attention
-from kernels.varlen import is_packed
+from fsdp2_backend.kernels.sink_attention import transformers_sink_attention
+from fsdp2_backend.kernels.varlen import is_packed
 from fsdp2_backend.parallel.context_parallel.batch import OncePerTensor
 from fsdp2_backend.parallel.context_parallel.ring import ring_attention
 from fsdp2_backend.parallel.context_parallel.ulysses import heads_to_seq, replicate_kv_heads, seq_to_heads

@@ -17,7 +17,7 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from usage_errors import UsageError
+from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.parallel.tp_cp_checks import normalize_cp_type, sequence_length_problems
 
 Tensor = torch.Tensor

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from fsdp2_backend.parallel.context_parallel.batch import OncePerTensor
 from fsdp2_backend.parallel.context_parallel.blockwise import block_backward, block_forward, merge_into
-from kernels.varlen import document_ids_from_position_ids, is_packed
+from fsdp2_backend.kernels.varlen import document_ids_from_position_ids, is_packed
 
 Tensor = torch.Tensor
 

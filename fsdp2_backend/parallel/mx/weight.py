@@ -27,8 +27,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
-from kernels.mx import ELEM_DTYPE, SCALE_DTYPE, mx_dequantize, mx_quantize
-from kernels.mx_linear import MX, mx_linear
+from fsdp2_backend.kernels.mx import ELEM_DTYPE, SCALE_DTYPE, mx_dequantize, mx_quantize
+from fsdp2_backend.kernels.mx_linear import MX, mx_linear
 
 aten = torch.ops.aten
 

@@ -21,7 +21,7 @@ from typing import Protocol, Tuple
 import torch
 import torch.nn.functional as F
 
-from kernels.mx import BLOCK, mx_mm, mx_quantize
+from fsdp2_backend.kernels.mx import BLOCK, mx_mm, mx_quantize
 
 MX = Tuple[torch.Tensor, torch.Tensor]  # (E4M3 elements, E8M0 scales)
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from kernels.varlen import position_ids_from_cu_seqlens
+from fsdp2_backend.kernels.varlen import position_ids_from_cu_seqlens
 
 Tensor = torch.Tensor
 
@@ -66,7 +66,7 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, acti
     `implementation` "triton" runs the triton kernels on CUDA tensors (DTensors: the reference)."""
     if implementation == "triton" and x.device.type == "cuda" and \
             not any(isinstance(t, DTensor) for t in (x, weight, bias)):
-        from kernels.causal_conv1d_triton import triton_causal_conv1d
+        from fsdp2_backend.kernels.causal_conv1d_triton import triton_causal_conv1d
 
         return triton_causal_conv1d(x, weight, bias, activation, cu_seqlens)
     return causal_conv1d_reference(x, weight, bias, activation, cu_seqlens)

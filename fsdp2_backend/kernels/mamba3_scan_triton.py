@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.mamba3_scan import mamba3_chunk_scan, prepare_scan
+from fsdp2_backend.kernels.mamba3_scan import mamba3_chunk_scan, prepare_scan
 
 
 @triton.jit

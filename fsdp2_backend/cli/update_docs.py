@@ -2,8 +2,8 @@
 """Writes the generated reference pages in docs/: the Megatron → native migration table and the native config
 reference. Both come from the code (the translation and the config dataclasses), so they cannot drift.
 
-    python -m tools.update_docs          # rewrite docs/migration_table.md and docs/config_reference.md
-    python -m tools.update_docs --check  # exit 1, naming the stale files, if either is out of date
+    python -m fsdp2_backend.cli.update_docs          # rewrite docs/migration_table.md and docs/config_reference.md
+    python -m fsdp2_backend.cli.update_docs --check  # exit 1, naming the stale files, if either is out of date
 
 tests/test_readme.py runs the check; run the first command after changing a flag, a translation rule or a
 config field.
@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 from typing import Dict, List
 
-from tools.gen_config_reference import config_reference_markdown
-from tools.gen_migration_table import migration_table_markdown
+from fsdp2_backend.cli.gen_config_reference import config_reference_markdown
+from fsdp2_backend.cli.gen_migration_table import migration_table_markdown
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def generated_docs() -> Dict[Path, str]:
@@ -40,7 +40,7 @@ def main() -> int:
     if args.check:
         stale = stale_docs()
         for path in stale:
-            print(f"{path.relative_to(DOCS.parent)} is out of date — run: python -m tools.update_docs",
+            print(f"{path.relative_to(DOCS.parent)} is out of date — run: python -m fsdp2_backend.cli.update_docs",
                   file=sys.stderr)
         return 1 if stale else 0
     DOCS.mkdir(exist_ok=True)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from fsdp2_backend.distributed.device import torch_npu_module
-from kernels.dispatch import NPU, TRITON, pick_implementation
+from fsdp2_backend.kernels.dispatch import NPU, TRITON, pick_implementation
 
 # One triton program normalises one group of one row; beyond this width a group no longer fits one block.
 MAX_TRITON_GROUP = 65536
@@ -95,7 +95,7 @@ def rms_norm_gated(x: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.
     if impl == NPU:
         return _npu_rms_norm_gated(x, gate, weight, eps, group, norm_before_gate, zero_centered)
     if impl == TRITON and group <= MAX_TRITON_GROUP:
-        from kernels.rmsnorm_gated_triton import triton_rms_norm_gated
+        from fsdp2_backend.kernels.rmsnorm_gated_triton import triton_rms_norm_gated
 
         return triton_rms_norm_gated(x, gate, weight, eps, **kwargs)
     return rms_norm_gated_reference(x, gate, weight, eps, **kwargs)

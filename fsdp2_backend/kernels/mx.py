@@ -23,7 +23,7 @@ from typing import Tuple
 import torch
 
 from fsdp2_backend.distributed.device import torch_npu_module
-from kernels.dispatch import NPU, TORCH, pick_implementation
+from fsdp2_backend.kernels.dispatch import NPU, TORCH, pick_implementation
 
 BLOCK = 32
 ELEM_DTYPE = torch.float8_e4m3fn

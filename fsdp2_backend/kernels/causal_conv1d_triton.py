@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.varlen import position_ids_from_cu_seqlens
+from fsdp2_backend.kernels.varlen import position_ids_from_cu_seqlens
 
 BLOCK_T = 32  # tokens per program
 BLOCK_C = 64  # channels per program

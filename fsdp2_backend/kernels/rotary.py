@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdp2_backend.distributed.device import torch_npu_module
-from kernels.dispatch import NPU, pick_implementation
+from fsdp2_backend.kernels.dispatch import NPU, pick_implementation
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import TRITON, pick_implementation
+from fsdp2_backend.kernels.dispatch import TRITON, pick_implementation
 
 TWO_PI = 2 * math.pi
 
@@ -153,7 +153,7 @@ def mamba3_scan(q, k, v, adt, dt, trap, angles, *, chunk_size: int = 64, doc_sta
     """The scan with the fastest implementation for q's device (same arguments and result as
     `mamba3_chunk_scan`): the triton forward on cuda, the torch chunked scan elsewhere (no NPU kernel yet)."""
     if mamba3_scan_implementation(q.device.type) == TRITON:
-        from kernels.mamba3_scan_triton import triton_mamba3_chunk_scan
+        from fsdp2_backend.kernels.mamba3_scan_triton import triton_mamba3_chunk_scan
 
         return triton_mamba3_chunk_scan(q, k, v, adt, dt, trap, angles, chunk_size=chunk_size, doc_start=doc_start)
     return mamba3_chunk_scan(q, k, v, adt, dt, trap, angles, chunk_size=chunk_size, doc_start=doc_start)

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdp2_backend.distributed.device import torch_npu_module
-from kernels.dispatch import NPU, TRITON, pick_implementation
+from fsdp2_backend.kernels.dispatch import NPU, TRITON, pick_implementation
 
 # One triton program normalises a whole row; beyond this width a row no longer fits one block.
 MAX_TRITON_HIDDEN = 65536
@@ -39,7 +39,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if impl == NPU:
         return torch_npu_module().npu_rms_norm(x, weight, epsilon=eps)[0]
     if impl == TRITON and x.shape[-1] <= MAX_TRITON_HIDDEN:
-        from kernels.rmsnorm_triton import triton_rms_norm
+        from fsdp2_backend.kernels.rmsnorm_triton import triton_rms_norm
 
         return triton_rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)

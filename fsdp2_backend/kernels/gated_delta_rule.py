@@ -34,8 +34,8 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from kernels.gated_delta_rule_scan import chunked_scan
-from usage_errors import UsageError
+from fsdp2_backend.kernels.gated_delta_rule_scan import chunked_scan
+from fsdp2_backend.usage_errors import UsageError
 
 Tensor = torch.Tensor
 IMPLEMENTATIONS = ("torch", "triton", "npu")
@@ -128,7 +128,7 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
                   cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if implementation == "triton" and q.device.type == "cuda":
         if not fla_importable():
-            from kernels.gated_delta_rule_triton import triton_chunk_gated_delta_rule
+            from fsdp2_backend.kernels.gated_delta_rule_triton import triton_chunk_gated_delta_rule
 
             return triton_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
