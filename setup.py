@@ -12,7 +12,7 @@ setup(
     # Two top-level packages, both names our own: nothing that shadows another PyPI project (Hugging Face's
     # `kernels`, which transformers >= 5.25 imports; `tools`). tools/*.py are scripts, not a package.
     packages=find_packages(include=["megatron_compat", "megatron_compat.*", "fsdp2_backend", "fsdp2_backend.*"]),
-    package_data={"megatron_compat": ["*.json", "*.txt"]},
+    package_data={"megatron_compat.parse": ["*.json", "*.txt"]},
     install_requires=[
         "torch>=2.9",  # the exact CPU wheel CI uses is pinned in the Makefile
         "numpy",
@@ -29,8 +29,8 @@ setup(
         # triton: the RMSNorm kernel's tests run it under the triton interpreter on CPU (~290 MB wheel).
         "test": ["pytest", "megatron-core==0.16.1", "pyarrow", "nltk", "triton", "wandb", "tensorboard",
                  "matplotlib", "datasets", "torchao",
-                 "accelerate",  # transformers' FP8 from_pretrained (the reference of tests/test_fp8_block_loading.py)
-                 "psutil"],  # megatron-core's dist_checkpointing.save (tests/test_megatron_import.py) needs it
+                 "accelerate",  # transformers' FP8 from_pretrained (the reference of tests/models/test_fp8_block_loading.py)
+                 "psutil"],  # megatron-core's dist_checkpointing.save (tests/megatron_compat/test_megatron_import.py) needs it
         "triton": ["triton"],
         "quant": ["torchao"],  # model.quant_recipe_name mxfp8 (MX casts; MXFP8 GEMMs on MX hardware)
         "tensorboard": ["tensorboard"],

@@ -4,7 +4,7 @@ forward+backward and peak memory, at several sequence lengths, measured in the s
 
 Each (implementation, length) runs in its own subprocess so its peak RSS is its own (CPU); on an accelerator
 the allocator's peak is read instead. The triton kernel is not timed here: under the interpreter it is a
-correctness check only (tests/test_gated_delta_rule_triton.py).
+correctness check only (tests/kernels/test_gated_delta_rule_triton.py).
 Run: python benchmarks/bench_gdn.py [--lengths 4096 16384 --heads 4 --k-heads 2 --head-dim 128 --chunk 64]
 """
 from __future__ import annotations

@@ -60,7 +60,7 @@ def _model(name: str, args):
 
         model = build_minimax_m2(MiniMaxM2Config(intermediate_size=64, num_local_experts=8, rotary_dim=16,
                                                  bos_token_id=None, eos_token_id=None, **common))
-    else:  # step35: Step-3.5's own config.json keys, as tests/test_step35.py; both layers sparse (none dense)
+    else:  # step35: Step-3.5's own config.json keys, as tests/models/test_step35.py; both layers sparse (none dense)
         from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
 
         from fsdp2_backend.models.step35 import build_step35

@@ -71,7 +71,7 @@ def effective_model_args(config: Config, resume) -> Any:
 
     model = config.model
     if resume.megatron:  # a Megatron-LM checkpoint: the model its saved args describe (training/megatron_resume)
-        from fsdp2_backend.training.megatron_resume import megatron_model_args
+        from megatron_compat.checkpoint.resume import megatron_model_args
 
         return megatron_model_args(model, resume.checkpoint)
     if resume.checkpoint is None or model.model_name_or_path:
@@ -182,7 +182,7 @@ def build(config: Config) -> TrainJob:
     from fsdp2_backend.data.pretrain import build_pretrain_data, data_iterator
     from fsdp2_backend.distributed.context import ParallelContext
     from fsdp2_backend.config.model_facts import resume_checkpoint
-    from fsdp2_backend.training.checkpoint_io import print_rank0
+    from fsdp2_backend.distributed.console import print_rank0
     from fsdp2_backend.training.batch_rampup import schedule_for
     from fsdp2_backend.training.muon import megatron_muon_options
     from fsdp2_backend.training.checkpointer import Checkpointer

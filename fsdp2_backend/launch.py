@@ -49,7 +49,7 @@ examples:
 def _help(argv: List[str]) -> Optional[str]:
     """The text asked for by -h / --help (the short usage), --help-flags or --help-config; None otherwise."""
     if HELP_FLAGS_FLAG in argv:
-        from megatron_compat.arguments import build_parser
+        from megatron_compat.parse.arguments import build_parser
 
         return build_parser().format_help()
     if HELP_CONFIG_FLAG in argv:

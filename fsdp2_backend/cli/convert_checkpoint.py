@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Converts one of our training checkpoints, or a Megatron-LM one (torch_dist or legacy torch format, dense or MoE:
-see fsdp2_backend/training/megatron_checkpoint.py and megatron_checkpoint_moe.py), to a Hugging Face directory,
+see fsdp2_backend/megatron_compat/checkpoint/convert.py and megatron_checkpoint_moe.py), to a Hugging Face directory,
 offline, in one process.
 
     python tools/convert_checkpoint.py CKPT_DIR OUT_DIR [--dtype bf16|fp16|fp32]
@@ -37,7 +37,7 @@ def main(argv=None) -> None:
 
         from fsdp2_backend.training.hf_export import convert_checkpoint
 
-        from fsdp2_backend.training.megatron_checkpoint import convert_megatron_checkpoint, megatron_iteration_dir
+        from megatron_compat.checkpoint.convert import convert_megatron_checkpoint, megatron_iteration_dir
 
         dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
         if megatron_iteration_dir(args.checkpoint) is not None:  # a Megatron-LM torch_dist / legacy checkpoint

@@ -5,7 +5,7 @@ reference. Both come from the code (the translation and the config dataclasses),
     python -m fsdp2_backend.cli.update_docs          # rewrite docs/migration_table.md and docs/config_reference.md
     python -m fsdp2_backend.cli.update_docs --check  # exit 1, naming the stale files, if either is out of date
 
-tests/test_readme.py runs the check; run the first command after changing a flag, a translation rule or a
+tests/tools/test_readme.py runs the check; run the first command after changing a flag, a translation rule or a
 config field.
 """
 from __future__ import annotations

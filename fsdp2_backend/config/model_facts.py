@@ -66,7 +66,7 @@ def model_facts(config: Config, errors: List[str]) -> ModelFacts:
     if base is None:
         resume = resume_checkpoint(config)
         if resume.megatron:  # the HF config its saved args describe (reads the checkpoint with torch)
-            from fsdp2_backend.training.megatron_resume import megatron_architecture
+            from megatron_compat.checkpoint.resume import megatron_architecture
 
             base, source = dict(megatron_architecture(str(resume.checkpoint))[0]), "checkpoint"
         elif resume.checkpoint is not None:

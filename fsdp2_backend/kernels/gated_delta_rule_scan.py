@@ -23,7 +23,7 @@ document's last chunk takes its final state's gradient):
     d[q exp(gc); -w] = [do; dv_new] S^T;   dk~ = v_new dS'^T;   d(beta v) = T^T dv_new;   d(-beta exp(gc) k) = T^T d(-w)
     dA = -strict_lower((d(beta v) (beta v)^T + d(-beta exp(gc) k) (-beta exp(gc) k)^T) T^T)
 then back through the elementwise products to q, k, v, beta and gc, whose reverse cumsum within the chunk is dg.
-Checked by `torch.autograd.gradcheck` in float64 and against the sequential oracle (tests/test_gated_delta_rule.py).
+Checked by `torch.autograd.gradcheck` in float64 and against the sequential oracle (tests/kernels/test_gated_delta_rule.py).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ chunk), plus the state entering the chunk, carried chunk to chunk (one state per
 
 Packed documents (`doc_start`, True at each document's first token): the decay, the cumulative angle and the
 previous-token term all restart there, so each document runs as if alone. The sequential recurrence, which
-this must equal, lives in tests/test_mamba3_scan.py as the oracle. `mamba3_scan` dispatches: on cuda the
+this must equal, lives in tests/kernels/test_mamba3_scan.py as the oracle. `mamba3_scan` dispatches: on cuda the
 forward runs as a triton kernel (`mamba3_scan_triton`), elsewhere this torch scan. Written here because the reference kernels
 (mamba_ssm's triton/tilelang, fla's) are CUDA-only and MindSpeed's torch reference is quadratic in length.
 """

@@ -11,7 +11,7 @@ layers, `_init_weights`, the aux-loss bookkeeping) with three swaps:
   clamped above and up both ways at `swiglu_limit`);
 - `mlp.router` → `GptOssRouter` (`models.moe.router`): top-k of the biased logits, softmax over the k —
   Megatron's softmax routing — plus Megatron's router options and `fix_router`.
-`mlp_bias: false` in the config (Megatron's `--disable-bias-linear`, `megatron_compat/architecture_gpt_oss.py`):
+`mlp_bias: false` in the config (Megatron's `--disable-bias-linear`, `megatron_compat/architecture/gpt_oss.py`):
 Megatron's GPT-OSS then has no expert or router biases, which transformers' GPT-OSS always has — they are kept
 at zero and frozen here (the same function; an export holds zeros, which transformers computes identically).
 Parameter names and shapes equal transformers' (and the bf16 checkpoints'), so `from_pretrained` /

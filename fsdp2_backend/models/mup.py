@@ -83,7 +83,7 @@ def apply_mup(model: nn.Module, model_args: Any, hf_config: Any, *, seed: int, i
         mup_initialize(model, hf_config.initializer_range, hf_config.num_hidden_layers, width_mult(model_args, hidden),
                        seed)
     else:
-        from fsdp2_backend.training.checkpoint_io import print_rank0
+        from fsdp2_backend.distributed.console import print_rank0
 
         print_rank0("notice: model.use_mup: the weights are loaded, so µP's initialisation does nothing (the "
                     "attention scale, multipliers and learning-rate rules apply)")

@@ -265,7 +265,7 @@ def configure_step35(model: nn.Module, config) -> None:
                   fix_router=config.optimization.fix_router, model_args=config.model)
     mtp = getattr(model.config, "num_nextn_predict_layers", 0) or 0
     if mtp and not getattr(config.model, "mtp_num_layers", None):  # with it: models/mtp_layouts.py loads them
-        from fsdp2_backend.training.checkpoint_io import print_rank0
+        from fsdp2_backend.distributed.console import print_rank0
 
         n = model.config.num_hidden_layers
         print_rank0(f"model_id step35: the checkpoint's {mtp} MTP layers (model.layers.{n}-{n + mtp - 1}) are not "

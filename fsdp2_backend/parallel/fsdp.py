@@ -64,7 +64,7 @@ def _family_default(model: nn.Module, patterns: Sequence[str]) -> Sequence[str]:
                      if type(module).__name__ in block_classes and name.rsplit(".", 1)[-1].isdigit()})
     if not blocks:
         return patterns
-    from fsdp2_backend.training.checkpoint_io import print_rank0
+    from fsdp2_backend.distributed.console import print_rank0
 
     print_rank0(f"parallel.fsdp_modules: the default's '{default[0]}' is not a path of {type(model).__name__} — its "
                 f"decoder blocks {', '.join(blocks)} are the FSDP units (set fsdp_modules to choose others)")

@@ -48,7 +48,7 @@ GDN_FLAGS = ("use_triton_gdn", "use_flash_gdn", "use_triton_rmsnormgated")
 
 
 def _default_log(line: str) -> None:
-    from fsdp2_backend.training.checkpoint_io import print_rank0
+    from fsdp2_backend.distributed.console import print_rank0
 
     print_rank0(line)
 

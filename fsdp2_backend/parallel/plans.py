@@ -68,7 +68,7 @@ def lenient_matches(model: nn.Module, patterns: Sequence[str], field: str,
     if require_one and unmatched and len(unmatched) == len(patterns):
         return require_matches(model, patterns, field)
     if unmatched:
-        from fsdp2_backend.training.checkpoint_io import print_rank0
+        from fsdp2_backend.distributed.console import print_rank0
 
         for pattern in unmatched:
             print_rank0(f"warning: {field}: pattern '{pattern}' matches no module of {type(model).__name__} — "

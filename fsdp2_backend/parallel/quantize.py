@@ -46,7 +46,7 @@ def _unwrap_state_dict(module: nn.Module, state_dict, prefix, local_metadata) ->
 def apply_quantization(model: nn.Module, config: Config) -> List[str]:
     """Converts the selected modules in place; returns the names of the converted modules."""
     from fsdp2_backend.models.moe.experts import GroupedExperts
-    from fsdp2_backend.training.checkpoint_io import print_rank0
+    from fsdp2_backend.distributed.console import print_rank0
     from fsdp2_backend.kernels.mx_linear import mx_grouped_linear
 
     m = config.model

@@ -53,24 +53,6 @@ _TMP_SUFFIX = ".tmp"
 _DELETING_SUFFIX = ".deleting"
 
 
-def print_line(line: str) -> None:
-    """One line on stdout in ONE write: rank 0 (checkpoint lines) and the last rank (the training log line)
-    share torchrun's output, and `print` under `python -u` writes the text and its newline separately, so
-    another rank's line could land between them and glue two lines together."""
-    import sys
-
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-def print_rank0(line: str) -> None:
-    """User-facing lines (Megatron's among them), on stdout of rank 0 as print_rank_0 writes."""
-    import torch.distributed as dist  # here, not at import: validation reads this module without torch
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print_line(line)
-
-
 def iter_dir_name(iteration: int) -> str:
     """Megatron's directory name for an iteration: ``iter_0000010``."""
     return f"iter_{iteration:07d}"
@@ -172,7 +154,7 @@ class ResumePoint(NamedTuple):
 
     @property
     def megatron(self) -> bool:
-        """`checkpoint` is a Megatron-LM iteration directory (training/megatron_resume.py), not one of ours."""
+        """`checkpoint` is a Megatron-LM iteration directory (megatron_compat/checkpoint/resume.py), not one of ours."""
         return self.checkpoint is not None and not is_complete_checkpoint(self.checkpoint)
 
 
@@ -192,7 +174,7 @@ def resume_point(save_dir: Optional[str], resume_from_checkpoint: Optional[str],
     def refuse_foreign(path, flag):
         kind = foreign_checkpoint(path)
         if kind:
-            from fsdp2_backend.training.megatron_checkpoint import megatron_iteration_dir  # imports torch
+            from megatron_compat.checkpoint.convert import megatron_iteration_dir  # imports torch
 
             it_dir = megatron_iteration_dir(path)
             if it_dir is not None:

@@ -61,7 +61,7 @@ class Checkpointer:
             return
         training = self.config.training
         if self.resume.megatron:  # a Megatron-LM checkpoint: what maps of it (megatron_resume)
-            from fsdp2_backend.training.megatron_resume import load_megatron_checkpoint
+            from megatron_compat.checkpoint.resume import load_megatron_checkpoint
 
             load_megatron_checkpoint(self.resume.checkpoint, self.model, self.optimizer, self.scheduler, self.state,
                                      self.loss_scaler, no_load_optim=training.no_load_optim,

@@ -33,7 +33,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".dist
 
 def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, tokenizer: Any = None) -> Path:
     """Writes ``model`` (sharded or not; an HF PreTrainedModel) as an HF directory (collective)."""
-    from fsdp2_backend.training.checkpoint_io import print_rank0
+    from fsdp2_backend.distributed.console import print_rank0
 
     started = time.perf_counter()
     out_dir = Path(out_dir)

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from fsdp2_backend.training.checkpoint_io import print_line
+from fsdp2_backend.distributed.console import print_line
 from fsdp2_backend.training.metrics_writers import (IntervalTimers, ScalarWriters, memory_scalars,  # noqa: F401
                                                      open_tensorboard)
 

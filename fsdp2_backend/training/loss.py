@@ -46,7 +46,7 @@ def chunked_masked_loss_sum(hidden: Tensor, lm_head: Callable[[Tensor], Tensor],
     gradients equal the unchunked computation up to summation order. Under FSDP2, call it inside the root
     module's forward (a wrapper whose forward runs the backbone, then this), so every unit is unsharded when
     called; the lm head may be its own FSDP unit (called once per chunk; tested against 1 rank in
-    tests/test_grad_clip.py).
+    tests/training/test_grad_clip.py).
     """
     flat_hidden = hidden.reshape(-1, hidden.size(-1))
     flat_labels, flat_mask = labels.reshape(-1), loss_mask.reshape(-1)

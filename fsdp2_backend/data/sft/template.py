@@ -1,7 +1,7 @@
 """Chat templates of the SFT data path: a canonical example (formats.py) → (prompt, reply) text per turn → ids.
 
 - `qwen3`: Qwen3's own chat template written out turn by turn, so that the concatenated ids equal the Qwen3
-  tokenizer's `apply_chat_template` for the same messages (tests/test_sft_template.py checks it on the
+  tokenizer's `apply_chat_template` for the same messages (tests/sft/test_sft_template.py checks it on the
   template in shared/sft_parity): the tools block in the system turn, `<tool_call>` / `<tool_response>`, and
   Qwen3's thinking rules — reasoning (`<think>…</think>`) kept only on replies after the last user query, the
   final reply always carrying a think block (empty when it has none). `enable_thinking`: True trains on that

@@ -2,7 +2,7 @@
 group-limited), Sinkhorn, the scores the load-balancing losses use, the Switch / z losses and the expert-bias
 update — megatron-core's `moe_utils` re-stated (tests compare each with megatron-core 0.16.1 on the same
 logits). The module that holds state and process-group hooks is `router.TopKRouter`.
-MindSpeed-LLM's additions, which megatron-core 0.16.1 lacks (tests/test_router_mindspeed.py checks them against
+MindSpeed-LLM's additions, which megatron-core 0.16.1 lacks (tests/models/test_router_mindspeed.py checks them against
 its formulas): the `sqrtsoftplus` score function (DeepSeek-V4: sqrt(softplus(logits)), routed like sigmoid) and
 the scores of its `--seq-aux` loss under balancing 'none' (`mindspeed_seq_aux_scores`).
 """

@@ -1,0 +1,1 @@
+"""The native config: schema, loading and validation (fsdp2_backend/config/)."""

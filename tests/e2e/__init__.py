@@ -1,0 +1,1 @@
+"""The entry point and its tools run as users run them (torchrun subprocesses)."""

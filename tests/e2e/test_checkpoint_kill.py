@@ -1,0 +1,145 @@
+"""SIGKILL of a job that saves every step: a restart of the same command always resumes from the newest
+complete checkpoint (the one the latest marker names; the one before when the kill fell between rename and
+marker), never a partial one, and ends exactly where an uninterrupted run ends.
+
+The job (`train_loop`, run as a separate python process) is a 1-rank FSDP2 Qwen3 with attention dropout
+(so RNG restore matters) saving every step with rotation. It is killed mid-write (a `.tmp` directory
+exists), right after a commit (the rename just happened, the marker may lag), and at a random moment.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+TOTAL_STEPS = 16
+
+
+@dataclasses.dataclass
+class _State:
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def train_loop(save_dir: str, port: int) -> None:
+    """The job: resume if a checkpoint exists, train to TOTAL_STEPS saving every step, write final.pt."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from fsdp2_backend.training.checkpoint import CheckpointManager, load_checkpoint
+    from fsdp2_backend.training.checkpoint_io import resume_point
+    from tests.helpers import tiny_qwen3_config
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_qwen3_config(attention_dropout=0.2))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    manager = CheckpointManager(save_dir, save_total_limit=2)
+    state = _State()
+    checkpoint = resume_point(save_dir, None).checkpoint
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, model, optimizer, scheduler, state)
+        print(f"resumed {state.iteration} from {Path(checkpoint).name}", flush=True)
+    while state.iteration < TOTAL_STEPS:
+        batch = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(state.iteration))
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        state = _State(state.iteration + 1, state.consumed_samples + 2)
+        manager.save(state.iteration, model, optimizer, scheduler, state)
+    manager.finalize()
+    torch.save(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)),
+               Path(save_dir) / "final.pt")
+    dist.destroy_process_group()
+
+
+def _start(save_dir: Path) -> subprocess.Popen:
+    from tests.helpers import free_port
+
+    code = f"from tests.e2e.test_checkpoint_kill import train_loop; train_loop({str(save_dir)!r}, {free_port()})"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+
+
+def _wait_until(proc: subprocess.Popen, condition, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, "the job ended before the moment we meant to kill it"
+        assert time.monotonic() < deadline, "timed out waiting for the job"
+        time.sleep(0.002)
+
+
+def _kill(proc: subprocess.Popen) -> str:
+    assert proc.poll() is None, "the job ended before the kill"
+    proc.send_signal(signal.SIGKILL)
+    return proc.communicate()[0]
+
+
+def test_sigkill_while_saving_resumes_from_newest_complete(tmp_path):
+    from fsdp2_backend.training import checkpoint_io as io
+
+    reference_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
+    reference = _start(reference_dir)
+
+    def newest() -> int:
+        found = io.complete_checkpoints(killed_dir)
+        return found[-1][0] if found else 0
+
+    def expected_resume() -> int:
+        # The spec: the marker's checkpoint when complete, else the highest complete one.
+        marker = io.read_latest_marker(killed_dir)
+        complete = [i for i, _ in io.complete_checkpoints(killed_dir)]
+        assert complete and (marker is None or marker in complete or marker < complete[-1])
+        return marker if marker in complete else complete[-1]
+
+    def writing() -> bool:
+        return killed_dir.is_dir() and any(p.name.endswith(".tmp") and p.is_dir() for p in killed_dir.iterdir())
+
+    resumes = []
+    # 1: mid-write, with at least one complete checkpoint behind it.
+    proc = _start(killed_dir)
+    _wait_until(proc, lambda: newest() >= 1 and writing())
+    _kill(proc)
+    resumes.append(expected_resume())
+    # 2: right after a commit (rename done; the latest marker may not be written yet).
+    proc, before = _start(killed_dir), newest()
+    _wait_until(proc, lambda: newest() > before)
+    output = _kill(proc)
+    assert f"resumed {resumes[-1]} " in output  # never a partial: exactly the newest complete one
+    resumes.append(expected_resume())
+    # 3: at a random moment once it trains again.
+    proc, before = _start(killed_dir), newest()
+    _wait_until(proc, lambda: newest() > before)
+    time.sleep(random.uniform(0.0, 0.3))
+    output = _kill(proc)
+    assert f"resumed {resumes[-1]} " in output
+    resumes.append(expected_resume())
+    # The restart of the same command finishes the run.
+    proc = _start(killed_dir)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0 and f"resumed {resumes[-1]} " in output
+    assert reference.wait(timeout=300) == 0
+
+    assert [i for i, _ in io.complete_checkpoints(killed_dir)] == [TOTAL_STEPS - 1, TOTAL_STEPS]
+    assert not any(p.name.endswith((".tmp", ".deleting")) for p in killed_dir.iterdir())
+    straight = torch.load(reference_dir / "final.pt", weights_only=True)
+    resumed = torch.load(killed_dir / "final.pt", weights_only=True)
+    assert straight.keys() == resumed.keys()
+    for key in straight:  # same steps, same data, same dropout draws: the same bits
+        assert torch.equal(straight[key], resumed[key]), key

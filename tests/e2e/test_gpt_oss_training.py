@@ -1,0 +1,75 @@
+"""MindSpeed-LLM's gpt_oss pretraining YAML (its launcher's arguments, paths replaced, sizes scaled to 2 CPU ranks)
+trains a tiny GPT-OSS with the gpt_oss model id: expert parallel 2 on 2 ranks prints the lm loss of one rank
+(no EP) at every step, within 1e-4; the export loads in transformers."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import REPO, free_port, train_bytelevel_tokenizer
+from tests.e2e.test_mindspeed_yaml import LOG_LINE_START, _failure, _run
+
+YAML = os.path.join(REPO, "tests", "data", "mindspeed_fsdp2", "head",
+                    "examples__fsdp2__gpt_oss__pretrain_gpt_oss_20b_4k_fsdp2_A3.yaml")
+# head's launcher: --optimization.* switches it gives (fused rmsnorm / rotary, grouped GEMM)
+LAUNCHER_SWITCHES = ["--optimization.use_fused_rmsnorm", "True", "--optimization.moe_grouped_gemm", "True",
+                     "--optimization.use_fused_rotary_pos_emb", "True"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from fsdp2_backend.cli.demo_assets import stdlib_texts
+
+    root = tmp_path_factory.mktemp("gpt_oss_assets")
+    parquet = root / "train.parquet"
+    pq.write_table(pa.table({"text": stdlib_texts(max_files=32, max_chars=2000)}), str(parquet))
+    model = root / "tiny-gpt-oss"
+    tokenizer = train_bytelevel_tokenizer(model, vocab_size=300)
+    config = GptOssConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=8, max_position_embeddings=256,
+                          layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = GptOssForCausalLM(config)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.sinks.normal_(0, 0.5)
+    hf.save_pretrained(str(model))
+    return {"model": str(model), "dataset": json.dumps({"file_name": str(parquet)})}
+
+
+def _train(assets, out, ranks, ep):
+    from fsdp2_backend.training.logging import parse_train_line
+
+    args = ["--model.model_name_or_path", assets["model"], "--data.dataset", assets["dataset"],
+            "--parallel.fsdp_size", str(ranks), "--parallel.ep_size", str(ep), "--parallel.ep_fsdp_size", "1",
+            "--training.per_device_train_batch_size", "1", "--training.gradient_accumulation_steps", str(3 - ranks),
+            "--training.output_dir", str(out), *LAUNCHER_SWITCHES, "--training.max_steps", "4",
+            "--data.cutoff_len", "64", "--training.save_steps", "4", "--training.lr", "1e-3"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), YAML, *args]
+    result = _run(command, {}, timeout=600)
+    assert result.returncode == 0, _failure(result, command)
+    log = result.stdout + result.stderr
+    lines = [parsed for line in log.splitlines() for start in LOG_LINE_START.finditer(line)
+             if (parsed := parse_train_line(line[start.start():]))]
+    return {line["iteration"]: line["losses"]["lm loss"] for line in lines}, log
+
+
+def test_mindspeed_yaml_ep2_equals_one_rank_and_exports(assets, tmp_path):
+    one, log = _train(assets, tmp_path / "one", ranks=1, ep=1)
+    assert sorted(one) == [1, 2, 3, 4], log[-3000:]
+    ep2, log = _train(assets, tmp_path / "ep2", ranks=2, ep=2)
+    assert sorted(ep2) == [1, 2, 3, 4], log[-3000:]
+    for it in one:
+        assert ep2[it] == pytest.approx(one[it], rel=1e-4), (it, one[it], ep2[it])
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ep2" / "hf"), attn_implementation="eager")
+    assert type(exported).__name__ == "GptOssForCausalLM"

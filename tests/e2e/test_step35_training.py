@@ -1,0 +1,123 @@
+"""MindSpeed-LLM's step35 YAMLs (paths replaced, sizes scaled to 2 CPU ranks) train a tiny Step-3.5 with the step35
+model id from a checkpoint in Step-3.5's own on-disk layout (meta-device init, so the streaming loader maps
+`moe.*` / `share_expert.*` keys): one rank, expert parallel 2 (the examples YAML, grouped GEMM) and ep_fsdp 2
+(the CI pipeline YAML, recompute on) on 2 ranks train 8 steps in fp32 (see `_train`) and print the same lm loss
+(1e-4) at every step; the EP 2 checkpoint of step 4 continues at one rank, its step 5 = EP 2's step 5; the
+EP 2 run's HF export holds exactly Step-3.5's keys (tests/models/test_step35.py streams such an export back). The
+f88dd26d copy of the examples YAML dry-runs at its launcher's world size (192)."""
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import REPO, free_port, train_bytelevel_tokenizer
+from tests.e2e.test_mindspeed_yaml import _failure, _run, train_lines
+from tests.models.test_step35 import _reference, _write_step35_checkpoint, step35_config, step35_config_dict
+
+DATA = os.path.join(REPO, "tests", "data", "mindspeed_fsdp2")
+EXAMPLES = os.path.join(DATA, "head", "examples__fsdp2__step35__pretrain_step_3p5_flash_196b_4K_fsdp2_A3.yaml")
+PIPELINE = os.path.join(DATA, "head", "tests__pipeline__st__step35-flash__pretrain_step_3p5_flash_4K_fsdp2.yaml")
+OLD = os.path.join(DATA, "f88dd26d", "examples__fsdp2__step35__pretrain_step_3p5_flash_196b_4K_fsdp2_A3.yaml")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fsdp2_backend.cli.demo_assets import stdlib_texts
+
+    root = tmp_path_factory.mktemp("step35_assets")
+    parquet = root / "train.parquet"
+    pq.write_table(pa.table({"text": stdlib_texts(max_files=32, max_chars=2000)}), str(parquet))
+    model = root / "tiny-step35"
+    tokenizer = train_bytelevel_tokenizer(model, vocab_size=300)
+    vocab = len(tokenizer)
+    text, head = _reference(step35_config(vocab_size=vocab), large_mlp=False)
+    written = _write_step35_checkpoint(model, text, head, step35_config_dict(vocab_size=vocab))
+    return {"model": str(model), "dataset": json.dumps({"file_name": str(parquet)}), "keys": set(written)}
+
+
+def _train(assets, yaml_file, out, ranks, ep, ep_fsdp, *extra, steps=8):
+    from fsdp2_backend.training.logging import parse_train_line
+
+    args = ["--model.model_name_or_path", assets["model"], "--model.tokenizer_name_or_path", assets["model"],
+            "--data.dataset", assets["dataset"], "--parallel.fsdp_size", str(ranks), "--parallel.ep_size", str(ep),
+            "--parallel.ep_fsdp_size", str(ep_fsdp), "--training.per_device_train_batch_size", "1",
+            "--training.gradient_accumulation_steps", str(3 - ranks), "--training.output_dir", str(out),
+            "--training.max_steps", str(steps), "--data.cutoff_len", "32", "--training.save_steps", "4",
+            "--training.lr", "1e-3", "--training.lr_scheduler_type", "constant",
+            "--training.warmup_ratio", "0",  # the CI YAML has no warmup_ratio: the default 0.03 warms up
+            # fp32 compute (the YAMLs say bf16): under EP an expert's weight gradient is one bf16 GEMM over the
+            # tokens of both ranks, at one rank one per micro-batch, so the bf16 roundings differ (~2e-3 of the
+            # expert gradients, every other gradient equal bit for bit), and AdamW turns that into lr-sized steps
+            # on near-zero gradient entries: the layouts then agree to ~1e-4 at step 2 only, drifting after
+            "--parallel.param_dtype", "fp32", *extra]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), yaml_file, *args]
+    result = _run(command, {}, timeout=900)
+    assert result.returncode == 0, _failure(result, command)
+    log = result.stdout + result.stderr
+    return {line["iteration"]: line["losses"]["lm loss"] for line in train_lines(log, parse_train_line)}, log
+
+
+def _checkpoint(out, iteration):
+    found = [os.path.join(root, d) for root, dirs, _ in os.walk(out) for d in dirs if d == f"iter_{iteration:07d}"]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_step35_yamls_train_under_ep2_and_ep_fsdp2_and_continue_at_one_rank(assets, tmp_path):
+    one, log = _train(assets, EXAMPLES, tmp_path / "one", ranks=1, ep=1, ep_fsdp=1)
+    assert sorted(one) == list(range(1, 9)), log[-3000:]
+    assert "MTP layers (model.layers.4-4) are not loaded" in log
+    ep2, log = _train(assets, EXAMPLES, tmp_path / "ep2", 2, 2, 1, "--optimization.moe_grouped_gemm", "True")
+    assert sorted(ep2) == list(range(1, 9)), log[-3000:]
+    ep_fsdp, log = _train(assets, PIPELINE, tmp_path / "ep_fsdp", 2, 1, 2, "--parallel.recompute", "True")
+    assert sorted(ep_fsdp) == list(range(1, 9)), log[-3000:]
+    for run in (one, ep2, ep_fsdp):
+        assert all(0 < loss < 10 for loss in run.values()) and run[8] < run[1], run  # finite, and it trains
+    # every step: the same losses under every layout (step 1 is the forward of the checkpoint's weights)
+    for step in range(1, 9):
+        assert ep2[step] == pytest.approx(one[step], rel=1e-4), (step, one, ep2)
+        assert ep_fsdp[step] == pytest.approx(one[step], rel=1e-4), (step, one, ep_fsdp)
+    # the EP 2 export: Step-3.5's on-disk keys (no MTP layer)
+    from safetensors import safe_open
+
+    keys = set()
+    for f in (tmp_path / "ep2" / "hf").glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as handle:
+            keys |= set(handle.keys())
+    assert keys == {k for k in assets["keys"] if not k.startswith("model.layers.4.")}
+    # the EP 2 checkpoint of step 4 continues at one rank: step 5 is the forward of the saved weights
+    shutil.copytree(_checkpoint(tmp_path / "ep2", 4), tmp_path / "ckpt" / "iter_0000004")
+    continued, log = _train(assets, EXAMPLES, tmp_path / "continued", 1, 1, 1,
+                            "--training.resume_from_checkpoint", str(tmp_path / "ckpt"))
+    assert sorted(continued) == [5, 6, 7, 8], log[-3000:]
+    assert continued[5] == pytest.approx(ep2[5], rel=1e-5), (continued, ep2)
+    assert all(0 < loss < 10 for loss in continued.values()), continued
+
+
+def test_f88dd26d_step35_yaml_dry_runs_at_its_world_size(assets, tmp_path):
+    import yaml
+
+    real = tmp_path / "Step-3.5-Flash"  # the published model's sizes that the layout checks read
+    shutil.copytree(assets["model"], real)
+    (real / "model.safetensors").unlink()
+    (real / "config.json").write_text(json.dumps(step35_config_dict(
+        vocab_size=128896, hidden_size=4096, num_hidden_layers=45, num_attention_heads=64, num_attention_groups=8,
+        head_dim=128, moe_num_experts=288, moe_top_k=8, moe_intermediate_size=1280, share_expert_dim=1280,
+        intermediate_size=11264, moe_layers_enum=",".join(map(str, range(3, 45))), num_nextn_predict_layers=3,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"] * 12,
+        attention_other_setting={"attention_type": "sliding_attention", "num_attention_heads": 96,
+                                 "num_attention_groups": 8, "head_dim": 128, "true_head_dim": 128})))
+    command = [sys.executable, os.path.join(REPO, "pretrain_fsdp2.py"), OLD, "--model.model_name_or_path",
+               str(real), "--model.tokenizer_name_or_path", str(real), "--data.dataset",
+               assets["dataset"], "--training.output_dir", str(tmp_path / "out"), "--dry-run"]
+    result = _run(command, {"WORLD_SIZE": "192"}, timeout=300)
+    assert result.returncode == 0, _failure(result, command)
+    parallel = yaml.safe_load(result.stdout)["parallel"]
+    assert (parallel["ep_size"], parallel["ep_fsdp_size"], parallel["fsdp_size"]) == (96, 2, 192)

@@ -1,0 +1,1 @@
+"""Megatron's flags, translation, data formats and checkpoint formats (megatron_compat/)."""

@@ -1,0 +1,1 @@
+"""The model registry and this project's model implementations (fsdp2_backend/models/)."""

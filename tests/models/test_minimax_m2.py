@@ -1,0 +1,139 @@
+"""minimax_m27 vs transformers' own MiniMaxM2ForCausalLM (per-expert loop, its sigmoid router) for the same
+weights, with a non-zero e_score_correction_bias that changes the selection: logits, aux loss, gradients;
+the HF export (transformers' per-expert on-disk keys) loads in transformers and streams back through the
+project's loader, for the model id and for transformers' own class; fused RoPE leaves the partial rotary alone;
+TP declined."""
+import pytest
+import torch
+
+from fsdp2_backend.models.minimax_m2 import MiniMaxM2GroupedForCausalLM, MiniMaxM2Router
+from fsdp2_backend.models.moe.experts import GroupedExperts
+from fsdp2_backend.models.registry import model_spec
+
+
+def tiny_minimax_config(**overrides):
+    from transformers import MiniMaxM2Config
+
+    values = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                  max_position_embeddings=64, rotary_dim=8, output_router_logits=True, router_aux_loss_coef=0.02,
+                  tie_word_embeddings=False)
+    values.update(overrides)
+    config = MiniMaxM2Config(**values)
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    return config
+
+
+def _pair():
+    from transformers import MiniMaxM2ForCausalLM
+
+    torch.manual_seed(0)
+    hf = MiniMaxM2ForCausalLM(tiny_minimax_config())
+    with torch.no_grad():  # transformers initialises the bias to 0 and the norms to 1: make them matter
+        for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                t.normal_(0, 0.3)
+            elif "norm" in name:
+                t.normal_(1, 0.2)
+    ours = model_spec("minimax_m27").build(tiny_minimax_config())
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    return hf.train(), ours.train()
+
+
+def test_registry_builds_the_grouped_model():
+    model = model_spec("minimax_m27").build(tiny_minimax_config())
+    assert isinstance(model, MiniMaxM2GroupedForCausalLM)
+    assert all(isinstance(layer.mlp.experts, GroupedExperts) and isinstance(layer.mlp.gate, MiniMaxM2Router)
+               for layer in model.model.layers)
+    assert model.model.layers[0].self_attn.q_norm.weight.shape == (4 * 16,)  # q norm over the whole projection
+
+
+@pytest.mark.parametrize("grouped_gemm", [False, True])
+def test_equals_transformers(grouped_gemm):
+    hf, ours = _pair()
+    for m in ours.modules():
+        if isinstance(m, GroupedExperts):
+            m.use_grouped_gemm = grouped_gemm
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    want, got = hf(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    want.loss.backward()
+    got.loss.backward()
+    grads = dict(ours.named_parameters())
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_bias_changes_selection_and_is_not_updated():
+    hf, ours = _pair()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    block = ours.model.layers[0].mlp
+    hidden = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(2))
+    _, _, with_bias = block.gate(hidden, block.e_score_correction_bias)
+    _, _, without = block.gate(hidden, torch.zeros_like(block.e_score_correction_bias))
+    assert not torch.equal(with_bias.sort(-1)[0], without.sort(-1)[0])  # the test's bias matters
+    before = block.e_score_correction_bias.clone()
+    from fsdp2_backend.models.moe.router import finish_router_step
+
+    ours(input_ids=ids).logits.sum().backward()
+    finish_router_step(ours, 1)
+    torch.testing.assert_close(block.e_score_correction_bias, before, rtol=0, atol=0)
+
+
+def test_hf_export_loads_in_transformers_and_streams_back(tmp_path):
+    from safetensors import safe_open
+    from transformers import MiniMaxM2ForCausalLM
+
+    from fsdp2_backend.models.loading import load_safetensors
+
+    _, ours = _pair()
+    ours.save_pretrained(tmp_path)
+    with safe_open(str(next(tmp_path.glob("*.safetensors"))), "pt") as f:
+        keys = set(f.keys())
+    # transformers writes MiniMax-M2's own on-disk layout
+    assert "model.layers.0.block_sparse_moe.experts.7.w3.weight" in keys
+    assert "model.layers.1.block_sparse_moe.e_score_correction_bias" in keys
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(3))
+    ours.eval()
+    want = ours(input_ids=ids).logits
+    loaded = MiniMaxM2ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+    config = tiny_minimax_config()
+    for model, spec in ((model_spec("minimax_m27").build(config), model_spec("minimax_m27")),
+                        (MiniMaxM2ForCausalLM(config), None)):  # model_id unset: transformers' own class
+        load_safetensors(model, str(tmp_path), spec=spec, hf_config=config)
+        state, ref = model.state_dict(), ours.state_dict()
+        for name, tensor in ref.items():
+            torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_fused_rotary_leaves_partial_rope_alone():
+    from fsdp2_backend.parallel.kernel_swaps import _use_fused_rotary
+
+    _, ours = _pair()
+    line = _use_fused_rotary(ours, "cpu")
+    assert "MiniMaxM2Attention" in line and "left alone" in line
+    assert all("forward" not in vars(m) for m in ours.modules())
+
+
+def test_tp_declined():
+    from fsdp2_backend.config.layout_rules import check_model_layout
+    from fsdp2_backend.config.model_facts import ModelFacts
+    from tests.config.test_config import messages, pt_config
+
+    config = pt_config(model={"model_id": "minimax_m27"}, parallel={"tp_size": 2})
+    errors = []
+    check_model_layout(config, ModelFacts(source="", num_heads=4, num_kv_heads=2), 2, errors)
+    assert errors and errors[0].startswith("parallel.tp_size: model_id minimax_m27")
+    assert any(m.startswith("parallel.tp_size: model_id minimax_m27") for m in messages(config, world_size=2))
+
+
+def test_expert_bias_update_declined():
+    from tests.config.test_config import messages, pt_config
+
+    found = messages(pt_config(model={"model_id": "minimax_m27", "moe_router_enable_expert_bias": True}))
+    assert any(m.startswith("model.moe_router_enable_expert_bias (--moe-router-enable-expert-bias): model_id "
+                            "minimax_m27") for m in found), found

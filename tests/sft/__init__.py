@@ -1,0 +1,1 @@
+"""The fine-tuning data path (fsdp2_backend/data/sft/)."""

@@ -1,0 +1,1 @@
+"""The command-line tools, the README and docs, the test helpers."""

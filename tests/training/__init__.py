@@ -1,0 +1,1 @@
+"""The loop, loss, optimizer, scheduler, checkpoints, logging, export (fsdp2_backend/training/)."""
