@@ -85,6 +85,8 @@ class MiniMaxM2GroupedForCausalLM(GroupedMoECausalLM, MiniMaxM2ForCausalLM):
     transformers' init, save (its per-expert on-disk layout) and aux loss through `GroupedMoECausalLM`."""
 
     hf_experts_class, hf_class = MiniMaxM2Experts, MiniMaxM2ForCausalLM
+    # MindSpeed-LLM f88dd26d's YAMLs name the sparse block as the checkpoint does (parallel/plans.py)
+    plan_path_aliases = {"block_sparse_moe": "mlp"}
 
     def __init__(self, config):
         super().__init__(config)

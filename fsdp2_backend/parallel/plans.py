@@ -5,6 +5,10 @@ A pattern matches a module's dotted name (as in `model.named_modules()`) as a wh
 - `*` stands for any run of characters, dots included, e.g. `*.q_proj` is every q_proj anywhere;
 - everything else is literal (`model.embed_tokens`, `lm_head`; `?` and `[...]` too, unlike fnmatch).
 
+A model may declare `plan_path_aliases` ({old component: new component}): a path component its checkpoints or
+older configs name differently, e.g. MiniMax-M2's `block_sparse_moe` (MindSpeed-LLM f88dd26d's YAMLs, the HF
+checkpoint) that transformers 5 calls `mlp`. A pattern naming the old component matches the module under the new.
+
 This is the one matcher for module names: every stage that picks modules by pattern (tensor parallel, expert
 parallel, recompute, FSDP) asks this module, so a pattern means the same thing in every plan field.
 """
@@ -39,15 +43,25 @@ def matches(name: str, patterns: Iterable[str]) -> bool:
     return any(compile_pattern(p).match(name) for p in patterns)
 
 
+def _with_aliases(model: nn.Module, pattern: str) -> List[str]:
+    """`pattern` and, for each of the model's `plan_path_aliases` it names as a component, its new spelling."""
+    aliases = getattr(model, "plan_path_aliases", None) or {}
+    parts = pattern.split(".")
+    renamed = [aliases.get(part, part) for part in parts]
+    return [pattern] if renamed == parts else [pattern, ".".join(renamed)]
+
+
 def match_modules(model: nn.Module, patterns: Sequence[str]) -> List[Tuple[str, nn.Module]]:
     """(name, module) for every submodule matching a pattern, in the model's registration order."""
-    return [(name, module) for name, module in model.named_modules() if name and matches(name, patterns)]
+    expanded = [q for p in patterns for q in _with_aliases(model, p)]
+    return [(name, module) for name, module in model.named_modules() if name and matches(name, expanded)]
 
 
 def unmatched_patterns(model: nn.Module, patterns: Sequence[str]) -> List[str]:
     """The patterns (in the given order) that match no submodule of `model`."""
     names = [name for name, _ in model.named_modules() if name]
-    return [p for p in patterns if not any(compile_pattern(p).match(n) for n in names)]
+    return [p for p in patterns
+            if not any(compile_pattern(q).match(n) for q in _with_aliases(model, p) for n in names)]
 
 
 def require_matches(model: nn.Module, patterns: Sequence[str], field: str) -> List[Tuple[str, nn.Module]]:

@@ -201,7 +201,9 @@ def _grouped_class(model_type: str) -> type:
     name = family.causal_lm.__name__.replace("ForCausalLM", "GroupedForCausalLM")
     return type(name, (GroupedMoECausalLM, family.causal_lm),
                 {"__init__": __init__, "_family": family, "hf_experts_class": family.experts,
-                 "hf_class": family.causal_lm})
+                 "hf_class": family.causal_lm,
+                 # Mixtral's HF checkpoints (and configs written for them) name the sparse block block_sparse_moe
+                 "plan_path_aliases": {"block_sparse_moe": "mlp"} if model_type == "mixtral" else {}})
 
 
 GROUPED_CLASSES: Dict[str, type] = {model_type: _grouped_class(model_type) for model_type in FAMILIES}
