@@ -15,6 +15,7 @@ from fsdp2_backend.usage_errors import UsageError
 
 SFT_TEMPLATES = ("qwen3", "gpt", "empty")
 SFT_TOOL_FORMATS = ("qwen", "default")
+EFFICIENT_EOS_TEMPLATES = ("gpt",)  # data/sft/template.py: efficient_eos
 # Data fields only Megatron's pretraining data reads: with the SFT data path they have no effect.
 MG_ONLY_DATA_FIELDS = ("split", "create_attention_mask_in_dataloader", "reset_attention_mask", "append_eod",
                        "data_cache_path", "mock_data", "eod_mask_loss", "reset_position_ids", "train_data_path",
@@ -75,6 +76,9 @@ def check_sft(config, errors: List[str]) -> None:
     if d.template is not None and d.template not in SFT_TEMPLATES:
         errors.append(f"data.template: '{d.template}' is not a template — use one of {', '.join(SFT_TEMPLATES)}, or "
                       "unset it for the tokenizer's own chat template")
+    if d.train_on_prompt and d.template in EFFICIENT_EOS_TEMPLATES:
+        errors.append(f"data.train_on_prompt: template {d.template} ends each sample with one eos (efficient_eos), "
+                      "which cannot train on prompts (MindSpeed refuses it too) — unset train_on_prompt")
     if d.tool_format is not None and d.tool_format not in SFT_TOOL_FORMATS:
         errors.append(f"data.tool_format: '{d.tool_format}' is not a tool format — use one of "
                       f"{', '.join(SFT_TOOL_FORMATS)}")

@@ -1,6 +1,7 @@
 """SFT templates and labels against independent references: the Qwen3 chat template itself (the tokenizer's own
-`apply_chat_template` on tests/data/sft/qwen3_chat_template.jinja) and LLaMA-Factory's documented rules for
-labels and the cutoff budget (worked by hand here)."""
+`apply_chat_template` on tests/data/sft/qwen3_chat_template.jinja) for single-turn samples, and LLaMA-Factory's
+documented rules for labels and the cutoff budget (worked by hand here). Multi-turn samples (each turn rendered
+as a final one, MindSpeed's way): test_sft_multiturn.py."""
 import json
 
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from fsdp2_backend.config import DataArguments
 from fsdp2_backend.data.sft.formats import DatasetAttr, convert_example
 from fsdp2_backend.data.sft.supervised import IGNORE_INDEX, SupervisedProcessor, encode_supervised, infer_seqlen
-from fsdp2_backend.data.sft.template import Qwen3Template, encode_turns, get_template
+from fsdp2_backend.data.sft.template import encode_turns, get_template
 from tests.sft_assets import qwen3_like_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -43,7 +44,7 @@ def _ours(tokenizer, messages, tools=None, enable_thinking=True):
     """Our qwen3 template on the same conversation, read through the OpenAI format converter."""
     row = {"messages": messages, "tools": json.dumps(tools) if tools else None}
     example = convert_example(row, DatasetAttr(name="t", file_name="-", formatting="openai"))
-    template = Qwen3Template(enable_thinking=enable_thinking)
+    template = get_template(DataArguments(template="qwen3", enable_thinking=enable_thinking), tokenizer)
     return encode_turns(tokenizer, template.render(example["messages"], example["system"], example["tools"]))
 
 
@@ -52,14 +53,14 @@ def _strip_reasoning(messages):
             for m in messages]
 
 
-@pytest.mark.parametrize("messages,tools", [(MULTI_TURN, None), (NO_REASONING, None), (TOOL_CALL, TOOLS)],
-                         ids=["multi_turn_system_thinking", "no_reasoning", "tools"])
-def test_qwen3_equals_the_tokenizers_chat_template(tokenizer, messages, tools):
+@pytest.mark.parametrize("messages,tools", [(MULTI_TURN[:3], None), (NO_REASONING[:2], None), (TOOL_CALL[:3], TOOLS)],
+                         ids=["system_thinking", "no_reasoning", "tools"])
+def test_qwen3_single_turn_equals_the_tokenizers_chat_template(tokenizer, messages, tools):
     pairs = _ours(tokenizer, messages, tools, enable_thinking=True)
     assert [t for p, r in pairs for t in p + r] == _reference_ids(tokenizer, messages, tools)
 
 
-@pytest.mark.parametrize("messages,tools", [(MULTI_TURN, None), (TOOL_CALL, TOOLS)], ids=["multi_turn", "tools"])
+@pytest.mark.parametrize("messages,tools", [(MULTI_TURN[:3], None), (TOOL_CALL[:3], TOOLS)], ids=["system", "tools"])
 def test_qwen3_thinking_off_removes_reasoning_and_keeps_the_empty_block_untrained(tokenizer, messages, tools):
     pairs = _ours(tokenizer, messages, tools, enable_thinking=False)
     assert [t for p, r in pairs for t in p + r] == _reference_ids(tokenizer, _strip_reasoning(messages), tools)
@@ -72,7 +73,7 @@ def test_qwen3_thinking_off_removes_reasoning_and_keeps_the_empty_block_untraine
 def test_qwen3_thinking_on_trains_the_final_think_block(tokenizer):
     pairs = _ours(tokenizer, NO_REASONING, enable_thinking=True)
     assert tokenizer.decode(pairs[-1][1]) == "<think>\n\n</think>\n\nGreen.<|im_end|>\n"
-    assert tokenizer.decode(pairs[0][1]) == "Blue.<|im_end|>\n"  # history: no think block (Qwen3's rule)
+    assert tokenizer.decode(pairs[0][1]) == "<think>\n\n</think>\n\nBlue.<|im_end|>\n"  # every turn a final one
 
 
 def test_qwen3_thinking_none_keeps_the_datas_own_tags(tokenizer):
@@ -91,15 +92,16 @@ def test_template_none_parses_the_tokenizers_own(tokenizer):
 def test_default_system_applies(tokenizer):
     template = get_template(DataArguments(template="qwen3", default_system="Be brief."), tokenizer)
     prompt, _ = template.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}])[0]
-    assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+    assert "".join(prompt).startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
 
 
 def test_gpt_template_is_mindspeeds_harmony_slots(tokenizer):
     template = get_template(DataArguments(template="gpt", enable_thinking=True), tokenizer)
     turns = template.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}])
-    assert turns == [("<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI."
-                      "<|end|><|start|>user<|message|>Hi<|end|><|start|>assistant",
-                      "<|channel|>analysis<|message|><|end|><|start|>assistant<|channel|>final<|message|>Yo<|end|>")]
+    assert turns == [(("<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI."
+                       "<|end|>", "<|start|>user<|message|>Hi<|end|><|start|>assistant"),
+                      ("<|channel|>analysis<|message|><|end|><|start|>assistant<|channel|>final<|message|>",
+                       "Yo<|end|>"))]
     assert template.efficient_eos
 
 

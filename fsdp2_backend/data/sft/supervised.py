@@ -7,7 +7,8 @@ LLaMA-Factory's rules (processor/supervised.py), which MindSpeed-LLM's FSDP2 SFT
 - `cutoff_len` is shared turn by turn: each turn gets what the earlier turns left, split between prompt and reply
   by `infer_seqlen` — a reply shorter than half the budget is kept whole, else a prompt shorter than half is
   kept whole, else both are cut in proportion to their lengths. `efficient_eos` templates reserve one token
-  for the eos appended at the end (labelled).
+  for the eos appended at the end (labelled), and label the first prompt token of every later turn (in the
+  order turns are taken) with the eos id: the replies of those templates carry no eos of their own.
 - `packing`: the encoded examples of one preprocessing batch are packed by a greedy knapsack (each row at most
   `cutoff_len` tokens, examples encoded to `cutoff_len - 1` so a row keeps room for a pad token); a packed row
   records its examples' lengths (`doc_lens`).
@@ -50,6 +51,8 @@ def encode_supervised(pairs: Sequence[Tuple[List[int], List[int]]], cutoff_len: 
         source, target = source[:source_len], target[:target_len]
         total += source_len + target_len
         source_label = list(source) if train_on_prompt else [IGNORE_INDEX] * source_len
+        if efficient_eos and turn != 0 and not train_on_prompt and source_len and eos_id is not None:
+            source_label[0] = eos_id  # the eos the previous reply left out, as LLaMA-Factory labels it
         target_label = [IGNORE_INDEX] * target_len if (mask_history and turn != 0) else list(target)
         if mask_history:  # turns were taken last first: put each one before the ones already added
             input_ids = list(source) + list(target) + input_ids

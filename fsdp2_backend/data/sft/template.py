@@ -1,20 +1,26 @@
-"""Chat templates of the SFT data path: a canonical example (formats.py) → (prompt, reply) text per turn → ids.
+"""Chat templates of the SFT data path: a canonical example (formats.py) → (prompt, reply) pieces per turn → ids.
 
-- `qwen3`: Qwen3's own chat template written out turn by turn, so that the concatenated ids equal the Qwen3
-  tokenizer's `apply_chat_template` for the same messages (tests/sft/test_sft_template.py checks it on the
-  template in shared/sft_parity): the tools block in the system turn, `<tool_call>` / `<tool_response>`, and
-  Qwen3's thinking rules — reasoning (`<think>…</think>`) kept only on replies after the last user query, the
-  final reply always carrying a think block (empty when it has none). `enable_thinking`: True trains on that
-  block; False removes every reasoning and puts the empty block in the prompt (not trained); None keeps the
-  data's own `<think>` tags untouched (mixed data) and puts an empty block in the prompt where a reply has none.
-- `gpt`, `empty` and `template: None` (the tokenizer's own chat template, parsed into slots) follow
-  LLaMA-Factory's slot templates (data/template.py of LLaMA-Factory, vendored by MindSpeed-LLM): system and
-  tools in the first prompt, `efficient_eos` (one eos at the end of the sample, gpt), reasoning as
-  LLaMA-Factory's ReasoningTemplate.
+Every template renders a conversation as MindSpeed-LLM's FSDP2 data path does (LLaMA-Factory's `Template` /
+`ReasoningTemplate`, as LLaMA-Factory had them before its PR #10435), not as a chat template renders a whole
+conversation:
+- Slots: `{{content}}` filled per message; system and tools in the first prompt (`system + tools text`, the system
+  slot present when either is given), observations and tool calls in their own slots; `efficient_eos` templates
+  (gpt) end the sample with one eos (supervised.py).
+- Reasoning templates (qwen3, gpt, a tokenizer template with `<think>`): each (prompt, reply) pair is rendered
+  the way the template renders a FINAL turn. Every reply keeps its own thought block; a reply without one gets
+  the empty block (`<think>\n\n</think>\n\n`), in the reply (trained) when `enable_thinking` is true, in the
+  prompt (not trained) when it is false or None; false also removes every reply's thought first. So a
+  multi-turn Qwen3 sample keeps the reasoning of earlier replies, which Qwen3's jinja drops (see the README).
+- `qwen3`: Qwen's tool prompt (`\n\n# Tools...` after the system text, so a sample with tools and no system
+  starts `<|im_start|>system\n\n\n# Tools`, as MindSpeed writes it), `<tool_call>` replies, `<tool_response>`
+  observations; for single-turn samples without tools these are the tokens of Qwen3's `apply_chat_template`.
+- `template: None`: the tokenizer's own chat template cut into slots (MindSpeed's parse_template), the `empty`
+  template when it has none.
+- `data.tool_format` replaces the template's tool prompt and its tool-call slot (`{{content}}` + eos, as
+  MindSpeed does).
 
-Ids: the text of all turns is tokenized at once (a fast tokenizer's offsets assign each token to its turn), so
-the ids are exactly those of tokenizing the whole conversation, as `apply_chat_template` does; a slow tokenizer
-tokenizes each piece on its own (LLaMA-Factory's way).
+Ids: every piece (the first prompt's prefix / system / query, each message, the empty thought block) is
+tokenized on its own, as MindSpeed does, in one batched tokenizer call.
 """
 from __future__ import annotations
 
@@ -23,15 +29,16 @@ import re
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from fsdp2_backend.data.sft.formats import ASSISTANT, FUNCTION, OBSERVATION, USER
+from fsdp2_backend.data.sft.formats import FUNCTION, OBSERVATION
 from fsdp2_backend.usage_errors import UsageError
 
-Turn = Tuple[str, str]  # (prompt text, reply text)
+Pieces = Tuple[str, ...]
+Turn = Tuple[Pieces, Pieces]  # (prompt pieces, reply pieces), each piece tokenized on its own
 TOOL_FORMATS = ("qwen", "default")
 THINK = ("<think>\n", "\n</think>\n\n")
 
-QWEN_TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
-                   "with function signatures within <tools></tools> XML tags:\n<tools>")
+QWEN_TOOLS_HEAD = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
+                   "provided with function signatures within <tools></tools> XML tags:\n<tools>")
 QWEN_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
                    "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
                    "\"arguments\": <args-json-object>}\n</tool_call>")
@@ -45,123 +52,66 @@ def _tool_list(tools: str) -> List[dict]:
     except ValueError:
         return []
     parsed = parsed if isinstance(parsed, list) else [parsed]
-    return [t if "type" in t else {"type": "function", "function": t} for t in parsed if isinstance(t, dict)]
+    return [t for t in parsed if isinstance(t, dict)]
 
 
-def _calls(content: str) -> List[dict]:
+def _calls(content: str) -> List[Tuple[str, str]]:
+    """(name, arguments as JSON text) of a tool-call reply (MindSpeed re-dumps the arguments: a string stays one)."""
     try:
         parsed = json.loads(content)
     except ValueError:
         return []
-    return [c for c in (parsed if isinstance(parsed, list) else [parsed]) if isinstance(c, dict)]
+    return [(str(c.get("name")), json.dumps(c.get("arguments"), ensure_ascii=False))
+            for c in (parsed if isinstance(parsed, list) else [parsed]) if isinstance(c, dict)]
 
 
 def qwen_tools_text(tools: str) -> str:
-    listed = _tool_list(tools)
-    return QWEN_TOOLS_HEAD + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in listed) + QWEN_TOOLS_TAIL
+    wrapped = [t if t.get("type") == "function" else {"type": "function", "function": t} for t in _tool_list(tools)]
+    return QWEN_TOOLS_HEAD + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in wrapped) + QWEN_TOOLS_TAIL
 
 
-def qwen_call_text(calls: List[dict]) -> str:
-    parts = []
-    for call in calls:
-        args = call.get("arguments")
-        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        parts.append('<tool_call>\n{"name": "' + str(call.get("name")) + '", "arguments": ' + args + "}\n</tool_call>")
-    return "\n".join(parts)
+def qwen_call_text(calls: List[Tuple[str, str]]) -> str:
+    return "\n".join("<tool_call>\n" + json.dumps({"name": name, "arguments": json.loads(args)}, ensure_ascii=False)
+                     + "\n</tool_call>" for name, args in calls)
 
 
 def default_tools_text(tools: str) -> str:
-    lines = []
+    text, names = "", []
     for tool in _tool_list(tools):
-        fn = tool.get("function", tool)
-        lines.append(f"> Tool Name: {fn.get('name')}\nTool Description: {fn.get('description', '')}\nTool Args:")
-        for name, spec in ((fn.get("parameters") or {}).get("properties") or {}).items():
-            lines.append(f"  - {name} ({spec.get('type', '')}): {spec.get('description', '')}")
-    names = ", ".join(str(t.get("function", t).get("name")) for t in _tool_list(tools))
-    return ("You have access to the following tools:\n" + "\n".join(lines) + "\n\nUse the following format if "
-            f"using a tool:\n```\nAction: tool name (one of [{names}])\nAction Input: the input to the tool, in a "
-            "JSON format representing the kwargs\n```\n")
+        fn = tool.get("function", {}) if tool.get("type") == "function" else tool
+        params = fn.get("parameters") or {}
+        args = ""
+        for name, spec in (params.get("properties") or {}).items():
+            required = ", required" if name in params.get("required", []) else ""
+            enum = ", should be one of [{}]".format(", ".join(map(str, spec["enum"]))) if spec.get("enum") else ""
+            items = (", where each item should be " + spec["items"].get("type", "")) if spec.get("items") else ""
+            args += (f"  - {name} ({spec.get('type', '')}{required}): {spec.get('description', '')}"
+                     f"{enum}{items}\n")
+        text += f"> Tool Name: {fn.get('name')}\nTool Description: {fn.get('description', '')}\nTool Args:\n{args}\n"
+        names.append(str(fn.get("name")))
+    return ("You have access to the following tools:\n" + text + "Use the following format if using a tool:\n```\n"
+            f"Action: tool name (one of [{', '.join(names)}])\nAction Input: the input to the tool, in a JSON format "
+            'representing the kwargs (e.g. ```{"input": "hello world", "num_beams": 5}```)\n```\n')
 
 
-def default_call_text(calls: List[dict]) -> str:
-    return "\n".join(f"Action: {c.get('name')}\nAction Input: "
-                     f"{c['arguments'] if isinstance(c.get('arguments'), str) else json.dumps(c.get('arguments'), ensure_ascii=False)}"
-                     for c in calls)
-
-
-def split_thought(content: str) -> Tuple[str, str]:
-    """(reasoning, answer) as Qwen3's template reads an assistant message with `</think>` in it."""
-    if "</think>" not in content:
-        return "", content
-    reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-    return reasoning, content.split("</think>")[-1].lstrip("\n")
-
-
-class Qwen3Template:
-    """Qwen3's chat template, turn by turn (see the module docstring)."""
-
-    name = "qwen3"
-    efficient_eos = False
-    stop_words = ("<|im_end|>",)
-
-    def __init__(self, default_system: str = "", enable_thinking: Optional[bool] = True,
-                 tool_format: Optional[str] = None):
-        self.default_system, self.enable_thinking = default_system, enable_thinking
-        self.tool_format = tool_format or "qwen"
-
-    def render(self, messages: Sequence[Dict[str, str]], system: str = "", tools: str = "") -> List[Turn]:
-        system = system or self.default_system
-        if _tool_list(tools):
-            tools_text = qwen_tools_text(tools) if self.tool_format == "qwen" else default_tools_text(tools)
-            head = "<|im_start|>system\n" + (system + "\n\n" if system else "") + tools_text + "<|im_end|>\n"
-        else:
-            head = "<|im_start|>system\n" + system + "<|im_end|>\n" if system else ""
-        last_query = max((i for i, m in enumerate(messages) if m["role"] == USER), default=len(messages) - 1)
-        turns = []
-        for i in range(0, len(messages), 2):
-            query, reply = messages[i], messages[i + 1]
-            prompt = head if i == 0 else ""
-            if query["role"] == OBSERVATION:
-                prompt += "<|im_start|>user\n<tool_response>\n" + query["content"] + "\n</tool_response><|im_end|>\n"
-            else:
-                prompt += "<|im_start|>user\n" + query["content"] + "<|im_end|>\n"
-            prompt += "<|im_start|>assistant\n"
-            calls = _calls(reply["content"]) if reply["role"] == FUNCTION else []
-            content = "" if reply["role"] == FUNCTION else reply["content"]
-            after_query, last = i + 1 > last_query, i + 1 == len(messages) - 1
-            if self.enable_thinking is None and not (after_query and last):
-                body = content  # keep the data's own tags in history
-            else:
-                reasoning, answer = split_thought(content)
-                if self.enable_thinking is False:
-                    reasoning = ""
-                if after_query and (last or reasoning):
-                    block = THINK[0] + reasoning.strip("\n") + THINK[1]
-                    if not reasoning and self.enable_thinking is not True:
-                        prompt, block = prompt + block, ""  # the empty block is the prompt's, not trained
-                    body = block + answer.lstrip("\n")
-                else:
-                    body = answer
-            if calls:
-                call_text = qwen_call_text(calls) if self.tool_format == "qwen" else default_call_text(calls)
-                body += ("\n" if body else "") + call_text
-            turns.append((prompt, body + "<|im_end|>\n"))
-        return turns
+def default_call_text(calls: List[Tuple[str, str]]) -> str:
+    return "\n".join(f"Action: {name}\nAction Input: {args}" for name, args in calls)
 
 
 @dataclass
 class SlotTemplate:
-    """LLaMA-Factory's slot template: `{{content}}` slots, `{{eos}}` the tokenizer's eos text."""
+    """LLaMA-Factory's slot template: `{{content}}` slots, `{{eos}}` the eos text (see the module docstring)."""
 
     name: str
     user: str = "{{content}}"
     assistant: str = "{{content}}{{eos}}"
     system: str = "{{content}}"
-    observation: Optional[str] = None
-    function: Optional[str] = None
+    observation: Optional[str] = None  # None: the user slot
+    function: Optional[str] = None     # None: the assistant slot
     prefix: str = ""
     default_system: str = ""
-    thought_words: Optional[Tuple[str, str]] = None  # a reasoning template when set
+    thought_words: Tuple[str, str] = THINK  # also where a tool-call reply's own thought is found
+    reasoning: bool = False            # LLaMA-Factory's ReasoningTemplate: the thought rules per turn
     efficient_eos: bool = False
     enable_thinking: Optional[bool] = True
     tool_format: str = "default"
@@ -169,44 +119,65 @@ class SlotTemplate:
     stop_words: Tuple[str, ...] = ()
 
     def _fill(self, slot: str, content: str) -> str:
-        return slot.replace("{{content}}", content).replace("{{eos}}", self.eos_text)
+        return slot.replace("{{eos}}", self.eos_text).replace("{{content}}", content, 1)
 
-    def _remove_thought(self, content: str) -> str:
+    def remove_thought(self, content: str) -> str:
         begin, end = self.thought_words
         return re.sub(re.escape(begin) + "(.*?)" + re.escape(end), "", content, flags=re.DOTALL).lstrip("\n")
 
+    def _has_thought(self, content: str) -> bool:
+        return any(word.strip() in content for word in self.thought_words)
+
+    def _function_text(self, content: str) -> str:
+        """A tool-call reply: its own thought block (if any) first, then the calls in the tool format."""
+        begin, end = self.thought_words
+        thought = re.search(re.escape(begin) + "(.*?)" + re.escape(end), content, flags=re.DOTALL)
+        if thought:
+            content = content.replace(thought.group(0), "")
+        calls = _calls(content)
+        text = qwen_call_text(calls) if self.tool_format == "qwen" else default_call_text(calls)
+        return (thought.group(0) if thought else "") + text
+
     def render(self, messages: Sequence[Dict[str, str]], system: str = "", tools: str = "") -> List[Turn]:
+        """(prompt pieces, reply pieces) per turn, each turn as the template renders a final one."""
         system = system or self.default_system
-        tools_text = ""
-        if _tool_list(tools):
-            tools_text = ("\n\n" + qwen_tools_text(tools)) if self.tool_format == "qwen" else default_tools_text(tools)
         turns = []
         for i in range(0, len(messages), 2):
             query, reply = messages[i], messages[i + 1]
-            prompt = ""
+            prompt: List[str] = []
             if i == 0:
-                prompt += self.prefix
-                if system or tools_text:
-                    prompt += self._fill(self.system, system + tools_text)
-            prompt += self._fill(self.observation or self.user if query["role"] == OBSERVATION else self.user,
-                                 query["content"])
+                prompt.append(self.prefix)
+                if system or tools:
+                    tools_text = ""
+                    if _tool_list(tools):
+                        tools_text = qwen_tools_text(tools) if self.tool_format == "qwen" else default_tools_text(tools)
+                    prompt.append(self._fill(self.system, system + tools_text))
+            slot = (self.observation or self.user) if query["role"] == OBSERVATION else self.user
+            prompt.append(self._fill(slot, query["content"]))
             content = reply["content"]
+            if self.reasoning and self.enable_thinking is False:
+                content = self.remove_thought(content)
             if reply["role"] == FUNCTION:
-                calls = _calls(content)
-                content = qwen_call_text(calls) if self.tool_format == "qwen" else default_call_text(calls)
-                body = self._fill(self.function or self.assistant, content)
+                body = [self._fill(self.function or self.assistant, self._function_text(content))]
             else:
-                if self.thought_words and self.enable_thinking is False:
-                    content = self._remove_thought(content)
-                body = self._fill(self.assistant, content)
-            if self.thought_words and not any(w.strip() in content for w in self.thought_words):
-                empty = self.thought_words[0] + self.thought_words[1]
+                body = [self._fill(self.assistant, content)]
+            if self.reasoning and not self._has_thought(content):
+                empty = self.thought_words[0] + self.thought_words[1]  # its own piece, as MindSpeed tokenizes it
                 if self.enable_thinking:
-                    body = empty + body
+                    body.insert(0, empty)
                 else:
-                    prompt += empty
-            turns.append((prompt, body))
+                    prompt.append(empty)
+            turns.append((tuple(p for p in prompt if p), tuple(b for b in body if b)))
         return turns
+
+
+def _qwen3(**kw) -> SlotTemplate:
+    return SlotTemplate(name="qwen3", user="<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n",
+                        assistant="{{content}}<|im_end|>\n", system="<|im_start|>system\n{{content}}<|im_end|>\n",
+                        function="{{content}}<|im_end|>\n",
+                        observation=("<|im_start|>user\n<tool_response>\n{{content}}\n</tool_response><|im_end|>\n"
+                                     "<|im_start|>assistant\n"),
+                        reasoning=True, tool_format="qwen", stop_words=("<|im_end|>",), **kw)
 
 
 def _gpt(**kw) -> SlotTemplate:
@@ -215,14 +186,15 @@ def _gpt(**kw) -> SlotTemplate:
                         default_system="You are ChatGPT, a large language model trained by OpenAI.",
                         thought_words=("<|channel|>analysis<|message|>",
                                        "<|end|><|start|>assistant<|channel|>final<|message|>"),
-                        efficient_eos=True, **kw)
+                        reasoning=True, efficient_eos=True, **kw)
 
 
 def _empty(**kw) -> SlotTemplate:
     return SlotTemplate(name="empty", assistant="{{content}}", **kw)
 
 
-TEMPLATES = {"qwen3": None, "gpt": _gpt, "empty": _empty}
+TEMPLATES = {"qwen3": _qwen3, "gpt": _gpt, "empty": _empty}
+REPLACE_EOS = ("qwen3",)  # MindSpeed makes the first stop word the eos of these templates (replace_eos)
 
 
 def parse_tokenizer_template(hf) -> SlotTemplate:
@@ -245,8 +217,7 @@ def parse_tokenizer_template(hf) -> SlotTemplate:
         default_system = _extra_chars(user_empty_system, user_slot)
         user_slot = user_slot[len(system_slot.replace(mark, default_system, 1)):]
     return SlotTemplate(name="tokenizer", user=user_slot, assistant=assistant_slot, system=system_slot,
-                        prefix=prefix, default_system=default_system,
-                        thought_words=THINK if reasoning else None)
+                        prefix=prefix, default_system=default_system, reasoning=reasoning)
 
 
 def _extra_chars(short: str, long: str) -> str:
@@ -261,56 +232,43 @@ def _extra_chars(short: str, long: str) -> str:
 
 def get_template(data_args, hf_tokenizer):
     """The run's template from `data.template` (None: the tokenizer's own, or `empty` when it has none),
-    with `default_system`, `enable_thinking` and `tool_format` applied."""
+    with `default_system`, `enable_thinking` and `tool_format` applied as MindSpeed applies them."""
     name = data_args.template
-    tool_format = data_args.tool_format
-    if name == "qwen3":
-        template = Qwen3Template(enable_thinking=data_args.enable_thinking, tool_format=tool_format)
-    elif name in TEMPLATES:
-        template = TEMPLATES[name](enable_thinking=data_args.enable_thinking)
+    if name in TEMPLATES:
+        template = TEMPLATES[name]()
     elif name is None:
         if hf_tokenizer is not None and isinstance(getattr(hf_tokenizer, "chat_template", None), str):
-            template = replace(parse_tokenizer_template(hf_tokenizer), enable_thinking=data_args.enable_thinking)
+            template = parse_tokenizer_template(hf_tokenizer)
         else:
-            template = _empty(enable_thinking=data_args.enable_thinking)
+            template = _empty()
     else:
         raise UsageError(f"data.template: '{name}' is not a template — use one of {', '.join(TEMPLATES)}, or unset "
                          "it to use the tokenizer's own chat template")
-    if isinstance(template, SlotTemplate):
-        eos = getattr(hf_tokenizer, "eos_token", None) or ""
-        template = replace(template, eos_text=eos, tool_format=tool_format or template.tool_format)
+    eos = template.stop_words[0] if name in REPLACE_EOS else (getattr(hf_tokenizer, "eos_token", None) or "")
+    template = replace(template, eos_text=eos, enable_thinking=data_args.enable_thinking)
+    if data_args.tool_format is not None:  # MindSpeed swaps the tool prompt and the tool-call slot
+        template = replace(template, tool_format=data_args.tool_format,
+                           function="{{content}}" if template.efficient_eos else "{{content}}{{eos}}")
     if data_args.default_system is not None:
         template.default_system = data_args.default_system
     return template
 
 
 def encode_turns(hf, turns: Sequence[Turn]) -> List[Tuple[List[int], List[int]]]:
-    """(prompt ids, reply ids) per turn, from one tokenization of the whole text (see the module docstring)."""
+    """(prompt ids, reply ids) per turn: each piece tokenized on its own (see the module docstring)."""
     return encode_conversations(hf, [turns])[0]
 
 
 def encode_conversations(hf, conversations: Sequence[Sequence[Turn]]) -> List[List[Tuple[List[int], List[int]]]]:
     """`encode_turns` of many conversations with one batched tokenizer call (the fast tokenizer's threads)."""
-    if not getattr(hf, "is_fast", False):
-        out = []
-        for turns in conversations:
-            ids = [hf.encode(p, add_special_tokens=False) if p else [] for turn in turns for p in turn]
-            out.append([(ids[k], ids[k + 1]) for k in range(0, len(ids), 2)])
-        return out
-    texts = ["".join(piece for turn in turns for piece in turn) for turns in conversations]
-    encoded = hf(texts, add_special_tokens=False, return_offsets_mapping=True)
+    pieces = [piece for turns in conversations for turn in turns for side in turn for piece in side]
+    ids = iter(hf(pieces, add_special_tokens=False)["input_ids"] if pieces else [])
     out = []
-    for turns, token_ids, offsets in zip(conversations, encoded["input_ids"], encoded["offset_mapping"]):
-        bounds, end = [], 0
-        for turn in turns:
-            for piece in turn:
-                end += len(piece)
-                bounds.append(end)
-        pieces: List[List[int]] = [[] for _ in bounds]
-        k = 0
-        for token, (start, _) in zip(token_ids, offsets):
-            while k < len(bounds) - 1 and start >= bounds[k]:
-                k += 1
-            pieces[k].append(token)
-        out.append([(pieces[k], pieces[k + 1]) for k in range(0, len(pieces), 2)])
+    for turns in conversations:
+        encoded = []
+        for prompt, reply in turns:
+            prompt_ids = [t for _ in prompt for t in next(ids)]
+            reply_ids = [t for _ in reply for t in next(ids)]
+            encoded.append((prompt_ids, reply_ids))
+        out.append(encoded)
     return out
