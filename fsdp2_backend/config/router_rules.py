@@ -50,10 +50,6 @@ def router_errors(m) -> List[str]:
             m.model_id not in ("minimax_m27", "step35"):  # those score with sigmoid by themselves
         errors.append("model.moe_router_enable_expert_bias: the expert bias applies to sigmoid or sqrtsoftplus scores "
                       "(megatron-core and MindSpeed assert it) — set model.moe_router_score_function: sigmoid")
-    if m.moe_router_enable_expert_bias and m.model_id == "minimax_m27":
-        errors.append("model.moe_router_enable_expert_bias (--moe-router-enable-expert-bias): model_id minimax_m27 "
-                      "selects experts with the checkpoint's e_score_correction_bias, which this project does not "
-                      "update — drop the flag")
     if m.moe_router_enable_expert_bias and m.model_id == "step35":
         errors.append("model.moe_router_enable_expert_bias (--moe-router-enable-expert-bias): model_id step35 "
                       "selects experts with the checkpoint's moe.router_bias, which this project does not update "

@@ -9,7 +9,8 @@ partial RoPE, norms, `_init_weights`, the aux-loss bookkeeping) with two swaps i
   `scores + e_score_correction_bias`, the unbiased scores of the k renormalised — Megatron's sigmoid routing
   with an expert bias. The bias stays the block's buffer `mlp.e_score_correction_bias` (transformers' name, so
   `from_pretrained` / `save_pretrained` and exports keep it): read from the checkpoint, used for selection only
-  and not updated (Megatron's aux-loss-free bias update is declined for this model id, see `configure_minimax`).
+  and updated only with Megatron's aux-loss-free bias update (`moe_router_enable_expert_bias`, see
+  `configure_minimax`).
 
 On disk MiniMax-M2 checkpoints hold `block_sparse_moe.*` keys with one tensor per expert
 (`block_sparse_moe.experts.{e}.w1/w3/w2.weight`, `block_sparse_moe.gate.weight`,
@@ -22,7 +23,8 @@ dequantises those keys (`models.fp8_blocks`) before they reach `param_from_check
 from __future__ import annotations
 
 import re
-from typing import List, Mapping
+import weakref
+from typing import List, Mapping, Optional
 
 import torch
 from torch import nn
@@ -44,6 +46,16 @@ class MiniMaxM2Router(TopKRouter, MiniMaxM2TopKRouter):
 
     def __init__(self, config):
         TopKRouter.__init__(self, RouterSettings.from_hf(config, score_function="sigmoid"), config.hidden_size)
+
+    @property
+    def expert_bias(self) -> Optional[torch.Tensor]:
+        """With Megatron's expert-bias update (`moe_router_enable_expert_bias`), the bias it moves is the block's
+        own `e_score_correction_bias` (the one that selects experts, saved and exported under transformers' name);
+        read live from the block, so a buffer the block replaces (a device move) is still the one updated."""
+        block = self.__dict__.get("_block")
+        if not getattr(self, "settings", None) or not self.settings.expert_bias or block is None or block() is None:
+            return None
+        return block().e_score_correction_bias
 
     def forward(self, hidden_states: torch.Tensor, e_score_correction_bias: torch.Tensor):
         """transformers' signature: the block hands its correction bias, used to select experts only."""
@@ -77,6 +89,7 @@ def _swap(config, block: MiniMaxM2SparseMoeBlock) -> None:
     for name, buf in router.named_buffers():
         setattr(router, name, torch.zeros_like(buf, device=router.weight.device))
     block.experts, block.gate = experts, router
+    router.__dict__["_block"] = weakref.ref(block)  # not a submodule: the bias owner (MiniMaxM2Router.expert_bias)
     block.__class__ = MiniMaxM2GroupedBlock
 
 
@@ -100,9 +113,10 @@ def build_minimax_m2(hf_config) -> MiniMaxM2GroupedForCausalLM:
 
 
 def configure_minimax(model: nn.Module, config) -> None:
-    """The run's MoE switches and Megatron router fields (`qwen3_moe.configure_moe`). Megatron's expert-bias
-    update is declined by config validation: MiniMax-M2's selection bias is the checkpoint's
-    `e_score_correction_bias`, passed to the router by the block and never updated."""
+    """The run's MoE switches and Megatron router fields (`qwen3_moe.configure_moe`). With Megatron's expert-bias
+    update (`moe_router_enable_expert_bias`, as MindSpeed-LLM's MiniMax-M2.7 script sets it) the bias moved after
+    every step is the checkpoint's `e_score_correction_bias` (`MiniMaxM2Router.expert_bias`); without it that bias
+    selects experts and is never updated."""
     configure_moe(model, moe_grouped_gemm=config.optimization.moe_grouped_gemm,
                   fix_router=config.optimization.fix_router, model_args=config.model)
 

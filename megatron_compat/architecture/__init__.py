@@ -17,12 +17,14 @@ from megatron_compat.architecture import gdn as architecture_gdn
 from megatron_compat.architecture import gpt_oss as architecture_gpt_oss
 from megatron_compat.architecture import hybrid as architecture_hybrid
 from megatron_compat.architecture import mamba as architecture_mamba
+from megatron_compat.architecture import minimax as architecture_minimax
 from megatron_compat.architecture import mla as architecture_mla
 from megatron_compat.architecture.router import ROUTER_FAMILIES, hf_router_keys, megatron_router, pai_aux_loss
 from megatron_compat.architecture.flags import (ARCHITECTURE_DESTS, FAMILY_DESTS, HF_DEFINED_DESTS, HF_REASONS,
                                                 MLA_ONLY, MOE_ONLY)
 
-_MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss")
+_MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss", "minimax_m2")
+_MIXTRAL_NAMES = ("mixtral", "gpt_oss", "minimax_m2")  # num_local_experts, intermediate_size = expert width
 
 
 class Arch:
@@ -71,6 +73,8 @@ def _family(a: Arch) -> str:
         return "qwen3_next"
     if architecture_gpt_oss.selects_gpt_oss(a.ns, a.active):
         return "gpt_oss"
+    if architecture_minimax.selects_minimax(a.ns, a.active):
+        return "minimax_m2"
     if g("multi_latent_attention") or g("multi_head_latent_attention"):
         return "deepseek_v3"
     if g("num_experts"):
@@ -216,13 +220,13 @@ _GPT2_NAMES = {"num_hidden_layers": "n_layer", "hidden_size": "n_embd", "num_att
 
 def _moe_keys(a: Arch, family: str) -> None:
     g = a.get
-    experts_key = {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts",
-                   "deepseek_v3": "n_routed_experts"}.get(family, "num_experts")
+    experts_key = "num_local_experts" if family in _MIXTRAL_NAMES else \
+        {"deepseek_v3": "n_routed_experts"}.get(family, "num_experts")
     a.put("num_experts", experts_key, g("num_experts"))
     a.put("moe_router_topk", "num_experts_per_tok", g("moe_router_topk"))
     moe_ffn = g("moe_ffn_hidden_size") or g("moe_intermediate_size") or _ffn(a)
     ffn_dest = "moe_intermediate_size" if g("moe_intermediate_size") else "moe_ffn_hidden_size"
-    if family in ("mixtral", "gpt_oss"):
+    if family in _MIXTRAL_NAMES:
         a.put(ffn_dest, "intermediate_size", moe_ffn)
     else:
         a.put(ffn_dest, "moe_intermediate_size", moe_ffn)
@@ -233,7 +237,7 @@ def _moe_keys(a: Arch, family: str) -> None:
     norm = g("norm_topk_prob") or not g("moe_router_pre_softmax") or \
         g("moe_router_score_function") == "sigmoid"  # Megatron: top-k then softmax, or sigmoid = normalised
     for dest in ("norm_topk_prob", "moe_router_pre_softmax"):
-        a.put(dest, "norm_topk_prob", norm if family not in ("mixtral", "gpt_oss") else None)
+        a.put(dest, "norm_topk_prob", norm if family not in _MIXTRAL_NAMES else None)
     if family in ("mixtral", "deepseek_v3") and g("moe_router_pre_softmax"):  # their norm_topk_prob is no pre-softmax
         a.field("moe_router_pre_softmax", "model.moe_router_pre_softmax", True)  # switch: the router's own field
     shared = g("moe_shared_expert_intermediate_size")
@@ -260,7 +264,7 @@ def _moe_keys(a: Arch, family: str) -> None:
 
 
 # Families whose model here is this project's (models/moe/router.py): Megatron's router flags are native fields.
-_OWN_ROUTER = tuple(ROUTER_FAMILIES) + ("gpt_oss",)
+_OWN_ROUTER = tuple(ROUTER_FAMILIES) + ("gpt_oss", "minimax_m2")
 
 
 def _dense_layers(a: Arch, family: str) -> None:
@@ -370,6 +374,8 @@ def apply(ns, active, from_scratch: bool, record: Callable[[str, str, str], None
         architecture_gdn.apply(a)
     if family == "gpt_oss":
         architecture_gpt_oss.apply(a)
+    if family == "minimax_m2":
+        architecture_minimax.apply(a)
     _routing(a, family)
     _settle(a, family)
     for dest, why in a.declined.items():

@@ -110,7 +110,7 @@ _NO_EFFECT: Dict[str, str] = {
         ddp_param_name_patterns_for_fp32_local_accumulation accumulate_allreduce_grads_in_fp32
         megatron_fsdp_main_params_dtype megatron_fsdp_main_grads_dtype megatron_fsdp_grad_comm_dtype
         main_grads_dtype main_params_dtype use_tp_pp_dp_mapping lazy_mpu_init local_rank
-        tensor_parallel_num_weight_shards disable_gloo_process_groups fake_process_group
+        tensor_parallel_num_weight_shards disable_gloo_process_groups disable_gloo_group fake_process_group
         distributed_timeout_minutes distributed_timeout_seconds_after_init mtp_standalone""",
     "a parallel layout with the same math: expert weights are sharded by EP × FSDP, tokens are dispatched by "
     "parallel.ep_dispatcher, context-parallel attention is exact whatever the exchange pattern":

@@ -131,9 +131,36 @@ def test_tp_declined():
     assert any(m.startswith("parallel.tp_size: model_id minimax_m27") for m in messages(config, world_size=2))
 
 
-def test_expert_bias_update_declined():
-    from tests.config.test_config import messages, pt_config
+def test_expert_bias_update_moves_the_checkpoint_bias():
+    """Megatron's aux-loss-free update (MindSpeed's MiniMax-M2.7 script sets it): after a step the block's own
+    e_score_correction_bias moves by rate * sign(mean load - load), the load counted here from each block's input
+    with plain sigmoid top-k on scores + bias (megatron-core's formula)."""
+    from types import SimpleNamespace
 
-    found = messages(pt_config(model={"model_id": "minimax_m27", "moe_router_enable_expert_bias": True}))
-    assert any(m.startswith("model.moe_router_enable_expert_bias (--moe-router-enable-expert-bias): model_id "
-                            "minimax_m27") for m in found), found
+    from fsdp2_backend.models.minimax_m2 import configure_minimax
+    from fsdp2_backend.models.moe.router import finish_router_step
+    from fsdp2_backend.config.validation import validate
+    from tests.config.test_config import pt_config
+
+    validate(pt_config(model={"model_id": "minimax_m27", "moe_router_enable_expert_bias": True}))  # no decline
+    _, ours = _pair()
+    model_args = pt_config(model={"model_id": "minimax_m27", "moe_router_enable_expert_bias": True,
+                                  "moe_router_bias_update_rate": 0.01}).model
+    configure_minimax(ours, SimpleNamespace(model=model_args, optimization=SimpleNamespace(
+        moe_grouped_gemm=False, fix_router=False)))
+    inputs = {}
+    for i, layer in enumerate(ours.model.layers):
+        layer.mlp.register_forward_hook(lambda m, args, out, i=i: inputs.__setitem__(i, args[0].detach()))
+    before = [layer.mlp.e_score_correction_bias.clone() for layer in ours.model.layers]
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    ours(input_ids=ids).logits.sum().backward()
+    finish_router_step(ours, 1)
+    for i, layer in enumerate(ours.model.layers):
+        block = layer.mlp
+        scores = torch.sigmoid(inputs[i].reshape(-1, 64) @ block.gate.weight.detach().T)
+        chosen = torch.topk(scores + before[i], 2, dim=-1).indices
+        load = torch.bincount(chosen.reshape(-1), minlength=8).float()
+        want = before[i] + 0.01 * torch.sign(load.mean() - load)
+        assert not torch.equal(want, before[i])
+        torch.testing.assert_close(block.e_score_correction_bias, want, rtol=0, atol=1e-7)
+        assert "gate.expert_bias" not in dict(ours.named_buffers())  # one bias, under transformers' name
