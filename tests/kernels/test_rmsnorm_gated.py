@@ -42,10 +42,12 @@ def test_norm_before_gate_equals_qwen3_next(dtype):
 
 @pytest.mark.parametrize("group_size", [16, 48])
 def test_gate_before_grouped_norm_equals_mamba2(group_size):
-    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+    from transformers.models.mamba2 import modeling_mamba2
 
+    # transformers 5.25 renamed it (MambaRMSNormGated → Mamba2RMSNormGated); the math is the same
+    gated_norm = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
     torch.manual_seed(1)
-    module = MambaRMSNormGated(48, group_size=group_size, eps=1e-5)
+    module = gated_norm(48, group_size=group_size, eps=1e-5)
     torch.nn.init.normal_(module.weight, 1.0, 0.2)
     x = torch.randn(3, 4, 48, requires_grad=True)
     gate = torch.randn(3, 4, 48, requires_grad=True)
