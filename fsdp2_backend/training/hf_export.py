@@ -1,67 +1,141 @@
 """Hugging Face export: a directory that plain ``AutoModelForCausalLM.from_pretrained`` loads.
 
-Two ways in, one writer: ``export_hf`` gathers a live (FSDP2/TP-sharded) model's full state dict on rank 0
-(``get_model_state_dict(full_state_dict=True, cpu_offload=True)``); ``convert_checkpoint`` reads the
-"model" entry of one of our DCP checkpoints in a single process (``_load_state_dict_from_keys``), with the
-model config and tokenizer the checkpoint carries. Both hand the state dict to transformers'
-``save_pretrained(state_dict=...)`` so that safetensors sharding, tied-weight handling and the config
-files are exactly what transformers itself writes. The directory appears under its final name only
-when complete (written as ``OUT.tmp``, then renamed).
+Two ways in, one writer (``hf_shards.py``): ``export_hf`` has every rank of a live (FSDP2/TP/EP-sharded) model
+write its own safetensors shard — whole layers, gathered one tensor at a time — so no host ever holds the
+model; ``convert_checkpoint`` reads the "model" entry of one of our DCP checkpoints a shard at a time (in one
+process, or split over the ranks of a ``torchrun``), with the model config and tokenizer the checkpoint
+carries. The config files are transformers' own (``save_pretrained`` with no weights, so a model's save
+overrides still apply), the shards carry what ``save_pretrained`` would write, and
+``model.safetensors.index.json`` maps every key to its file. The directory appears under its final name
+only when complete (written as ``OUT.tmp``, then renamed); a failure on any rank removes ``OUT.tmp``.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from fsdp2_backend.usage_errors import UsageError
-from fsdp2_backend.training import checkpoint_io as io
-from megatron_compat.data.utils import rank_zero_first
+from fsdp2_backend import checkpoint_dirs as dirs
+from fsdp2_backend.training import hf_shards
+from megatron_compat.data.utils import barrier, rank_zero_first
 
 logger = logging.getLogger(__name__)
 
 _CONFIG_FILES = ("config.json", "generation_config.json")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".distcp")
+# an offline conversion's shard size: one shard is what a converting process holds at a time
+DEFAULT_SHARD_BYTES = 5 * 2 ** 30
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, tokenizer: Any = None) -> Path:
-    """Writes ``model`` (sharded or not; an HF PreTrainedModel) as an HF directory (collective)."""
+    """Writes ``model`` (sharded or not; an HF PreTrainedModel) as an HF directory (collective: every rank
+    writes one shard of whole layers)."""
     from fsdp2_backend.distributed.console import print_rank0
 
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    print_rank0(f"exporting HF weights to {out_dir} (gathering the full state dict)")
-    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    # rank 0 writes; a failure there reaches every rank instead of leaving them waiting
-    rank_zero_first(lambda: write_hf_dir(model, state_dict, out_dir, tokenizer), others=False, what="HF export")
+    rank, world = _rank_world()
+    print_rank0(f"exporting HF weights to {out_dir} (each of {world} rank(s) writes its shard)")
+    state_dict = get_model_state_dict(model)  # this rank's pieces (DTensors): nothing is copied yet
+    sources = hf_shards.tied_sources(model)
+    shards = hf_shards.plan_shards(hf_shards.unique_sizes(state_dict, sources), world)
+    names = hf_shards.shard_names(shards)
+
+    def write_mine(tmp: Path) -> list:
+        tensors = hf_shards.gather_owned(state_dict, shards, rank, sources)  # collective
+        if not shards[rank]:
+            return []
+        return [(names[rank], hf_shards.write_shard(model, tensors, tmp / names[rank]))]
+
+    _write_hf_dir(model, out_dir, write_mine, tokenizer)
     print_rank0(f"  exported HF weights to {out_dir} in {time.perf_counter() - started:.2f}s")
     return out_dir
 
 
-def write_hf_dir(model: torch.nn.Module, state_dict: dict, out_dir: Path, tokenizer: Any = None) -> None:
-    """Saves ``state_dict`` with ``model``'s ``save_pretrained`` (``model`` may live on the meta device),
-    plus the tokenizer (an object with ``save_pretrained`` or a directory of tokenizer files)."""
+def write_hf_dir(model: torch.nn.Module, state_dict: dict, out_dir: Path, tokenizer: Any = None,
+                 shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """Writes a full in-memory ``state_dict`` with ``model``'s HF files (``model`` may live on the meta device;
+    one process), in shards of at most ``shard_bytes`` (a tensor larger than that is a shard of its own)."""
+    sources = hf_shards.tied_sources(model)
+    sizes = hf_shards.unique_sizes(state_dict, sources)
+    parts = max(1, math.ceil(sum(sizes.values()) / shard_bytes))
+    _write_hf_dir(model, Path(out_dir), lambda tmp: hf_shards.write_shards_sequentially(
+        model, sizes, parts, lambda keys: {k: state_dict[k] for k in keys}, tmp), tokenizer)
+
+
+def _write_hf_dir(model: torch.nn.Module, out_dir: Path, write_mine: Callable[[Path], list],
+                  tokenizer: Any = None) -> None:
+    """The one export sequence (collective when a process group exists): rank 0 makes ``OUT.tmp`` and writes
+    the config files; every rank writes its shards there (``write_mine``); rank 0 writes the index and the
+    tokenizer and renames ``OUT.tmp`` to ``OUT``. A failure anywhere reaches every rank and removes ``OUT.tmp``."""
+    import torch.distributed as dist
+
+    rank, world = _rank_world()
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    rank_zero_first(lambda: _prepare_tmp(out_dir, tmp), others=False, what="HF export")
+    error: Optional[BaseException] = None
+    written: list = []
+    try:
+        # the config files (rank 0), and every rank runs the model's save hooks (e.g. step35's key mapping)
+        model.save_pretrained(str(tmp), state_dict={}, is_main_process=rank == 0)
+    except Exception as exc:
+        error = exc
+    try:
+        barrier(error, "HF export")  # the shard writers below are collective: nobody enters them alone
+        written = write_mine(tmp)
+    except Exception as exc:
+        error = exc
+    try:
+        barrier(error, "HF export")
+        if world > 1:
+            gathered: List[Any] = [None] * world
+            dist.all_gather_object(gathered, written)
+            written = [entry for part in gathered for entry in part]
+        rank_zero_first(lambda: _commit(model, tmp, out_dir, written, tokenizer), others=False,
+                        what="HF export")
+    except BaseException:
+        if rank == 0:  # nothing half-written stays behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _prepare_tmp(out_dir: Path, tmp: Path) -> None:
     if out_dir.is_dir() and any(child.is_dir() for child in out_dir.iterdir()):
         # An HF directory is flat; this one may be an output or checkpoint directory: never delete it.
         raise UsageError(f"{out_dir}: exists and holds directories, so it is no earlier HF export to replace "
                          f"— export to a new directory (e.g. OUTPUT_DIR/hf)")
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    from fsdp2_backend.models.mtp_layouts import to_checkpoint
+    tmp.mkdir(parents=True)
 
-    # MTP layers under the names of the checkpoint's own model (Qwen3-Next's `mtp.*`): models/mtp_layouts.py
-    model.save_pretrained(str(tmp), state_dict=to_checkpoint(state_dict, model.config))
+
+def _commit(model: torch.nn.Module, tmp: Path, out_dir: Path, written: list, tokenizer: Any) -> None:
+    hf_shards.write_index(tmp, sorted(written), _num_parameters(model))
     save_tokenizer(tokenizer, tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
+
+
+def _num_parameters(model: torch.nn.Module) -> int:
+    """The unique parameters' global count (DTensors report their global numel; meta tensors their shape)."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def align_special_tokens(model_config: Any, tokenizer: Any, generation_config: Any = None) -> None:
@@ -111,25 +185,71 @@ def load_model_state_dict(checkpoint: str | os.PathLike) -> dict[str, torch.Tens
 
 
 def convert_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
-                       dtype: Optional[torch.dtype] = None) -> Path:
-    """Converts a checkpoint (an ``iter_*`` dir, or a save dir: its newest complete one) to an HF dir."""
+                       dtype: Optional[torch.dtype] = None, shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Converts a checkpoint (an ``iter_*`` dir, or a save dir: its newest complete one) to an HF dir, one
+    shard of at most ``shard_bytes`` read and written at a time; under a process group (``torchrun``) the
+    ranks share the shards (collective)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    resolved = io.resolve_checkpoint(checkpoint)
+    resolved = dirs.resolve_checkpoint(checkpoint)
     if resolved is None:
         raise UsageError([f"{checkpoint}: no complete checkpoint there (no iter_* directory with "
-                          f"{io.META_FILE}) — pass an iter_* directory or the --save directory of a run"])
-    hf_meta = resolved / io.HF_META_DIR
+                          f"{dirs.META_FILE}) — pass an iter_* directory or the --save directory of a run"])
+    hf_meta = resolved / dirs.HF_META_DIR
     if not (hf_meta / "config.json").is_file():
-        raise UsageError([f"{resolved}: the checkpoint carries no model config ({io.HF_META_DIR}/config."
+        raise UsageError([f"{resolved}: the checkpoint carries no model config ({dirs.HF_META_DIR}/config."
                           f"json) — it was saved without one; re-save it with the model's config"])
-    state_dict = load_model_state_dict(resolved)
-    if dtype is not None:
-        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     config = AutoConfig.from_pretrained(str(hf_meta))
     if dtype is not None:
         config.dtype = dtype
     with torch.device("meta"):  # only the class, config and tied-weight rules are needed, not weights
         model = AutoModelForCausalLM.from_config(config)
-    write_hf_dir(model, state_dict, Path(out_dir), tokenizer=hf_meta)
+    metadata = _model_tensors(resolved)
+    sources = hf_shards.tied_sources(model)
+    sizes, seen = {}, set()
+    for key, (shape, saved_dtype) in metadata.items():
+        target = dtype if dtype is not None and saved_dtype.is_floating_point else saved_dtype
+        source = sources.get(key, key)
+        sizes[key] = 0 if source in seen else math.prod(shape) * target.itemsize
+        seen.add(source)
+    rank, world = _rank_world()
+    parts = max(world, math.ceil(sum(sizes.values()) / shard_bytes))
+
+    def load(keys: List[str]) -> Dict[str, torch.Tensor]:
+        tensors = _read_model_tensors(resolved, {k: metadata[k] for k in keys})
+        if dtype is not None:
+            tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+        first: Dict[Any, str] = {}
+        for key in keys:  # tied names share one tensor, as save_pretrained expects to find them
+            source = sources.get(key, key)
+            if source in first:
+                tensors[key] = tensors[first[source]]
+            first.setdefault(source, key)
+        return tensors
+
+    _write_hf_dir(model, Path(out_dir), lambda tmp: hf_shards.write_shards_sequentially(
+        model, sizes, parts, load, tmp, rank=rank, world=world), tokenizer=hf_meta)
     return Path(out_dir)
+
+
+def _model_tensors(checkpoint: Path) -> Dict[str, tuple]:
+    """The checkpoint's model tensors: name → (global shape, dtype), from the DCP metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out = {}
+    for key, meta in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
+            out[key[len("model."):]] = (tuple(meta.size), meta.properties.dtype)
+    return out
+
+
+def _read_model_tensors(checkpoint: Path, wanted: Mapping[str, tuple]) -> Dict[str, torch.Tensor]:
+    """The full tensors ``wanted`` (name → shape, dtype) of the checkpoint's model, read in this process only."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    state = {"model": {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in wanted.items()}}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        load(state, storage_reader=FileSystemReader(str(checkpoint)), no_dist=True)
+    return state["model"]

@@ -1,8 +1,9 @@
 """HF export of an FSDP2-sharded model, and the offline converter, checked with plain transformers.
 
-Two ranks train a tied-embedding Qwen3 one step, export it (save_hf_weights) and save a DCP checkpoint;
-the export must load with `AutoModelForCausalLM.from_pretrained` and give the sharded model's logits;
-`tools/convert_checkpoint.py` run on the checkpoint must write the same files.
+Two ranks train a tied-embedding Qwen3 one step, export it (save_hf_weights: each rank writes a shard of
+whole layers, with model.safetensors.index.json) and save a DCP checkpoint; the export must load with
+`AutoModelForCausalLM.from_pretrained` and give the sharded model's logits; `tools/convert_checkpoint.py` run on
+the checkpoint must write the same tensors and files (its shards split by size, not by rank).
 """
 from __future__ import annotations
 
@@ -78,13 +79,22 @@ def test_export_loads_in_transformers_and_converter_matches(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"),
                              str(tmp_path / "ckpt"), str(converted)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in converted.iterdir()) == sorted(p.name for p in exported.iterdir())
+    # each rank wrote a shard of whole layers, named and indexed as transformers names them; the converter (one
+    # process, one shard under its size limit) writes the same tensors into one file
+    index = json.loads((exported / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
+                                                         "model-00002-of-00002.safetensors"]
+    assert set(index["weight_map"]) == set(_tensors(exported))
+    weight_files = ("model.safetensors", "model.safetensors.index.json")
+    assert (sorted(p.name for p in converted.iterdir() if not p.name.startswith("model"))
+            == sorted(p.name for p in exported.iterdir() if not p.name.startswith("model")))
+    assert [p.name for p in converted.iterdir() if p.name.startswith("model")] == [weight_files[0]]
     ours, theirs = _tensors(exported), _tensors(converted)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     for name in ("config.json", "generation_config.json"):
         assert json.loads((converted / name).read_text()) == json.loads((exported / name).read_text()), name
     for path in exported.iterdir():
-        if path.suffix != ".safetensors" and path.name not in ("config.json", "generation_config.json"):
+        if not path.name.startswith("model") and path.name not in ("config.json", "generation_config.json"):
             assert (converted / path.name).read_bytes() == path.read_bytes(), path.name
 
 
