@@ -56,7 +56,7 @@ def test_preview_data_marks_trained_spans_and_prints_ids(assets, tmp_path):
     config = {"model": {"model_name_or_path": assets["model"]},
               "data": {"dataset": {"file_name": assets["data"], "formatting": "alpaca"}, "template": "qwen3",
                        "cutoff_len": 256},
-              "training": {"stage": "sft", "max_steps": 1, "save_checkpoints": False}}
+              "training": {"stage": "sft", "max_steps": 1, "save_checkpoints": False, "disable_shuffling": True}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -77,3 +77,48 @@ def test_preview_data_marks_trained_spans_and_prints_ids(assets, tmp_path):
     bad = subprocess.run([sys.executable, tool, str(path), "--num", "x"], capture_output=True, text=True, env=env,
                          cwd=REPO, timeout=300)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --num") and "Traceback" not in bad.stderr
+
+
+def test_preview_json_prints_the_rows_training_consumes_in_its_order(assets, tmp_path, capsys):
+    """tools/preview_data.py --json against the training loader itself (build_sft_data's micro-batches, shuffled):
+    row n of the preview is sample n of the training stream, its ids and (shifted) labels."""
+    import types
+
+    import yaml
+
+    from fsdp2_backend.cli.preview_data import main
+    from fsdp2_backend.data.sft.pipeline import build_sft_data
+    from fsdp2_backend.data.tokenizer import load_tokenizer
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"model_name_or_path": assets["model"]},
+        "data": {"dataset": {"file_name": assets["data"], "formatting": "alpaca"}, "template": "qwen3",
+                 "cutoff_len": 64, "tokenized_path": str(tmp_path / "tok")},
+        "training": {"stage": "sft", "max_steps": 1, "save_checkpoints": False, "per_device_train_batch_size": 2}}))
+    assert main([str(path), "--json", "--num", "10"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    config = _config(assets, tokenized_path=str(tmp_path / "tok"))
+    hf = load_tokenizer(config.model).hf
+    stream = build_sft_data(config, types.SimpleNamespace(hf=hf), 0, 1, 0).train_batches
+    served = []
+    for _ in range(5):
+        batch = next(stream)
+        for r in range(batch["tokens"].shape[0]):
+            served.append((batch["tokens"][r], batch["labels"][r], batch["loss_mask"][r]))
+    assert len(rows) == 10
+    assert [row["input_ids"] for row in rows] != [r["input_ids"] for r in _unshuffled(config, hf)]  # shuffled
+    for row, (tokens, labels, mask) in zip(rows, served):
+        n = len(row["input_ids"])
+        assert tokens[:n].tolist() == row["input_ids"]
+        trained = [label != -100 for label in row["labels"][1:]]
+        assert mask[:n - 1].bool().tolist() == trained
+        assert [t for t, keep in zip(labels[:n - 1].tolist(), trained) if keep] == \
+            [label for label in row["labels"][1:] if label != -100]
+
+
+def _unshuffled(config, hf):
+    from fsdp2_backend.data.sft.pipeline import prepare_datasets
+
+    return list(prepare_datasets(config, hf)["train"])
+

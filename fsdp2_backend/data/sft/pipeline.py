@@ -191,10 +191,32 @@ def build_sft_data(config, tokenizer, dp_rank: int, dp_size: int, consumed_sampl
     if len(train) < mbs * dp_size:
         raise UsageError(f"data.dataset: {len(train)} training rows cannot fill one micro-batch on each of "
                          f"{dp_size} data-parallel ranks — use more data, or a smaller batch")
-    sampler = MegatronPretrainingRandomSampler(train, len(train), consumed_samples, mbs, dp_rank, dp_size,
-                                               data_sharding=False, shuffle=not training.disable_shuffling)
-    loader = DataLoader(train, batch_sampler=sampler, collate_fn=collator, **_loader_kwargs(training))
+    loader = DataLoader(train, batch_sampler=_train_sampler(train, config, consumed_samples, dp_rank, dp_size),
+                        collate_fn=collator, **_loader_kwargs(training))
     return SFTData(_endless(loader), len(train), evals, collator)
+
+
+def _train_sampler(train, config, consumed_samples: int, dp_rank: int, dp_size: int):
+    return MegatronPretrainingRandomSampler(train, len(train), consumed_samples,
+                                            config.training.per_device_train_batch_size, dp_rank, dp_size,
+                                            data_sharding=False, shuffle=not config.training.disable_shuffling)
+
+
+def training_rows(config, hf_tokenizer) -> Iterator[dict]:
+    """The encoded training rows in the order training consumes them (one data-parallel rank, from the start; a
+    larger data-parallel size deals the same order out round-robin): the same preparation (tokenized_path
+    included) and sampler as build_sft_data. tools/preview_data.py prints these."""
+    train = _load_or_build(config, hf_tokenizer)["train"]
+    if config.data.streaming:
+        yield from train
+        return
+    train = train.with_format(None, columns=COLUMNS)
+    mbs = config.training.per_device_train_batch_size
+    if len(train) < mbs:
+        raise UsageError(f"data.dataset: {len(train)} training rows cannot fill one micro-batch of {mbs}")
+    for batch in _train_sampler(train, config, 0, 0, 1):
+        for index in batch:
+            yield train[index]
 
 
 class EvalRows(torch.utils.data.Dataset):
