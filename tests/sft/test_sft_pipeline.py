@@ -86,9 +86,10 @@ def test_preview_json_prints_the_rows_training_consumes_in_its_order(assets, tmp
 
     import yaml
 
+    from transformers import AutoTokenizer
+
     from fsdp2_backend.cli.preview_data import main
     from fsdp2_backend.data.sft.pipeline import build_sft_data
-    from fsdp2_backend.data.tokenizer import load_tokenizer
 
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({
@@ -99,7 +100,7 @@ def test_preview_json_prints_the_rows_training_consumes_in_its_order(assets, tmp
     assert main([str(path), "--json", "--num", "10"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     config = _config(assets, tokenized_path=str(tmp_path / "tok"))
-    hf = load_tokenizer(config.model).hf
+    hf = AutoTokenizer.from_pretrained(assets["model"])
     stream = build_sft_data(config, types.SimpleNamespace(hf=hf), 0, 1, 0).train_batches
     served = []
     for _ in range(5):
