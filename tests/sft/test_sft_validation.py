@@ -26,6 +26,7 @@ def _config(data_file, data=None, training=None, parallel=None, model=None):
 @pytest.mark.parametrize("data,training,parallel,message", [
     ({"template": "llama9"}, {}, {}, "data.template: 'llama9' is not a template"),
     ({"tool_format": "xml"}, {}, {}, "data.tool_format: 'xml' is not a tool format"),
+    ({"template": "gpt", "train_on_prompt": True}, {}, {}, "data.train_on_prompt: template gpt ends each sample"),
     ({"streaming": True}, {"max_steps": -1, "num_train_epochs": 1.0}, {}, "training.max_steps: a streamed dataset"),
     ({"eval_num_beams": 4}, {}, {}, "data.eval_num_beams: generation-based evaluation"),
     ({"data_manager_type": "mg", "dataset": "/x"}, {}, {}, "training.stage: sft reads the fine-tuning data path"),
