@@ -1,5 +1,7 @@
 #!/usr/bin/env python
-"""Shows what the model sees in fine-tuning: the first examples of a config's SFT data, tokenized by its template.
+"""Shows what the model sees in fine-tuning: the first rows of a config's SFT data as training consumes them (the same
+preparation, tokenized_path cache included, and the same order: the training sampler's, shuffled unless
+training.disable_shuffling; one data-parallel rank).
 
     python tools/preview_data.py CONFIG.yaml [--group.field value ...] [--num N] [--json]
 
@@ -67,7 +69,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             i += 1
         from fsdp2_backend.config.loading import build_config, load_yaml, split_native_overrides
         from fsdp2_backend.config.validation import validate
-        from fsdp2_backend.data.sft.pipeline import prepare_datasets
+        from fsdp2_backend.data.sft.pipeline import training_rows
         from fsdp2_backend.models.tokenizer import load_tokenizer
 
         layers = []
@@ -85,8 +87,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise UsageError("data.data_manager_type: preview_data shows the fine-tuning data path (lf) — set "
                              "data.data_manager_type: lf")
         hf = load_tokenizer(config.model).hf
-        train = prepare_datasets(config, hf)["train"]
-        for n, row in enumerate(train):
+        for n, row in enumerate(training_rows(config, hf)):
             if n == num:
                 break
             if as_json:
