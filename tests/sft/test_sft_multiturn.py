@@ -70,17 +70,18 @@ def reference_pairs(tok, messages, tools=None, enable_thinking=True):
         messages = [_strip_thought(m) for m in messages]
     system = messages[:1] if messages[0]["role"] == "system" else []
     body = messages[len(system):]
+    replies = [i for i, m in enumerate(body) if m["role"] == "assistant"]  # a query: what follows a reply
     pairs = []
-    for k in range(0, len(body), 2):
-        reply = body[k + 1]
-        own_thought = "</think>" in reply["content"]
+    for n, k in enumerate(replies):
+        start = replies[n - 1] + 1 if n else 0
+        own_thought = "</think>" in body[k]["content"]
         off = enable_thinking is False or (enable_thinking is None and not own_thought)
-        if k == 0:
-            prompt = _render(tok, system + body[:1], tools, generation=True, thinking_off=off)
+        if n == 0:
+            prompt = _render(tok, system + body[:k], tools, generation=True, thinking_off=off)
         else:
-            prompt = _render(tok, body[k:k + 1], generation=True, thinking_off=off)
-        upto_query = _render(tok, system + body[:k + 1], tools, generation=True, thinking_off=off)
-        upto_reply = _render(tok, system + body[:k + 2], tools)
+            prompt = _render(tok, body[start:k], generation=True, thinking_off=off)
+        upto_query = _render(tok, system + body[:k], tools, generation=True, thinking_off=off)
+        upto_reply = _render(tok, system + body[:k + 1], tools)
         assert upto_reply.startswith(upto_query)
         pairs.append((tok.encode(prompt, add_special_tokens=False),
                       tok.encode(upto_reply[len(upto_query):], add_special_tokens=False)))
@@ -246,3 +247,17 @@ def test_pieces_are_tokenized_on_their_own(tok):
     pairs = encode_turns(tok, template.render([{"role": "user", "content": "hello"},
                                                {"role": "assistant", "content": "world"}]))
     assert pairs == [(tok.encode("hello", add_special_tokens=False), tok.encode("world", add_special_tokens=False))]
+
+
+def test_openai_parallel_tool_answers_form_one_observation(tok):
+    """Two tool messages in a row (parallel calls): one observation turn, as the jinja renders them (one user
+    block) and as MindSpeed's OpenAI converter joins them."""
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Paris and Rome?"},
+                {"role": "assistant", "content": "", "tool_calls": [call, {**call, "function": {
+                    "name": "get_weather", "arguments": {"city": "Rome"}}}]},
+                {"role": "tool", "content": "sunny"}, {"role": "tool", "content": "rainy"},
+                {"role": "assistant", "content": "Sunny in Paris, rainy in Rome."}]
+    example = _canonical(messages, TOOLS)
+    assert [m["role"] for m in example["messages"]] == ["user", "function", "observation", "assistant"]
+    assert _ours(tok, example, enable_thinking=True) == reference_pairs(tok, messages, TOOLS, True)

@@ -108,6 +108,10 @@ def convert_messages(row: Dict[str, Any], attr: DatasetAttr) -> Optional[Dict[st
             role, content = FUNCTION, calls
         if role is None:
             return None
+        if attr.formatting == "openai" and role == OBSERVATION and messages and messages[-1]["role"] == OBSERVATION:
+            # parallel tool answers: one observation, as MindSpeed's OpenAI converter joins them
+            messages[-1]["content"] += "\n</tool_response>\n<tool_response>\n" + content
+            continue
         messages.append({"role": role, "content": content})
     if len(messages) < 2 or len(messages) % 2:
         return None
