@@ -209,6 +209,14 @@ class ParallelArguments:
     reduce_dtype: Literal["bf16", "fp16", "fp32"] = help_field("fp32", "FSDP gradient reduction dtype.")
     num_to_forward_prefetch: int = help_field(1, "FSDP modules prefetched in forward.")
     num_to_backward_prefetch: int = help_field(1, "FSDP modules prefetched in backward.")
+    cpu_offload: bool = help_field(False, "FSDP2 CPU offload (CPUOffloadPolicy): sharded parameters, gradients and "
+                                   "optimizer state on the host, the optimizer step there (Megatron "
+                                   "--optimizer-cpu-offload, MindSpeed's FSDP cpu_offload); same results, less "
+                                   "device memory.")
+    activation_offload_layers: int = help_field(0, "Saved activations of the first N decoder layers kept in "
+                                                "(pinned) host memory until backward (Megatron "
+                                                "--cpu-offloading-num-layers); 0: none, -1: every layer. Not with "
+                                                "recompute.")
     # Megatron extensions
     sequence_parallel: bool = help_field(False, "(Megatron) Sequence parallel for norms under tensor parallel.")
     distributed_backend: Optional[Literal["nccl", "gloo", "hccl"]] = help_field(

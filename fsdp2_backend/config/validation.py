@@ -58,6 +58,12 @@ def _check_sizes(config: Config, world_size: int, errors: List[str]) -> None:
     for name in ("tp_size", "cp_size", "ep_size", "ep_fsdp_size", "fsdp_size"):
         if getattr(p, name) < 1:
             errors.append(f"parallel.{name}: must be at least 1, got {getattr(p, name)}")
+    if p.activation_offload_layers < -1:
+        errors.append(f"parallel.activation_offload_layers: {p.activation_offload_layers} — give the number of "
+                      f"decoder layers whose activations go to the host, 0 for none or -1 for all")
+    elif p.activation_offload_layers and p.recompute:  # as Megatron: offloading and recomputing do not mix
+        errors.append("parallel.activation_offload_layers: given with parallel.recompute (Megatron refuses CPU "
+                      "offloading with activation recomputation too) — choose one")
     if errors:
         return
     if world_size % (p.tp_size * p.cp_size):

@@ -98,6 +98,10 @@ def apply_parallelism(model: nn.Module, config: Config, ctx: ParallelContext) ->
         fsdp_ignored |= _context_parallel(model, config, ctx)
     if parallel.recompute:
         apply_recompute(model, parallel.recompute_modules)
+    if parallel.activation_offload_layers:  # saved activations on the host (parallel/offload.py)
+        from fsdp2_backend.parallel.offload import apply_activation_offload
+
+        apply_activation_offload(model, parallel.activation_offload_layers, ctx.device.type)
     model = apply_fsdp(model, parallel, ctx.fsdp_mesh, extra_ignored=fsdp_ignored)
     if quantized:
         from fsdp2_backend.parallel.quantize import finish_after_fsdp

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from fsdp2_backend.config import ParallelArguments
+from fsdp2_backend.parallel.offload import offload_policy
 from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.parallel.plans import lenient_matches, unmatched_patterns
 
@@ -102,6 +103,9 @@ def apply_fsdp(model: nn.Module, parallel: ParallelArguments, mesh: DeviceMesh,
                  if parallel.shard_placement_fn else None)
     common = dict(mesh=mesh, mp_policy=mixed_precision_policy(parallel), shard_placement_fn=placement,
                   ignored_params=ignored or None)
+    policy = offload_policy(parallel.cpu_offload, mesh.device_type)  # parallel/offload.py
+    if policy is not None:
+        common["offload_policy"] = policy
     units = _units(model, parallel.fsdp_modules, ignored)
     # Innermost first: fully_shard on a parent after its children leaves the children's parameters to them.
     for module in sorted(units, key=lambda m: -_depth(model, m)):

@@ -57,9 +57,11 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float =
         part = part.to(device)
         if key:
             mesh, dims = key
+            part = part.to(mesh.device_type)  # CPU-offloaded gradients: the norms meet on the mesh's device
             for dim in dims:
                 dist.all_reduce(part, op=dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM,
                                 group=mesh.get_group(dim))
+            part = part.to(device)
         total = torch.maximum(total, part) if inf_norm else total + part
     return total if inf_norm else total.pow(1.0 / norm_type)
 

@@ -88,13 +88,13 @@ _NO_EFFECT: Dict[str, str] = {
         """mla_zero_memory recompute_mla_up_proj mla_swap_core_attn_out recompute_mtp_norm recompute_mtp_layer
         moe_unperm2_mem_optim moe_unperm2_mem_optim_swap attention_mask_on_cpu swap_optimizer_times
         moe_adaptive_recompute_activation_scale adaptive_recompute_profiling_step enable_zero3
-        cpu_offloading_num_layers cpu_offloading_retain_pinned_cpu_buffers
+        cpu_offloading_retain_pinned_cpu_buffers
         fine_grained_activation_offloading offload_modules min_offloaded_tensor_size
         delay_offload_until_cuda_graph delta_offload_bytes_across_pp_ranks activation_offload_fraction
         moe_paged_stash moe_paged_stash_page_size moe_paged_stash_buffer_size_factor_cuda
         moe_paged_stash_buffer_size_factor_cpu fine_grained_offloading_max_inflight_offloads
-        empty_unused_memory_level manual_gc manual_gc_interval no_manual_gc_eval optimizer_cpu_offload
-        optimizer_offload_fraction use_torch_optimizer_for_cpu_offload overlap_cpu_optimizer_d2h_h2d
+        empty_unused_memory_level manual_gc manual_gc_interval no_manual_gc_eval
+        use_torch_optimizer_for_cpu_offload overlap_cpu_optimizer_d2h_h2d
         no_pin_cpu_grads no_pin_cpu_params swap_optimizer swap_attention swap_modules reuse_fp32_param
         moe_zero_memory moe_zero_memory_num_layers adaptive_recompute_device_swap
         adaptive_recompute_device_size memory_fragmentation enable_share_memory distribute_saved_activations
@@ -105,7 +105,7 @@ _NO_EFFECT: Dict[str, str] = {
         recompute_activation_function_num_layers recompute_norm recompute_norm_num_layers""",
     "a Megatron DDP / distributed-optimizer layout; FSDP2 shards parameters, gradients and optimizer state itself":
         """use_distributed_optimizer use_megatron_fsdp use_torch_fsdp2 data_parallel_sharding_strategy
-        outer_dp_sharding_strategy enable_full_sharding_in_hsdp num_distributed_optimizer_instances
+        enable_full_sharding_in_hsdp
         ddp_reduce_scatter_with_fp32_accumulation gtp_remat_reduce_scatter_with_fp32_accumulation
         ddp_param_name_patterns_for_fp32_local_accumulation accumulate_allreduce_grads_in_fp32
         megatron_fsdp_main_params_dtype megatron_fsdp_main_grads_dtype megatron_fsdp_grad_comm_dtype

@@ -353,4 +353,5 @@ from megatron_compat.translate import recompute  # noqa: E402,F401
 from megatron_compat.translate import tokenizer_data  # noqa: E402,F401
 from megatron_compat.translate import mup  # noqa: E402,F401
 from megatron_compat.translate import batch_optim  # noqa: E402,F401
+from megatron_compat.translate import memory_layout  # noqa: E402,F401
 
