@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 from fsdp2_backend.config import Config
+from fsdp2_backend.usage_errors import RunInterrupted
 
 
 @dataclass
@@ -43,7 +44,7 @@ class TrainJob:
     start_time: Optional[float] = None
     epoch_save_interval: Optional[int] = None  # save_epochs in iterations, when training by epochs
     evaluate: Optional[Callable] = None       # SFT: evaluate(trainer, final) → {set: loss}, logs a block per set
-    batch_schedule: Any = None                # training.batch_rampup.BatchSizeSchedule: the batch changes per step
+    batch_schedule: Any = None                # config.batch_schedule.BatchSizeSchedule: the batch changes per step
 
     def close(self) -> None:
         """Releases the checkpointer (waits for an async save) and the process group this job created."""
@@ -67,7 +68,7 @@ def seed_everything(seed: int) -> None:
 def effective_model_args(config: Config, resume) -> Any:
     """The model arguments the model is built from: a resumed run whose config names no HF directory builds it
     from the checkpoint's own config (and tokenizer, unless one is given); the weights come from the load."""
-    from fsdp2_backend.training.checkpoint_io import HF_META_DIR
+    from fsdp2_backend.checkpoint_dirs import HF_META_DIR
 
     model = config.model
     if resume.megatron:  # a Megatron-LM checkpoint: the model its saved args describe (training/megatron_resume)
@@ -88,12 +89,15 @@ def build_model(config: Config, ctx, resume):
     for it, then the model through the fixed plan of `parallel.apply`."""
     from fsdp2_backend.models.loading import create_model, load_hf_config, weights_available
     from fsdp2_backend.models.mup import apply_mup
-    from fsdp2_backend.models.tokenizer import load_tokenizer, model_vocab_size, new_token_rows
+    from fsdp2_backend.data.tokenizer import load_tokenizer, model_vocab_size, new_token_rows
     from fsdp2_backend.parallel.apply import apply_parallelism
 
     model_args = effective_model_args(config, resume)
     tokenizer = load_tokenizer(model_args)
     hf_config = load_hf_config(model_args)
+    if config.training.router_aux_loss_coef is not None:  # MindSpeed's: the MoE model's own aux-loss weight
+        hf_config.router_aux_loss_coef = config.training.router_aux_loss_coef
+        hf_config.output_router_logits = config.training.router_aux_loss_coef > 0
     from_checkpoint = weights_available(model_args)
     config_vocab = hf_config.vocab_size
     if resume.megatron:
@@ -101,7 +105,7 @@ def build_model(config: Config, ctx, resume):
     elif resume.checkpoint is not None:
         # A resumed run's embedding has the checkpoint's rows (at any tp): its saved config says how many.
         from fsdp2_backend.config.model_facts import read_config_json
-        from fsdp2_backend.training.checkpoint_io import HF_META_DIR
+        from fsdp2_backend.checkpoint_dirs import HF_META_DIR
 
         saved = read_config_json(str(resume.checkpoint / HF_META_DIR), []) or {}
         config_vocab, from_checkpoint = saved.get("vocab_size", config_vocab), True
@@ -130,7 +134,26 @@ def _with_mtp(model, config: Config, model_args=None):
     units = list(config.parallel.fsdp_modules)
     if "mtp.layers.{}" not in units:
         units.append("mtp.layers.{}")
-    return model, dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, fsdp_modules=units))
+    plan = dict(fsdp_modules=units)
+    if config.parallel.ep_size > 1 or config.parallel.ep_fsdp_size > 1:  # the MTP layers' experts: the expert plan
+        plan.update(ep_modules=_with_mtp_experts(model, config.parallel.ep_modules),
+                    ep_fsdp_modules=_with_mtp_experts(model, config.parallel.ep_fsdp_modules))
+    return model, dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, **plan))
+
+
+def _with_mtp_experts(model, patterns):
+    """`patterns` plus, for each decoder-layer pattern (`model.layers.{*}.X`), the same module X in the MTP layers
+    (`mtp.layers.{*}.transformer_layer.X`) where the MTP layers have it: their experts shard like the main ones."""
+    from fsdp2_backend.parallel.plans import unmatched_patterns
+
+    out = list(patterns)
+    for pattern in patterns:
+        for prefix in ("model.layers.{*}.", "model.layers.{}."):
+            if pattern.startswith(prefix):
+                mtp = "mtp.layers.{*}.transformer_layer." + pattern[len(prefix):]
+                if mtp not in out and not unmatched_patterns(model, [mtp]):
+                    out.append(mtp)
+    return out
 
 
 def train_length(config: Config, global_batch_size: int, build_data: Callable, batch_schedule=None):
@@ -183,13 +206,14 @@ def build(config: Config) -> TrainJob:
     from fsdp2_backend.distributed.context import ParallelContext
     from fsdp2_backend.config.model_facts import resume_checkpoint
     from fsdp2_backend.distributed.console import print_rank0
-    from fsdp2_backend.training.batch_rampup import schedule_for
+    from fsdp2_backend.config.batch_schedule import schedule_for
     from fsdp2_backend.training.muon import megatron_muon_options
     from fsdp2_backend.training.checkpointer import Checkpointer
     from fsdp2_backend.training.save_dir_guard import SaveDirGuard
     from fsdp2_backend.training.logging import TrainLogger
     from fsdp2_backend.training.loss_scaler import LossScaler
     from fsdp2_backend.training.optimizer import build_optimizer
+    from fsdp2_backend.training.determinism import set_deterministic
     from fsdp2_backend.config.mup_rules import width_mult
     from fsdp2_backend.training.profiler import StepProfiler
     from fsdp2_backend.training.scheduler import ParamScheduler, scheduler_steps
@@ -207,6 +231,7 @@ def build(config: Config) -> TrainJob:
         if resume.reason:
             print_rank0(resume.reason)
         seed_everything(training.seed)
+        set_deterministic(training.deterministic)  # MindSpeed's training.deterministic / --deterministic-mode
         tokenizer, model, hf_config = build_model(config, ctx, resume)
         mbs, micro_batches = training.per_device_train_batch_size, training.gradient_accumulation_steps
         gbs = mbs * micro_batches * ctx.dp_size
@@ -278,6 +303,24 @@ def run_training(config: Config):
 
     job = build(config)
     try:
-        return Trainer(job).train()
+        trainer = Trainer(job)
+        try:
+            return trainer.train()
+        except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback per rank (usage_errors.RunInterrupted)
+            raise RunInterrupted(interrupted_line(config, trainer.state.iteration + 1)) from None  # the one running
     finally:
         job.close()
+
+
+def interrupted_line(config: Config, iteration: int) -> str:
+    """What a user needs after Ctrl-C: where the run stood, its newest checkpoint, and how to go on."""
+    from fsdp2_backend.checkpoint_dirs import newest_checkpoint
+
+    t = config.training
+    if not (t.save_checkpoints and t.output_dir):
+        return f"interrupted at iteration {iteration}; nothing is saved (no --save / training.output_dir)"
+    last = newest_checkpoint(t.output_dir)
+    if last is None:
+        return (f"interrupted at iteration {iteration}; no checkpoint was saved yet, so the same command starts "
+                f"again from the beginning")
+    return f"interrupted at iteration {iteration}; the last checkpoint is {last.name}; the same command resumes"

@@ -21,12 +21,13 @@ from fsdp2_backend.config.optimizer_rules import optimizer_errors
 from fsdp2_backend.config.fault_rules import canonical_config, canonical_key, check_run_inputs
 from fsdp2_backend.config.layout_rules import check_model_layout
 from fsdp2_backend.config.model_facts import ModelFacts, model_facts
+from fsdp2_backend.config.mindspeed_head_rules import head_field_errors, head_field_notices, normalise_head_fields
 from fsdp2_backend.config.mup_rules import mup_errors
 from fsdp2_backend.config.quant_rules import check_quantization, quant_notices
 from fsdp2_backend.config.router_rules import (ROUTER_MODEL_TYPES, check_router_model, megatron_router_set,
                                                router_errors)
 from fsdp2_backend.config.layout import parallel_layout
-from fsdp2_backend.config.schema import Config
+from fsdp2_backend.config.schema import Config, dataset_entries
 from fsdp2_backend.config.sft_rules import check_sft, normalise_sft, sft_notices
 from fsdp2_backend.usage_errors import UsageError
 
@@ -169,10 +170,9 @@ def _check_seed_rules(config: Config, errors: List[str]) -> None:
     mtp = config.model.mtp_num_layers
     if mtp is not None and mtp < 1:
         errors.append(f"model.mtp_num_layers: {mtp} is not a number of MTP depths — give at least 1, or unset it")
-    elif mtp:  # models/mtp.py: plain modules under FSDP2 / CP only, so far
+    elif mtp:  # models/mtp.py: plain modules under FSDP2 / CP / EP (their experts get the expert plan, build._with_mtp)
         for name, why in ((chunk, "optimization.chunk_loss_size (the head computes the MTP loss from full logits)"),
                           (p.tp_size > 1, "parallel.tp_size > 1 (the MTP layers get no tensor-parallel plan yet)"),
-                          (p.ep_size > 1, "parallel.ep_size > 1 (the MTP layer's experts get no expert plan yet)"),
                           (config.model.model_id not in (None, "qwen3", "qwen3_next", "step35", "deepseek_v3"),  # mtp_layouts.py
                            f"model.model_id {config.model.model_id} (no MTP layer layout for it yet)"),
                           (config.model.model_id == "qwen3_next" and mtp != 1,  # one fc / norm pair in its layout
@@ -313,6 +313,7 @@ def validate_with_notices(config: Config, world_size: int = 1) -> Tuple[Config, 
     _check_seed_rules(config, errors)
     _check_optimizer_schedule(config, errors)
     errors.extend(optimizer_errors(config))
+    errors.extend(head_field_errors(config))  # MindSpeed c77308a1's fields (mindspeed_head_rules)
     _check_monitoring(config, errors)
     _check_not_yet(config, errors)
     _check_sizes(config, world_size, errors)
@@ -349,6 +350,7 @@ def _notices(config: Config) -> List[str]:
                        "attention (and recurrent state) stays within each document — Megatron attends across them "
                        "without --reset-attention-mask")
     notices += sft_notices(config)
+    notices += head_field_notices(config)
     notices += quant_notices(config)
     t = config.training
     if not (t.tensorboard_dir or t.wandb_project):  # Megatron's scalar extras need somewhere to go
@@ -360,23 +362,6 @@ def _notices(config: Config) -> List[str]:
         notices.append("training.log_progress: no effect without checkpoints (progress.txt lives in the save "
                        "directory, Megatron --save)")
     return notices
-
-
-def dataset_entries(dataset) -> List[str]:
-    """`data.dataset` as the list the pretraining data reads: a list as it is; MindSpeed's inline {file_name: F}
-    as [F]; a string as one path, or as a Megatron blend 'W1 P1 W2 P2' when it starts with a weight."""
-    if dataset is None:
-        return []
-    if isinstance(dataset, dict):
-        return [dataset["file_name"]] if dataset.get("file_name") else []
-    if isinstance(dataset, list):
-        return [str(entry) for entry in dataset]
-    words = dataset.split()
-    try:
-        float(words[0])
-    except (ValueError, IndexError):
-        return [dataset]
-    return words if len(words) > 1 else [dataset]
 
 
 def normalise(config: Config, world_size: int, facts: ModelFacts = None) -> Config:
@@ -398,4 +383,4 @@ def normalise(config: Config, world_size: int, facts: ModelFacts = None) -> Conf
         dp = parallel_layout(config.parallel, world_size).dp
         training = replace(training, gradient_accumulation_steps=training.global_batch_size
                            // (training.per_device_train_batch_size * dp))
-    return normalise_sft(replace(config, model=model, data=data, training=training))
+    return normalise_head_fields(normalise_sft(replace(config, model=model, data=data, training=training)))

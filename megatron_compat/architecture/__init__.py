@@ -11,6 +11,9 @@ selecting anything else is declined with what to do. Flags that only Megatron's 
 """
 from __future__ import annotations
 
+import glob
+import json
+import os
 from typing import Any, Callable, Dict, List, Optional
 
 from megatron_compat.architecture import gdn as architecture_gdn
@@ -148,9 +151,20 @@ def _ffn(a: Arch) -> Optional[int]:
     return 4 * g("hidden_size")
 
 
+# Tokenizers that Megatron builds from --vocab-size; every other one (HF, SentencePiece, GPT-2 BPE, ...) gives the
+# vocabulary itself and Megatron pads that (`_vocab_size_with_padding(tokenizer.vocab_size)`), --vocab-size unread.
+VOCAB_SIZE_TOKENIZERS = (None, "NullTokenizer", "TikTokenizer", "NullMultimodalTokenizer")
+
+
 def _vocab(a: Arch) -> Optional[int]:
     """The vocabulary the flags give; the engine pads it (make-vocab-size-divisible-by × tp) in one place."""
-    return a.get("padded_vocab_size") or a.get("vocab_size")
+    if a.get("padded_vocab_size"):
+        return a.get("padded_vocab_size")
+    if a.get("tokenizer_type") not in VOCAB_SIZE_TOKENIZERS:
+        a.note("vocab_size", "no_effect", f"Megatron sizes the vocabulary from the {a.get('tokenizer_type')} "
+                                          "tokenizer (padded to --make-vocab-size-divisible-by × TP), as here")
+        return None
+    return a.get("vocab_size")
 
 
 def _act(a: Arch) -> str:
@@ -184,7 +198,9 @@ def _dense_keys(a: Arch, family: str) -> None:
     put("untie_embeddings_and_output_weights", "tie_word_embeddings",
         not g("untie_embeddings_and_output_weights"))
     vocab_dest = "padded_vocab_size" if g("padded_vocab_size") else "vocab_size"
-    put(vocab_dest, "vocab_size", _vocab(a))
+    vocab = _vocab(a)
+    if vocab is not None:
+        put(vocab_dest, "vocab_size", vocab)
     for dest in ("swiglu", "squared_relu", "openai_gelu", "gelu_tanh", "geglu"):
         put(dest, "hidden_act", _act(a))
     if family == "gpt2":
@@ -351,6 +367,10 @@ def apply(ns, active, from_scratch: bool, record: Callable[[str, str, str], None
     if from_scratch and architecture_hybrid.selects_hybrid(ns, active):  # Megatron's hybrid stack → NemotronH
         return architecture_hybrid.apply(a)
     family = _family(a)
+    if not from_scratch and family == "gpt2" and loaded_model_type(ns) != "gpt2":
+        # GPT-2-style flags (no --swiglu / RMSNorm / rope) over a loaded Llama/Qwen-style model: the loaded model
+        # names the keys, and its heads and head width are checked like any others (were "without effect")
+        family = "llama"
     gdn = family == "qwen3_next"
     if gdn:  # Qwen3-Next: Qwen3-MoE's attention, MoE and router flags, plus the GDN ones (architecture_gdn)
         family = architecture_gdn.BASE_FAMILY
@@ -381,6 +401,23 @@ def apply(ns, active, from_scratch: bool, record: Callable[[str, str, str], None
     for dest, why in a.declined.items():
         a.note(dest, "declined", why)
     return a.keys
+
+
+def loaded_model_type(ns) -> Optional[str]:
+    """The `model_type` of the model `--load` names (an HF directory's config.json, or a save directory's newest
+    checkpoint's hf_meta/config.json), or None."""
+    load = getattr(ns, "load", None)
+    if not load or load == "None" or not os.path.isdir(load):
+        return None
+    candidates = [os.path.join(load, "config.json"), os.path.join(load, "hf_meta", "config.json")]
+    candidates += sorted(glob.glob(os.path.join(load, "iter_*", "hf_meta", "config.json")), reverse=True)
+    for path in candidates:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
 
 
 def _settle(a: Arch, family: str) -> None:

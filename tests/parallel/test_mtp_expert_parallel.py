@@ -1,0 +1,108 @@
+"""MTP with expert parallel: the qwen3_next model id with one MTP depth (its MTP layer is sparse: stacked experts),
+on 2 gloo ranks at EP 2 (the engine's `build._with_mtp` + `apply_parallelism`), gives one process's losses (both
+ranks' micro-batches, lm loss + factor × MTP loss) over 3 steps; the MTP layer's experts are sharded like the main
+layers. (two of the four experts per rank)."""
+import torch
+
+from tests.helpers import run_distributed
+from tests.models.test_qwen3_next import tiny_next_config
+
+STEPS, LR, SEQ, MBS, FACTOR = 3, 5e-3, 16, 2, 0.3
+
+
+def _config(ep_size):
+    from fsdp2_backend.config import Config
+
+    config = Config()
+    config.model.model_id, config.model.mtp_num_layers, config.model.mtp_loss_scaling_factor = "qwen3_next", 1, FACTOR
+    config.optimization.gdn_chunk_size = 8
+    config.optimization.moe_grouped_gemm = True
+    config.parallel.param_dtype, config.parallel.ep_size = "fp32", ep_size
+    return config
+
+
+def _model(config):
+    from fsdp2_backend.build import _with_mtp
+    from fsdp2_backend.models.registry import model_spec
+
+    torch.manual_seed(0)
+    # two layers, the last one dense: the MTP layer is still full attention with the sparse MoE (its layout)
+    model = model_spec("qwen3_next").build(tiny_next_config(
+        output_router_logits=False, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        mlp_only_layers=[1]))
+    return _with_mtp(model, config)
+
+
+def _batch(step, rank):
+    from fsdp2_backend.models.mtp import mtp_batch
+
+    g = torch.Generator().manual_seed(1000 * (step % 2) + rank)  # two batches in turn: the loss must fall
+    text = torch.randint(0, 128, (MBS, SEQ + 1), generator=g)
+    mask = torch.ones(MBS, SEQ)
+    mask[rank, 3 + step] = 0
+    return mtp_batch(dict(input_ids=text[:, :-1], labels=text[:, 1:], loss_mask=mask,
+                          position_ids=torch.arange(SEQ).expand(MBS, SEQ)), 1)
+
+
+def _loss(model, batch, scale):
+    """(lm loss + FACTOR × MTP loss of this micro-batch, detached); backward with gradient weight `scale`."""
+    import torch.nn.functional as F
+
+    from fsdp2_backend.models.mtp import mtp_forward
+
+    out, sums, counts = mtp_forward(model, batch, 1, lambda s, c: FACTOR * s[0] / c[0], loss_scale=scale)
+    ce = F.cross_entropy(out.logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="none")
+    mask = batch["loss_mask"].flatten()
+    lm = (ce * mask).sum() / mask.sum()
+    (lm * scale).backward()
+    return float(lm.detach() + FACTOR * sums[0] / counts[0])
+
+
+def _reference():
+    from fsdp2_backend.models.registry import model_spec
+
+    model, config = _model(_config(1))
+    model_spec("qwen3_next").configure(model, config, "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        losses.append(sum(_loss(model, _batch(step, r), 0.5) for r in range(2)) / 2)
+        opt.step()
+    return losses
+
+
+def _ranks(rank, world_size, out_dir):
+    import json
+
+    import torch.distributed as dist
+
+    from fsdp2_backend.distributed.context import ParallelContext
+    from fsdp2_backend.parallel.apply import apply_parallelism
+
+    model, config = _model(_config(2))
+    assert "mtp.layers.{*}.transformer_layer.mlp.experts" in config.parallel.ep_modules
+    model = apply_parallelism(model, config, ParallelContext.create(config.parallel))
+    experts = model.mtp.layers[0].transformer_layer.mlp.experts
+    assert experts.gate_up_proj.to_local().shape[0] == 2  # two of the four experts per rank, as the main layers'
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = torch.tensor(_loss(model, _batch(step, rank), 1 / world_size))  # SUMmed gradients: the 1/dp here
+        opt.step()
+        dist.all_reduce(total)
+        losses.append(float(total) / world_size)
+    if rank == 0:
+        with open(f"{out_dir}/losses.json", "w") as f:
+            json.dump(losses, f)
+
+
+def test_mtp_with_ep2_equals_one_process(tmp_path):
+    import json
+
+    run_distributed(_ranks, 2, str(tmp_path))
+    got = json.loads((tmp_path / "losses.json").read_text())
+    want = _reference()
+    assert want[-1] < want[0]  # it trains
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
