@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from fsdp2_backend.config import Config
 from fsdp2_backend.config.loading import build_config, load_yaml, split_native_overrides, to_yaml
 from fsdp2_backend.config.validation import validate_with_notices
+from fsdp2_backend.config.input_files import input_file_errors
 from fsdp2_backend.usage_errors import UsageError, exit_on_usage_error
 
 DRY_RUN_FLAG = "--dry-run"
@@ -98,10 +99,13 @@ def minimal_world_size(config: Config) -> int:
     return functools.reduce(math.lcm, [max(s, 1) for s in sizes])
 
 
-def parse_command_line(argv: List[str], world_size: Optional[int]) -> Tuple[Config, List[str]]:
+def parse_command_line(argv: List[str], world_size: Optional[int],
+                       check_files: bool = False) -> Tuple[Config, List[str]]:
     """argv → validated Config and the report lines (Megatron translation, world size used) for the user.
 
     `world_size` None (a dry run without WORLD_SIZE) validates for the smallest world the layout fits.
+    `check_files`: also check the input files (model and data; `config.input_files`), reported with the other
+    problems — a run does, a dry run touches no data or model files.
     """
     argv = [a for a in argv if a != DRY_RUN_FLAG]
     native: List[Tuple[str, Dict[str, Dict[str, Any]]]] = []
@@ -130,8 +134,24 @@ def parse_command_line(argv: List[str], world_size: Optional[int]) -> Tuple[Conf
         world_size = minimal_world_size(config)
         report.append(f"validated for world size {world_size} (the smallest this layout fits; set WORLD_SIZE "
                       f"to check another)")
-    config, notices = validate_with_notices(config, world_size)
+    file_errors = input_file_errors(config) if check_files else []
+    try:
+        config, notices = validate_with_notices(config, world_size)
+    except UsageError as exc:  # one report: a missing model directory is said once, as such
+        missing_model = any(e.startswith("model.model_name_or_path") for e in file_errors)
+        raise UsageError(file_errors + [m for m in exc.messages if not (
+            missing_model and m.startswith("model.model_name_or_path"))]) from None
+    if file_errors:
+        raise UsageError(file_errors)
     return config, report + [f"notice: {line}" for line in notices]
+
+
+def compact_report(report: List[str]) -> List[str]:
+    """The report a run prints at start: the mapped flags as one count (a script maps dozens; `--dry-run` lists
+    each with its field), then every line that asks for attention (no effect, declined, warnings, notices)."""
+    mapped = [line for line in report if line.startswith("mapped: ")]
+    head = [f"Megatron flags: {len(mapped)} mapped to native fields (--dry-run lists each with its field)"]
+    return (head if mapped else []) + [line for line in report if not line.startswith("mapped: ")]
 
 
 def world_size_from_env(default: Optional[int] = 1) -> Optional[int]:
@@ -157,14 +177,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     with exit_on_usage_error():
         dry_run = DRY_RUN_FLAG in argv
-        config, report = parse_command_line(argv, world_size_from_env(None if dry_run else 1))
+        config, report = parse_command_line(argv, world_size_from_env(None if dry_run else 1), not dry_run)
     if dry_run:
+        world = world_size_from_env(None) or minimal_world_size(config)
+        sys.stdout.write(f"# pretrain_fsdp2.py --dry-run for WORLD_SIZE={world}: this file runs as it is at that world "
+                         f"size only (the batch split and the layout were derived for it) — for another, rerun "
+                         f"--dry-run with that WORLD_SIZE\n")
         sys.stdout.write(to_yaml(config))
         for line in report:
             sys.stdout.write(f"# {line}\n")
         return 0
     if os.environ.get("RANK", "0") == "0":  # one report per job, not one per rank
-        for line in report:
+        for line in compact_report(report):
             print(line, file=sys.stderr)
     if config.training.exit_signal_handler:
         # before the data loader forks its workers: they inherit the handler and survive a signal to the tree

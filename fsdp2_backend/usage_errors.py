@@ -33,6 +33,16 @@ class RunStopped(Exception):
         super().__init__("\n".join(self.messages))
 
 
+class RunInterrupted(Exception):
+    """Ctrl-C (SIGINT; torchrun hands it to every worker): one line on rank 0 saying where the run stood and how to
+    go on — no `error:` prefix, nothing is wrong — and exit code 130 (128 + SIGINT, as a shell reports it)."""
+
+    def __init__(self, message: str):
+        self.messages = [message]
+        super().__init__(message)
+
+
+INTERRUPTED_EXIT_CODE = 130
 USAGE_EXIT_GRACE_S = 5.0
 
 
@@ -52,10 +62,16 @@ def report_and_exit(messages: Iterable[str], code: int = USAGE_EXIT_CODE) -> Non
 
 @contextmanager
 def exit_on_usage_error() -> Iterator[None]:
-    """Turns a UsageError raised inside the block into `error:` lines and exit code 2 (a RunStopped: exit 1)."""
+    """Turns a UsageError raised inside the block into `error:` lines and exit code 2 (a RunStopped: exit 1; Ctrl-C:
+    one line and exit 130)."""
     try:
         yield
     except UsageError as exc:
         report_and_exit(exc.messages)
     except RunStopped as exc:
         report_and_exit(exc.messages, RUN_STOPPED_EXIT_CODE)
+    except (RunInterrupted, KeyboardInterrupt) as exc:  # before training started (or in a tool): no iteration to name
+        message = exc.messages[0] if isinstance(exc, RunInterrupted) else "interrupted"
+        if os.environ.get("RANK", "0") == "0":
+            print(message, file=sys.stderr, flush=True)
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from None

@@ -276,11 +276,20 @@ def create_model(model_args: ModelArguments, hf_config, *, seed: int, device: to
         problems = shape_mismatches(expected, model_args.model_name_or_path)
         if problems:
             raise UsageError(problems)
-        model = AutoModelForCausalLM.from_pretrained(
-            model_args.model_name_or_path, config=hf_config, dtype=torch.float32,
-            trust_remote_code=model_args.trust_remote_code, cache_dir=model_args.cache_dir,
-            revision=model_args.model_revision,
-            token=model_args.hf_hub_token)
+        from transformers.utils import logging as hf_logging
+
+        other_rank = os.environ.get("RANK", "0") != "0"  # every rank loads: one "Loading weights" bar per job
+        if other_rank:
+            hf_logging.disable_progress_bar()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_args.model_name_or_path, config=hf_config, dtype=torch.float32,
+                trust_remote_code=model_args.trust_remote_code, cache_dir=model_args.cache_dir,
+                revision=model_args.model_revision,
+                token=model_args.hf_hub_token)
+        finally:
+            if other_rank:
+                hf_logging.enable_progress_bar()
     else:
         model = build_model(model_args, hf_config, on_meta=False)
         if load:

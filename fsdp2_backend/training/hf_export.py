@@ -110,10 +110,34 @@ def _write_hf_dir(model: torch.nn.Module, out_dir: Path, write_mine: Callable[[P
             written = [entry for part in gathered for entry in part]
         rank_zero_first(lambda: _commit(model, tmp, out_dir, written, tokenizer), others=False,
                         what="HF export")
-    except BaseException:
+    except BaseException as exc:
         if rank == 0:  # nothing half-written stays behind
             shutil.rmtree(tmp, ignore_errors=True)
+        stopped = export_stopped(exc, out_dir)
+        if stopped is not None:  # a full disk or a lost permission: one line, as for a checkpoint save
+            raise stopped from None
         raise
+
+
+def export_stopped(exc: BaseException, out_dir: Path) -> Optional[Exception]:
+    """A RunStopped naming ``out_dir`` when ``exc`` is a storage failure (an OSError anywhere in its chain, or
+    safetensors' "... (os error 28)", which carries no errno), else None."""
+    import errno as errnos
+    import re
+
+    from fsdp2_backend.training.checkpoint_io import storage_error
+    from fsdp2_backend.usage_errors import RunStopped
+
+    error = storage_error(exc) if isinstance(exc, Exception) else None
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    if error is None and found:
+        error = OSError(int(found[1]), os.strerror(int(found[1])))
+    if error is None or error.errno not in (errnos.ENOSPC, errnos.EDQUOT, errnos.EFBIG, errnos.EACCES,
+                                            errnos.EPERM, errnos.EROFS):
+        return None
+    return RunStopped(f"{out_dir}: writing the Hugging Face export failed ({error.strerror or error}); nothing is "
+                      f"left behind — free space or fix permissions there, then export again (tools/"
+                      f"convert_checkpoint.py CHECKPOINT {out_dir} converts a saved checkpoint)")
 
 
 def _prepare_tmp(out_dir: Path, tmp: Path) -> None:

@@ -47,7 +47,10 @@ class ParamScheduler:
                  lr_decay_steps: int, lr_decay_style: str, init_lr: float = 0.0,
                  wsd_decay_steps: Optional[int] = None, lr_wsd_decay_style: str = "exponential",
                  start_wd: float = 0.0, end_wd: Optional[float] = None, wd_incr_steps: int = 1,
-                 wd_incr_style: str = "constant", on_resume: str = "check"):
+                 wd_incr_style: str = "constant", on_resume: str = "check",
+                 samples_per_iteration: Optional[int] = None):
+        # a run given in iterations (the global batch): a resume mismatch is reported in iterations too
+        self.samples_per_iteration = samples_per_iteration
         end_wd = start_wd if end_wd is None else end_wd
         problems = []
         if lr_decay_style not in LR_STYLES:
@@ -139,6 +142,14 @@ class ParamScheduler:
             group["lr"] = self.get_lr(index)
             group["weight_decay"] = wd * group.get("wd_mult", 1.0)
 
+    def _count(self, key: str, value: Any) -> str:
+        """A schedule value as the user gave it: a step count in iterations (and samples) when the run is given in
+        iterations and the count is whole ones, else as stored."""
+        per = self.samples_per_iteration
+        if key.endswith("_steps") and per and isinstance(value, (int, float)) and value and value % per == 0:
+            return f"{int(value // per)} iterations ({int(value)} samples)"
+        return repr(value)
+
     @property
     def last_lr(self) -> float:
         """The learning rate of the default schedule (what Megatron's log line reports)."""
@@ -150,7 +161,7 @@ class ParamScheduler:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores the position (`num_steps`) and, per `on_resume`, the schedule values."""
-        mismatched = [f"{k}: this run {getattr(self, k)!r}, checkpoint {state[k]!r}"
+        mismatched = [f"{k}: this run {self._count(k, getattr(self, k))}, checkpoint {self._count(k, state[k])}"
                       for k in _SCHEDULE_KEYS if k in state and state[k] != getattr(self, k)]
         if mismatched and self.on_resume == "check":
             raise UsageError([f"learning-rate schedule differs from the checkpoint's ({m}) — resume with the "
@@ -204,4 +215,5 @@ def scheduler_steps(training: Any, global_batch_size: int, train_iters: Optional
     return dict(max_lr=t.lr, min_lr=t.min_lr, init_lr=t.lr_warmup_init, lr_warmup_steps=warmup,
                 lr_decay_steps=decay, lr_decay_style=t.lr_scheduler_type, wsd_decay_steps=wsd,
                 lr_wsd_decay_style=t.lr_wsd_decay_style, start_wd=start_wd, end_wd=end_wd,
-                wd_incr_steps=wd_steps, wd_incr_style=style, on_resume=t.lr_scheduler_on_resume)
+                wd_incr_steps=wd_steps, wd_incr_style=style, on_resume=t.lr_scheduler_on_resume,
+                samples_per_iteration=None if getattr(t, "train_samples", None) else global_batch_size)

@@ -173,8 +173,11 @@ class BlendedMegatronDatasetBuilder:
             except OSError as err:
                 if not builds_caches_first(shared_storage):
                     raise  # the other ranks only read the caches
-                raise OSError(f"Failed to write dataset index caches: supply a folder you can write to as "
-                              f"path_to_cache (--data-cache-path): {err}") from err
+                from fsdp2_backend.usage_errors import UsageError
+
+                raise UsageError(f"data.data_cache_path (--data-cache-path): writing the dataset index caches "
+                                 f"failed ({err.strerror or err}: {err.filename or 'the cache folder'}) — set it "
+                                 f"to a folder you can write to") from None
 
         return rank_zero_first(build, shared_storage, synchronize=synchronize_ranks)
 

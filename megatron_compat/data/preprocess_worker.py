@@ -154,7 +154,8 @@ def parse_line(line, where: str) -> dict:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise UsageError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno}) — fix or remove the line") \
+        what = exc.msg[:-len(" at")] if exc.msg.endswith(" at") else exc.msg  # "Invalid control character at"
+        raise UsageError(f"{where}: invalid JSON ({what} at column {exc.colno}) — fix or remove the line") \
             from None
     except UnicodeDecodeError as exc:
         raise UsageError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start}) — re-encode the file as "

@@ -114,12 +114,14 @@ def test_megatrons_default_hidden_dropout_is_said_to_vanish():
 
 
 def test_gpt_style_flags_are_checked_against_the_hf_config(hf_dir):
+    """GPT-2-style flags over a loaded Llama/Qwen-style model: named as the loaded config names them."""
     gpt = ["--load", hf_dir, "--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4",
            "--position-embedding-type", "learned_absolute", "--seq-length", "32", "--max-position-embeddings", "256",
            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--mock-data",
            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_dir, "--save", "/tmp/faults-out"]
     assert errors_of(gpt) == [
-        f"model.architecture.n_layer: the flags say 3 but {hf_dir} config.json says 2 — fix the flag, or drop the "
+        f"model.architecture.num_hidden_layers: the flags say 3 but {hf_dir} config.json says 2 — fix the flag, or "
+        f"drop the "
         f"architecture flags (the model is defined there)"]
     parse_command_line(replaced(gpt, "--num-layers", "2"), 1)  # agreeing flags pass
 

@@ -180,3 +180,19 @@ def test_cli_two_ranks_generate_once_printed(model_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     expected = generate(_config(model_dir, max_new_tokens=5), PROMPTS)
     assert result.stdout == "".join(f"=== {n} ===\n{text}\n" for n, text in enumerate(expected, 1))
+
+
+def test_cli_fine_tuning_yaml_wraps_the_prompt_in_its_template(model_dir, tmp_path, capsys):
+    """tools/generate.py sft.yaml: the prompt goes in as the user turn of the run's template (here qwen3, written
+    out by hand below), the completion is the assistant's reply."""
+    from fsdp2_backend.cli.generate import main
+
+    sft_yaml = tmp_path / "sft.yaml"
+    sft_yaml.write_text(f"model:\n  model_name_or_path: {model_dir}\ndata:\n  dataset: alpaca_demo\n  template: "
+                        f"qwen3\ninference:\n  max_new_tokens: 6\n")
+    assert main([str(sft_yaml), "--prompt", PROMPTS[0]]) == 0
+    model, tokenizer = _hf(model_dir)
+    chat = f"<|im_start|>user\n{PROMPTS[0]}<|im_end|>\n<|im_start|>assistant\n"
+    expected = _reference(model, tokenizer, chat, max_new_tokens=6, do_sample=False)[0]
+    assert expected != _reference(model, tokenizer, PROMPTS[0], max_new_tokens=6, do_sample=False)[0]
+    assert capsys.readouterr().out == f"=== 1 ===\n{expected}\n"

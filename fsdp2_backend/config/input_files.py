@@ -1,0 +1,139 @@
+"""The run's input files, checked with the rest of the config: before any process group, model or tokenizer is
+loaded (a wrong data prefix used to be found only after the model had loaded; a missing model directory became
+a Hugging Face hub message after seconds of imports).
+
+`input_file_errors(config)` returns one message per problem, all at once:
+- the model directory (`model.model_name_or_path`, Megatron `--load`) and the tokenizer directory, when given as
+  a path that does not exist;
+- the pretraining data (`data.dataset`, Megatron `--data-path`, and the per-split paths): an odd number of blend
+  entries, a `.bin` / `.idx` file named instead of its prefix, a prefix with no `.bin` / `.idx` pair (with "did you
+  mean" among the prefixes beside it), a raw file that does not exist;
+- the folders the data stack writes into: the dataset index caches (`<prefix>/cache/GPTDataset_indices` unless
+  `data.data_cache_path`) and the tokenized copy of a raw file (`<name>_tokenized/` unless `data.tokenized_path`),
+  which must be creatable — a read-only data folder is named with the field that moves the writes elsewhere.
+Torch-free, like all of `config/`.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from typing import List, Optional
+
+from fsdp2_backend.config.schema import Config
+
+# raw files the pretraining data tokenizes first (data/pretrain.py RAW_SUFFIXES; config/ imports no torch)
+RAW_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
+INDEX_CACHE_DIR = os.path.join("cache", "GPTDataset_indices")  # megatron-core's default, under the prefix
+
+_DATA_FIELDS = (("dataset", "--data-path"), ("train_data_path", "--train-data-path"),
+                ("valid_data_path", "--valid-data-path"), ("test_data_path", "--test-data-path"))
+
+
+def input_file_errors(config: Config) -> List[str]:
+    errors = _model_errors(config)
+    d = config.data
+    if d.data_manager_type != "mg" or d.mock_data:
+        return errors
+    from fsdp2_backend.config.validation import dataset_entries
+
+    for name, flag in _DATA_FIELDS:
+        entries = dataset_entries(getattr(d, name))
+        if entries:
+            errors += _data_errors(f"data.{name} ({flag})", entries, config)
+    return errors
+
+
+def _looks_like_path(value: str) -> bool:
+    """A local path rather than a hub id ("namespace/name"): absolute, relative with ./ or ~, or deeper."""
+    return os.path.isabs(value) or value.startswith((".", "~")) or value.count("/") > 1 or os.sep != "/"
+
+
+def _model_errors(config: Config) -> List[str]:
+    m, errors = config.model, []
+    for field, flag, value in (("model_name_or_path", "--load", m.model_name_or_path),
+                               ("tokenizer_name_or_path", "--tokenizer-name-or-path", m.tokenizer_name_or_path)):
+        if value and _looks_like_path(str(value)) and not os.path.exists(os.path.expanduser(str(value))):
+            errors.append(f"model.{field} ({flag}): {value} not found — give an existing local Hugging Face model "
+                          f"directory (config.json, tokenizer files, safetensors)")
+    return errors
+
+
+def _data_errors(what: str, entries: List[str], config: Config) -> List[str]:
+    if len(entries) > 1 and len(entries) % 2 and _is_number(entries[0]):
+        return [f"{what}: an odd number of blend entries ({len(entries)}: {' '.join(entries)}) — give weight and "
+                f"prefix pairs: W1 PREFIX1 W2 PREFIX2 ..."]
+    prefixes = entries[1::2] if len(entries) % 2 == 0 and all(_is_number(e) for e in entries[::2]) else entries
+    errors: List[str] = []
+    for prefix in prefixes:
+        if prefix.endswith(RAW_SUFFIXES):
+            errors += _raw_errors(what, prefix, config)
+        elif prefix.endswith((".bin", ".idx")):
+            errors.append(f"{what}: {prefix} names one file of the indexed pair — give its prefix "
+                          f"{prefix[:-4]} (without .bin/.idx), as Megatron's --data-path takes it")
+        elif not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
+            errors.append(f"{what}: {prefix}.bin/.idx not found{_did_you_mean(prefix)} — give the prefix of files "
+                          f"written by preprocess_data.py, or a raw .jsonl/.jsonl.gz/.parquet file")
+        else:
+            errors += _cache_errors(prefix, config)
+    return errors
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _did_you_mean(prefix: str) -> str:
+    """"; did you mean P?" with the closest .bin/.idx prefixes in the same folder, or ""."""
+    folder = os.path.dirname(prefix) or "."
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return ""
+    candidates = sorted(n[:-4] for n in names if n.endswith(".bin") and f"{n[:-4]}.idx" in names)
+    close = difflib.get_close_matches(os.path.basename(prefix), candidates, n=3, cutoff=0.5)
+    if not close:
+        return ""
+    return "; did you mean " + " or ".join(os.path.join(os.path.dirname(prefix), c) for c in close) + "?"
+
+
+def _unwritable(path: str) -> Optional[str]:
+    """The existing folder that stops `path` from being created or written, or None when it can be."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    return None if os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK) else existing
+
+
+def _cache_errors(prefix: str, config: Config) -> List[str]:
+    cache = config.data.data_cache_path
+    target = cache or os.path.join(prefix, INDEX_CACHE_DIR)
+    if os.path.isdir(target) and cache is None:
+        return []  # caches from an earlier run: read, and written only for new settings
+    blocker = _unwritable(target)
+    if blocker is None:
+        return []
+    where = "data.data_cache_path (--data-cache-path)"
+    if cache:
+        return [f"{where}: {cache} cannot be written ({blocker} is not writable) — give a folder you can write to"]
+    return [f"{where}: the dataset index caches of {prefix} go to {target} by default, and {blocker} is not "
+            f"writable — set --data-cache-path (data.data_cache_path) to a folder you can write to"]
+
+
+def _raw_errors(what: str, raw: str, config: Config) -> List[str]:
+    if not os.path.isfile(raw):
+        return [f"{what}: {raw} not found{_did_you_mean(raw)} — give an existing raw data file, or the prefix of "
+                f"files written by preprocess_data.py"]
+    name = os.path.basename(raw)
+    name = next(name[: -len(s)] for s in RAW_SUFFIXES if name.endswith(s))
+    folder = config.data.tokenized_path or os.path.join(os.path.dirname(os.path.abspath(raw)), f"{name}_tokenized")
+    if os.path.isdir(folder) and any(f.endswith(".idx") for f in os.listdir(folder)) and not config.data.overwrite_cache:
+        return []  # tokenized by an earlier run: read only
+    blocker = _unwritable(folder)
+    if blocker is None:
+        return []
+    return [f"data.tokenized_path: {raw} is tokenized into {folder}, and {blocker} is not writable — set "
+            f"data.tokenized_path (--data.tokenized_path) to a folder you can write to"]
