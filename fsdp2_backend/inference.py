@@ -131,9 +131,21 @@ def _generation_settings(base, inference: InferenceArguments, tokenizer):
     return settings
 
 
+def chat_prompt_ids(config: Config, tokenizer, prompt: str) -> List[int]:
+    """`prompt` as the user turn of the fine-tuning run's template (`data.template`, or the tokenizer's own), the
+    ids up to where the assistant's reply starts — tokenized piece by piece, as the SFT data was."""
+    from fsdp2_backend.data.sft.template import encode_turns, get_template
+
+    template = get_template(config.data, tokenizer.hf)
+    (prompt_pieces, _), = template.render([{"role": "user", "content": prompt},
+                                           {"role": "assistant", "content": ""}])
+    return encode_turns(tokenizer.hf, [(prompt_pieces, ())])[0][0]
+
+
 def complete(model: torch.nn.Module, tokenizer, inference: InferenceArguments, seed: int,
-             prompts: Sequence[str]) -> List[str]:
-    """The completion (new text only) of each prompt by an already loaded model."""
+             prompts: Sequence[str], encode=None) -> List[str]:
+    """The completion (new text only) of each prompt by an already loaded model; `encode(prompt)` gives the
+    prompt's ids (default: the text as it is)."""
     import torch
 
     settings = _generation_settings(model.generation_config, inference, tokenizer)
@@ -145,7 +157,7 @@ def complete(model: torch.nn.Module, tokenizer, inference: InferenceArguments, s
                                                 device_type=device.type if accelerators else "cuda"):
         torch.manual_seed(seed)
         for number, prompt in enumerate(prompts, 1):
-            ids = _encode(tokenizer, prompt)
+            ids = encode(prompt) if encode is not None else _encode(tokenizer, prompt)
             if not ids:
                 raise UsageError(f"prompt {number}: {prompt!r} encodes to no tokens — give a non-empty prompt")
             input_ids = torch.tensor([ids], device=device)
@@ -158,8 +170,10 @@ def complete(model: torch.nn.Module, tokenizer, inference: InferenceArguments, s
     return completions
 
 
-def generate(config: Config, prompts: List[str]) -> List[str]:
-    """The completion of each prompt by the model of `config.model`, with `config.inference`'s settings."""
+def generate(config: Config, prompts: List[str], chat: bool = False) -> List[str]:
+    """The completion of each prompt by the model of `config.model`, with `config.inference`'s settings; `chat`:
+    each prompt wrapped as the user turn of the fine-tuning run's template (`chat_prompt_ids`)."""
     check_inference_config(config, prompts)
     model, tokenizer = load_for_inference(config)
-    return complete(model, tokenizer, config.inference, config.training.seed, prompts)
+    encode = (lambda prompt: chat_prompt_ids(config, tokenizer, prompt)) if chat else None
+    return complete(model, tokenizer, config.inference, config.training.seed, prompts, encode)

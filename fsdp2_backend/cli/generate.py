@@ -9,7 +9,9 @@ iter_* directory, or the save directory: its newest complete checkpoint). Given 
 the newest checkpoint in the YAML's `training.output_dir` (the trained model, not the base model the YAML starts
 from), unless `--model.model_name_or_path` says otherwise. `--inference.max_new_tokens`
 bounds each completion, `--inference.do_sample true` samples (seeded with `--training.seed`) instead of
-greedy decoding. Each completion is printed after a `=== N ===` line (N: the prompt's number).
+greedy decoding. Given a fine-tuning YAML (stage sft with a dataset), each prompt is the user turn of the run's
+chat template (`data.template`, as training rendered it) and the completion is the assistant's reply. Each
+completion is printed after a `=== N ===` line (N: the prompt's number).
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from typing import List, Optional, Tuple
 from fsdp2_backend.usage_errors import UsageError, exit_on_usage_error
 
 
-def parse_command_line(argv: List[str]) -> Tuple[object, List[str]]:
-    """(Config from the YAML file and the `--group.field` overrides, prompts)."""
+def parse_command_line(argv: List[str]) -> Tuple[object, List[str], bool]:
+    """(Config from the YAML file and the `--group.field` overrides, prompts, whether a YAML file was given)."""
     from fsdp2_backend.config.loading import build_config, load_yaml, split_native_overrides
 
     overrides, rest = split_native_overrides(argv)
@@ -51,7 +53,7 @@ def parse_command_line(argv: List[str]) -> Tuple[object, List[str]]:
     config = build_config(layers + [("command line", overrides)])
     if config_files and "model_name_or_path" not in overrides.get("model", {}):
         config = _from_the_runs_checkpoints(config)
-    return config, prompts
+    return config, prompts, bool(config_files)
 
 
 def _from_the_runs_checkpoints(config):
@@ -80,10 +82,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(__doc__)
         return 0
     with exit_on_usage_error():
-        config, prompts = parse_command_line(argv)
+        config, prompts, from_yaml = parse_command_line(argv)
         from fsdp2_backend.inference import generate
 
-        completions = generate(config, prompts)
+        # a fine-tuning YAML: the prompts go in as the user turn of the template the model was trained with
+        chat = (from_yaml and config.training.stage == "sft" and config.data.data_manager_type == "lf"
+                and config.data.dataset is not None)
+        completions = generate(config, prompts, chat=chat)
     if int(os.environ.get("RANK", "0")) == 0:
         for number, completion in enumerate(completions, 1):
             print(f"=== {number} ===")

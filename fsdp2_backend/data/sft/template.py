@@ -241,6 +241,14 @@ def get_template(data_args, hf_tokenizer):
             template = parse_tokenizer_template(hf_tokenizer)
         else:
             template = _empty()
+            from fsdp2_backend.distributed.console import print_rank0
+
+            # LLaMA-Factory warns here too: no separator and no end-of-reply token, so the model never learns
+            # where a reply ends
+            print_rank0("warning: data.template: unset, and the tokenizer has no chat template — using the empty "
+                        "template (the prompt and the reply joined with nothing between them and no end-of-reply "
+                        "token); set data.template to one of " + ", ".join(n for n in TEMPLATES if n != "empty")
+                        + " (or empty, to keep this and silence the warning)")
     else:
         raise UsageError(f"data.template: '{name}' is not a template — use one of {', '.join(TEMPLATES)}, or unset "
                          "it to use the tokenizer's own chat template")
