@@ -12,6 +12,8 @@
    TFLOP/s and MFU.
 3. The same model (transformers' Qwen3ForCausalLM, SDPA) under a bare `fully_shard` loop (bf16 params, fp32
    reduce, AdamW) in this process: the same three figures, measured in the same run, and the ratio engine / bare.
+4. Offload: the engine run of 2. again for 4 steps with --optimizer-cpu-offload and --cpu-offloading-num-layers
+   (every layer): the device's peak memory with and without (the log lines' figure), and tokens/s.
 """
 from __future__ import annotations
 
@@ -127,8 +129,8 @@ def check_conv1d(device: str = "cuda", length: int = 1000, channels: int = 1536,
               "backward)")
 
 
-def engine_run(shape: dict, dry: bool) -> dict:
-    s = shape
+def engine_run(shape: dict, dry: bool, extra: str = "", iters: int = 0) -> dict:
+    s = dict(shape, iters=iters or shape["iters"])
     flags = (f"--num-layers {s['layers']} --hidden-size {s['hidden']} --ffn-hidden-size {s['ffn']} "
              f"--num-attention-heads {s['heads']} --group-query-attention --num-query-groups {s['kv_heads']} "
              f"--kv-channels {s['head_dim']} --qk-layernorm --seq-length {s['seq']} "
@@ -137,7 +139,7 @@ def engine_run(shape: dict, dry: bool) -> dict:
              f"--mock-data --tokenizer-type NullTokenizer --vocab-size {s['vocab']} --swiglu --normalization RMSNorm "
              "--disable-bias-linear --position-embedding-type rope --untie-embeddings-and-output-weights "
              "--attention-dropout 0 --hidden-dropout 0 --eval-iters 0 --bf16 --use-flash-attn --use-fused-rmsnorm "
-             f"--log-throughput --log-interval {s['log_interval']}").split()
+             f"--log-throughput --log-interval {s['log_interval']} {extra}").split()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_fsdp2.py"), *flags], cwd=REPO, env=env,
@@ -149,7 +151,12 @@ def engine_run(shape: dict, dry: bool) -> dict:
     steady = lines[1:] or lines  # the first interval holds compilation and allocator warm-up
     return {"tokens/s": statistics.median(line["tokens_per_sec_per_device"] for line in steady),
             "TFLOP/s": statistics.median(line["tflops"] for line in steady),
-            "MFU %": steady[-1]["mfu_percent"]}
+            "MFU %": steady[-1]["mfu_percent"], "peak GiB": max(line["peak_memory_gib"] or 0 for line in lines)}
+
+
+# --optimizer-cpu-offload: parameters, gradients and AdamW state on the host (FSDP2 CPUOffloadPolicy), the step
+# there; --cpu-offloading-num-layers: every layer's saved activations on the host
+OFFLOAD = "--optimizer-cpu-offload --cpu-offloading-num-layers {layers}"
 
 
 def bare_run(shape: dict, device: torch.device) -> dict:
@@ -211,6 +218,8 @@ def main() -> None:
         check_gdn()
         check_conv1d()
     engine = engine_run(shape, dry)
+    # a few steps suffice for the memory figure (the host-side AdamW step is slow on a 1.7B-shaped model)
+    offloaded = engine_run(shape, dry, OFFLOAD.format(layers=shape["layers"]), iters=min(shape["iters"], 4))
     bare = bare_run(shape, device)
     print(f"model: Qwen3-1.7B-shaped, {shape['layers']} layers, seq {shape['seq']}, micro-batch {shape['mbs']}, "
           f"on {torch.cuda.get_device_name() if not dry else 'cpu (dry)'}")
@@ -218,6 +227,9 @@ def main() -> None:
         mfu = "n/a" if figures["MFU %"] is None else f"{figures['MFU %']:.1f}"
         print(f"{name:<28} tokens/s {figures['tokens/s']:>12.1f}   TFLOP/s {figures['TFLOP/s']:>8.2f}   MFU % {mfu}")
     print(f"engine / bare tokens/s: {engine['tokens/s'] / bare['tokens/s']:.2f}")
+    print(f"offload: device peak memory GiB {engine['peak GiB']:.2f} without, {offloaded['peak GiB']:.2f} with "
+          f"{OFFLOAD.format(layers=shape['layers'])} (tokens/s {engine['tokens/s']:.1f} vs "
+          f"{offloaded['tokens/s']:.1f})")
     print(f"gpu_check: done in {time.time() - started:.0f}s")
 
 

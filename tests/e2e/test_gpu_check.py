@@ -17,3 +17,6 @@ def test_gpu_check_dry_mode_prints_both_sides():
     assert [name for name, *_ in figures] == ["engine (pretrain_fsdp2.py)", "bare fully_shard loop"]
     assert all(float(tokens) > 0 for _, tokens, _, _ in figures)  # CPU: no known peak, so no MFU
     assert re.search(r"^engine / bare tokens/s: \d+\.\d\d$", proc.stdout, re.M)
+    offload = re.search(r"^offload: device peak memory GiB ([\d.]+) without, ([\d.]+) with --optimizer-cpu-offload "
+                        r"--cpu-offloading-num-layers 2 \(tokens/s ([\d.]+) vs ([\d.]+)\)$", proc.stdout, re.M)
+    assert offload and all(float(v) > 0 for v in offload.groups())  # CPU: the figures, not a saving
