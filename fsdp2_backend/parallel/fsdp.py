@@ -109,9 +109,11 @@ def apply_fsdp(model: nn.Module, parallel: ParallelArguments, mesh: DeviceMesh,
         common["offload_policy"] = policy
     units = _units(model, parallel.fsdp_modules, ignored)
     if parallel.tp_size > 1:
-        # Under TP the blocks return views (a DTensor's local tensor), and FSDP2 warns once per unit that an
-        # in-place op on such a view would skip its pre-backward hook. The models here add their residuals out of
-        # place (TP2 trains as TP1 does: tests/parallel/test_tensor_parallel.py), so that one warning is silenced.
+        # Under TP the embedding, the output layer and the root return views (the local tensor of the TP plan's
+        # output DTensor), and FSDP2 warns once per unit and rank that an in-place op on such a view would skip
+        # its pre-backward hook. Nothing modifies them in place (the first block adds its residual out of place,
+        # the loss only reads the logits; TP2 trains as TP1 does: tests/parallel/test_tensor_parallel.py), so that
+        # one warning is silenced.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor",
                                 category=UserWarning)
     # Innermost first: fully_shard on a parent after its children leaves the children's parameters to them.

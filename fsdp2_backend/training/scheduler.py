@@ -144,10 +144,10 @@ class ParamScheduler:
 
     def _count(self, key: str, value: Any) -> str:
         """A schedule value as the user gave it: a step count in iterations (and samples) when the run is given in
-        iterations and the count is whole ones, else as stored."""
+        iterations, else as stored."""
         per = self.samples_per_iteration
-        if key.endswith("_steps") and per and isinstance(value, (int, float)) and value and value % per == 0:
-            return f"{int(value // per)} iterations ({int(value)} samples)"
+        if key.endswith("_steps") and per and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return f"{value / per:g} iterations ({value:g} samples)"
         return repr(value)
 
     @property

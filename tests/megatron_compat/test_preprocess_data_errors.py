@@ -93,3 +93,14 @@ def test_empty_input_is_refused_in_one_line(tmp_path, hf_dir, content):
         f"Opening {empty}",
         f"error: --input: {empty}: no records to tokenize (empty input) — nothing was written; check the input file"]
     assert not list(tmp_path.glob("out*"))
+
+
+def test_invalid_json_says_at_once():
+    """json's "Invalid control character at" message ends in "at": the column follows it once."""
+    from fsdp2_backend.usage_errors import UsageError
+    from megatron_compat.data.preprocess_worker import parse_line
+
+    with pytest.raises(UsageError) as err:
+        parse_line('{"text": "a\tb"}', "corpus.jsonl line 7")
+    assert err.value.messages == ["corpus.jsonl line 7: invalid JSON (Invalid control character at column 12) — fix "
+                                  "or remove the line"]

@@ -100,8 +100,19 @@ def test_resume_policies_for_a_changed_schedule():
     def longer(policy):  # the run resumes with twice the training length, under training.lr_scheduler_on_resume
         return ParamScheduler(_opt(), **scheduler_steps(
             TrainingArguments(lr=1e-3, max_steps=20, lr_scheduler_on_resume=policy), GBS))
-    with pytest.raises(UsageError, match="lr_decay_steps"):
+    with pytest.raises(UsageError) as err:
         longer("check").load_state_dict(old.state_dict())
+    # in iterations, as the run was given (--train-iters 10, then 20; global batch 8; warmup ratio 0.03)
+    assert [m.split(" — ")[0] for m in err.value.messages] == [
+        "learning-rate schedule differs from the checkpoint's (lr_warmup_steps: this run 0.6 iterations (4.8 "
+        "samples), checkpoint 0.3 iterations (2.4 samples))",
+        "learning-rate schedule differs from the checkpoint's (lr_decay_steps: this run 20 iterations (160 samples), "
+        "checkpoint 10 iterations (80 samples))",
+        "learning-rate schedule differs from the checkpoint's (wd_incr_steps: this run 20 iterations (160 samples), "
+        "checkpoint 10 iterations (80 samples))"]
+    assert err.value.messages[1].split(" — ")[1] == (
+        "resume with the same schedule, or choose which one wins with training.lr_scheduler_on_resume (Megatron's "
+        "--override-opt-param-scheduler / --use-checkpoint-opt-param-scheduler)")
     assert TrainingArguments().lr_scheduler_on_resume == "check"  # Megatron's default
     kept = longer("override")
     kept.load_state_dict(old.state_dict())
