@@ -168,7 +168,7 @@ _NO_EFFECT: Dict[str, str] = {
         check_for_spiky_loss rerun_mode error_injection_rate error_injection_type test_mode""",
     "a data-loading speed setting; the samples are the same":
         """num_dataset_builder_threads dataloader_fast_cache_load dataloader_defer_npy_index_mmap
-        per_dataset_sequences_path no_shared_storage allow_ambiguous_pad_tokens""",
+        per_dataset_sequences_path allow_ambiguous_pad_tokens""",
     "a data-preprocessing or BERT/T5 setting that GPT pretraining does not read":
         """return_document_ids mask_prob short_seq_prob sample_rate encoder_num_layers encoder_seq_length
         vocab_extra_ids handler_name dataset_impl json_keys split_sentences keep_newlines

@@ -35,6 +35,7 @@ for _dest, _target in {
     "tensor_model_parallel_size": "parallel.tp_size", "context_parallel_size": "parallel.cp_size",
     "expert_model_parallel_size": "parallel.ep_size",
     "seq_length": "data.cutoff_len", "data_cache_path": "data.data_cache_path", "mock_data": "data.mock_data",
+    "no_shared_storage": "data.no_shared_storage",
     "reset_position_ids": "data.reset_position_ids", "eod_mask_loss": "data.eod_mask_loss",
     "mmap_bin_files": "data.mmap_bin_files", "workers": "data.preprocessing_num_workers",
     "mid_level_dataset_surplus": "data.mid_level_dataset_surplus",

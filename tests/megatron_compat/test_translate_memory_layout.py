@@ -50,3 +50,9 @@ def test_offload_flags_map_and_fractions_are_declined():
         translate_megatron(BASE + "--optimizer-cpu-offload --optimizer-offload-fraction 0.5".split())
     unused = translate_report(BASE + "--optimizer-offload-fraction 0.5".split()).report
     assert "--optimizer-offload-fraction" in unused.no_effect and not unused.declined
+
+
+def test_no_shared_storage_reaches_the_data_field():
+    """Megatron's --no-shared-storage: each node's local rank 0 builds the index caches (data.no_shared_storage)."""
+    assert translate_megatron(BASE + ["--no-shared-storage"]).fields["data"]["no_shared_storage"] is True
+    assert translate_megatron(BASE).fields["data"]["no_shared_storage"] is False
