@@ -104,7 +104,7 @@ def build_model(config: Config, ctx, resume):
         from_checkpoint = True  # a Megatron-LM checkpoint's padded rows: hf_config's (from its tensors)
     elif resume.checkpoint is not None:
         # A resumed run's embedding has the checkpoint's rows (at any tp): its saved config says how many.
-        from fsdp2_backend.config.model_facts import read_config_json
+        from fsdp2_backend.config.weight_files import read_config_json
         from fsdp2_backend.checkpoint_dirs import HF_META_DIR
 
         saved = read_config_json(str(resume.checkpoint / HF_META_DIR), []) or {}
@@ -204,7 +204,7 @@ def build(config: Config) -> TrainJob:
     from fsdp2_backend.usage_errors import UsageError
     from fsdp2_backend.data.pretrain import build_pretrain_data, data_iterator
     from fsdp2_backend.distributed.context import ParallelContext
-    from fsdp2_backend.config.model_facts import resume_checkpoint
+    from fsdp2_backend.checkpoint_dirs import resume_checkpoint
     from fsdp2_backend.distributed.console import print_rank0
     from fsdp2_backend.config.batch_schedule import schedule_for
     from fsdp2_backend.training.muon import megatron_muon_options

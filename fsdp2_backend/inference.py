@@ -8,7 +8,7 @@ depend on the others):
   `iter_*` directory, or a save directory: its newest complete checkpoint). A checkpoint is converted to a
   temporary HF directory with the checkpoint module's `convert_checkpoint`, so that every model field
   (model_id, tokenizer fields, resize_vocab, init_model_with_meta_device, ...) goes through the one loading
-  path of `models.loading` / `models.tokenizer`, exactly as in training.
+  path of `models.loading` / `data.tokenizer`, exactly as in training.
 - `inference.infer_backend`: only `huggingface` (transformers' `generate`) exists.
 - `inference.max_new_tokens`: at most that many new tokens per prompt (fewer when EOS comes first).
 - `inference.do_sample`: false is greedy decoding (one beam, whatever the model's generation_config says);
@@ -67,7 +67,7 @@ def check_inference_config(config: Config, prompts: Sequence[str]) -> None:
 @contextmanager
 def _hf_model_dir(path: str) -> Iterator[str]:
     """`path` when it is an HF directory; a checkpoint's newest complete one converted to a temporary one."""
-    from fsdp2_backend.training.checkpoint_io import META_FILE, resolve_checkpoint
+    from fsdp2_backend.checkpoint_dirs import META_FILE, resolve_checkpoint
     from fsdp2_backend.training.hf_export import convert_checkpoint
 
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -88,7 +88,7 @@ def load_for_inference(config: Config) -> Tuple[torch.nn.Module, object]:
 
     from fsdp2_backend.distributed.device import resolve_device
     from fsdp2_backend.models.loading import create_model, load_hf_config
-    from fsdp2_backend.models.tokenizer import load_tokenizer, model_vocab_size, noise_init_rows
+    from fsdp2_backend.data.tokenizer import load_tokenizer, model_vocab_size, noise_init_rows
 
     seed = config.training.seed
     device = resolve_device().torch_device
@@ -107,7 +107,7 @@ def load_for_inference(config: Config) -> Tuple[torch.nn.Module, object]:
 
 
 def _encode(tokenizer, text: str) -> List[int]:
-    return list(tokenizer.tokenize(text))  # the run's tokenizer type (models.tokenizer.load_tokenizer)
+    return list(tokenizer.tokenize(text))  # the run's tokenizer type (data.tokenizer.load_tokenizer)
 
 
 def _decode(tokenizer, ids: List[int]) -> str:

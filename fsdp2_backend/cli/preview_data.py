@@ -70,7 +70,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from fsdp2_backend.config.loading import build_config, load_yaml, split_native_overrides
         from fsdp2_backend.config.validation import validate
         from fsdp2_backend.data.sft.pipeline import training_rows
-        from fsdp2_backend.models.tokenizer import load_tokenizer
+        from fsdp2_backend.data.tokenizer import load_tokenizer
 
         layers = []
         if rest and rest[0].endswith((".yaml", ".yml")):

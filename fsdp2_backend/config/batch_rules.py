@@ -1,6 +1,6 @@
 """Config rules of the changing global batch (`training.rampup_batch_size`, `step_batch_size_schedule`,
 `decrease_batch_size_if_needed`), as Megatron-LM / megatron-core check them. Torch-free; called once from
-`validation`. The arithmetic is `training/batch_rampup.py`'s.
+`validation`. The arithmetic is `batch_schedule.py`'s.
 
 Megatron's rules mirrored: ramp-up needs sample-based training (Megatron-LM 0.16: "expected no batch-size rampup for
 iteration-based training"), a final size reachable from START in whole INCREMENTs, and every size it runs divisible
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import List
 
+from fsdp2_backend.config.batch_schedule import BatchSizeSchedule, parse_step_schedule
 from fsdp2_backend.config.layout import parallel_layout
 
 _RAMP = "training.rampup_batch_size"
@@ -34,8 +35,6 @@ def sample_based_errors(t) -> List[str]:
 
 def batch_schedule_errors(config, world_size: int) -> List[str]:
     """Every problem of the batch-size schedule fields and of sample-based training."""
-    from fsdp2_backend.training.batch_rampup import BatchSizeSchedule, parse_step_schedule
-
     t = config.training
     ramp, steps = t.rampup_batch_size, t.step_batch_size_schedule
     errors: List[str] = sample_based_errors(t)

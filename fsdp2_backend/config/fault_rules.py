@@ -25,8 +25,8 @@ from typing import Any, Dict, List, Optional
 from fsdp2_backend.config.model_facts import ModelFacts
 from fsdp2_backend.config.layout import parallel_layout
 from fsdp2_backend.config.schema import Config, TrainingArguments
+from fsdp2_backend.config.signal_names import resolve_signal
 from fsdp2_backend.config.weight_files import weight_file_problems
-from fsdp2_backend.training.exit_signal import resolve_signal
 
 # GPT-2-family spellings of the common HF config keys (transformers' GPT2Config.attribute_map, and the names
 # the Megatron translation writes for GPT-style flags).

@@ -1,7 +1,7 @@
 """The rules that tie the parallel layout and the data shape to the model: checked by validation, torch-free.
 
 `check_model_layout(config, facts, world_size, errors)` adds one message per problem:
-- tensor parallel: attention heads and key/value heads divisible by tp (`parallel.tp_cp_checks`);
+- tensor parallel: attention heads and key/value heads divisible by tp (`config.tp_cp_checks`);
 - context parallel: Ulysses' heads per tp rank divisible by cp (per layer type where a layer type has heads of
   its own: Step-3.5's sliding layers), the sequence cut into cp (Ulysses) or 2 x cp (ring) equal chunks, packed
   documents (reset_attention_mask / reset_position_ids) not in Ulysses' sliding windows, only full-attention layers (and model_id
@@ -22,7 +22,7 @@ from typing import Dict, List
 
 from fsdp2_backend.config.model_facts import ModelFacts
 from fsdp2_backend.config.schema import Config
-from fsdp2_backend.parallel.tp_cp_checks import (context_parallel_problems, sequence_length_problems,
+from fsdp2_backend.config.tp_cp_checks import (context_parallel_problems, sequence_length_problems,
                                                  tensor_parallel_problems)
 
 CP_LAYER_TYPES = {"full_attention"}

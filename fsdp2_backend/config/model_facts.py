@@ -7,13 +7,12 @@ and `model.architecture` (HF config keys from Megatron's flags), which overrides
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+from fsdp2_backend.checkpoint_dirs import HF_META_DIR, resume_checkpoint
 from fsdp2_backend.config.schema import Config
-from fsdp2_backend.training import checkpoint_io
+from fsdp2_backend.config.weight_files import read_config_json
 
 
 @dataclass(frozen=True)
@@ -29,27 +28,6 @@ class ModelFacts:
     num_experts: Optional[int] = None
     layer_types: tuple = ()
     config_json: Optional[Dict[str, Any]] = None  # the HF config.json the facts were read from, if any
-
-
-def read_config_json(directory: Optional[str], errors: List[str]) -> Optional[Dict[str, Any]]:
-    """`directory/config.json` as a dict, or None when there is none (an unreadable one is an error)."""
-    path = os.path.join(directory, "config.json") if directory else None
-    if not path or not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        errors.append(f"{path}: cannot read the model config ({exc}) — check the model directory")
-        return None
-
-
-def resume_checkpoint(config: Config):
-    """The run's resume point (`checkpoint_io.resume_point`), from the file system; raises UsageError for a
-    checkpoint this backend cannot read (e.g. Megatron-LM's)."""
-    t = config.training
-    return checkpoint_io.resume_point(t.output_dir if t.save_checkpoints else None, t.resume_from_checkpoint,
-                                      config.model.model_name_or_path, t.finetune)
 
 
 def _first(values: Dict[str, Any], *keys: str) -> Any:
@@ -70,7 +48,7 @@ def model_facts(config: Config, errors: List[str]) -> ModelFacts:
 
             base, source = dict(megatron_architecture(str(resume.checkpoint))[0]), "checkpoint"
         elif resume.checkpoint is not None:
-            base = read_config_json(str(resume.checkpoint / checkpoint_io.HF_META_DIR), errors)
+            base = read_config_json(str(resume.checkpoint / HF_META_DIR), errors)
             source = "checkpoint"
     arch = {k: v for k, v in (m.architecture or {}).items() if v is not None}
     if base is None and not arch:

@@ -10,7 +10,7 @@ import importlib.util
 from typing import List
 
 from fsdp2_backend.config.schema import Config
-from fsdp2_backend.parallel.mx.names import CONVERTERS, EXPERTS_CONVERTER
+from fsdp2_backend.config.quant_names import CONVERTERS, EXPERTS_CONVERTER
 
 # Model fields that only a quantisation recipe reads.
 QUANT_ONLY_MODEL_FIELDS = ("quant_apply_modules", "quant_ignored_modules", "quant_converters",

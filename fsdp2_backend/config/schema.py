@@ -295,3 +295,21 @@ class Config:
         """{group: {field: value}} for every field, in declaration order."""
         return {name: {f.name: getattr(getattr(self, name), f.name) for f in fields(GROUPS[name])}
                 for name in GROUPS}
+
+
+
+def dataset_entries(dataset) -> List[str]:
+    """`data.dataset` as the list the pretraining data reads (validation stores it so): a list as it is; MindSpeed's inline {file_name: F}
+    as [F]; a string as one path, or as a Megatron blend 'W1 P1 W2 P2' when it starts with a weight."""
+    if dataset is None:
+        return []
+    if isinstance(dataset, dict):
+        return [dataset["file_name"]] if dataset.get("file_name") else []
+    if isinstance(dataset, list):
+        return [str(entry) for entry in dataset]
+    words = dataset.split()
+    try:
+        float(words[0])
+    except (ValueError, IndexError):
+        return [dataset]
+    return words if len(words) > 1 else [dataset]

@@ -1,4 +1,5 @@
-"""What an HF directory's safetensors files hold, read from their headers alone (no torch, no tensor data).
+"""What an HF directory's files hold, read without torch: its config.json (`read_config_json`), and its safetensors
+files from their headers alone (no tensor data).
 
 A safetensors file is an 8-byte little-endian header length, a JSON header ({name: {dtype, shape, data_offsets}}),
 then the tensor bytes; the format's own loader reads the same way. Reading only the header lets validation find a
@@ -11,9 +12,22 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 _MAX_HEADER = 100 * 2**20  # the format's own limit on the header size
+
+
+def read_config_json(directory: Optional[str], errors: List[str]) -> Optional[Dict[str, Any]]:
+    """`directory/config.json` as a dict, or None when there is none (an unreadable one is an error)."""
+    path = os.path.join(directory, "config.json") if directory else None
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        errors.append(f"{path}: cannot read the model config ({exc}) — check the model directory")
+        return None
 
 
 def safetensors_files(directory: str) -> List[Path]:

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Optional, Sequence, Tuple
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from fsdp2_backend.config.validation import dataset_entries
+from fsdp2_backend.config.schema import dataset_entries
 from fsdp2_backend.data.sampler import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.data.builder import BlendedMegatronDatasetBuilder

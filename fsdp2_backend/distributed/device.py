@@ -4,20 +4,18 @@ Order: Ascend NPU (only if `torch_npu` imports and reports a device), CUDA, then
 device (hccl / nccl / gloo) unless `--distributed-backend` asks for another that the device can run.
 Everything else in the engine reads the resulting `DeviceInfo` instead of branching on the device itself.
 
-`torch_npu_module()` / `npu_available()` are the one NPU probe of the project (kernels, profiler and device
-detection all ask it). torch_npu is imported on the first call only, never when a module is imported: an
-install without the Ascend toolkit breaks torch when imported, and CPU tests must never load it.
+Whether an NPU is usable is asked of the op library's probe (`kernels/npu.py`, the project's one; kernels and
+the profiler ask it too), which imports torch_npu on the first call only.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import lru_cache
-from types import ModuleType
 from typing import Optional
 
 import torch
 
+from fsdp2_backend.kernels.npu import npu_available
 from fsdp2_backend.usage_errors import UsageError
 
 DEFAULT_BACKEND = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
@@ -46,25 +44,6 @@ class DeviceInfo:
             torch.cuda.set_device(self.local_rank)
         elif self.type == "npu":
             torch.npu.set_device(self.local_rank)  # registered by torch_npu
-
-
-@lru_cache(maxsize=None)
-def torch_npu_module() -> Optional[ModuleType]:
-    """torch_npu when this process can use an Ascend NPU, else None (probed once, then cached)."""
-    # torch_npu is only trusted when it imports and sees a device: an install without the Ascend toolkit
-    # either fails to import or reports none.
-    try:
-        import torch_npu  # noqa: F401  (NPU-only dependency; never installed in CI)
-    except Exception:
-        return None
-    if not (getattr(torch, "npu", None) and torch.npu.is_available()):
-        return None
-    return torch_npu
-
-
-def npu_available() -> bool:
-    """True when torch_npu imports and reports an NPU (see `torch_npu_module`)."""
-    return torch_npu_module() is not None
 
 
 def detect_device_type() -> str:

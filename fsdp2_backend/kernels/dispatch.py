@@ -3,14 +3,14 @@
 Each op module (`rmsnorm`, `rotary`, ...) says which fast kernels it has; `pick_implementation` chooses by the
 device type and what is importable here, and `describe_choice` words the one log line a run prints per flag.
 Imports of the optional backends are guarded: torch_npu is probed only when asked about an NPU device, through
-the project's one NPU probe (`fsdp2_backend.distributed.device.torch_npu_module`; importing torch_npu on a
+the project's one NPU probe (`fsdp2_backend.kernels.npu.torch_npu_module`; importing torch_npu on a
 machine without the Ascend toolkit breaks torch), triton only when asked about CUDA.
 """
 from __future__ import annotations
 
 import importlib.util
 
-from fsdp2_backend.distributed.device import npu_available
+from fsdp2_backend.kernels.npu import npu_available
 
 NPU = "npu"
 TRITON = "triton"

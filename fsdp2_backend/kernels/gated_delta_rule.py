@@ -154,7 +154,7 @@ def _fla_call(fla_chunk, q, k, v, g, beta, *, cu_seqlens, **kwargs):
 
 def _npu_call(q, k, v, g, beta, *, chunk_size, cu_seqlens, **kwargs):
     """torch_npu's chunked gated delta rule (the op MindSpeed's `--use-flash-gdn` path calls)."""
-    from fsdp2_backend.distributed.device import torch_npu_module
+    from fsdp2_backend.kernels.npu import torch_npu_module
 
     npu = torch_npu_module()
     op = getattr(npu, "npu_chunk_gated_delta_rule", None) if npu is not None else None

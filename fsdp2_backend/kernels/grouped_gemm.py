@@ -4,7 +4,7 @@
 `x` (T, K) laid out group after group (`counts[e]` rows each) and `weight` (E, N, K) stacked per expert.
 Backends, picked by `select_backend`:
 
-- ``"npu"``: `torch_npu.npu_grouped_matmul` on Ascend (probed by `fsdp2_backend.distributed.device`; never
+- ``"npu"``: `torch_npu.npu_grouped_matmul` on Ascend (probed by `fsdp2_backend.kernels.npu`; never
   loaded elsewhere);
 - ``"grouped_mm"``: `torch.nn.functional.grouped_mm` (torch >= 2.9; on CPU in 2.13 for any float dtype, on
   CUDA for bf16 on SM >= 80). Its kernels need every non-unit stride and the base address to be multiples of
@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fsdp2_backend.distributed.device import torch_npu_module
+from fsdp2_backend.kernels.npu import torch_npu_module
 
 _ALIGN_BYTES = 16
 

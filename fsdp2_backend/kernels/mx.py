@@ -22,7 +22,7 @@ from typing import Tuple
 
 import torch
 
-from fsdp2_backend.distributed.device import torch_npu_module
+from fsdp2_backend.kernels.npu import torch_npu_module
 from fsdp2_backend.kernels.dispatch import NPU, TORCH, pick_implementation
 
 BLOCK = 32

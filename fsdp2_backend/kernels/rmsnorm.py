@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdp2_backend.distributed.device import torch_npu_module
+from fsdp2_backend.kernels.npu import torch_npu_module
 from fsdp2_backend.kernels.dispatch import NPU, TRITON, pick_implementation
 
 # One triton program normalises a whole row; beyond this width a row no longer fits one block.

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from fsdp2_backend.distributed.device import torch_npu_module
+from fsdp2_backend.kernels.npu import torch_npu_module
 from fsdp2_backend.kernels.dispatch import NPU, TRITON, pick_implementation
 
 # One triton program normalises one group of one row; beyond this width a group no longer fits one block.

@@ -11,7 +11,7 @@ from typing import Tuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdp2_backend.distributed.device import torch_npu_module
+from fsdp2_backend.kernels.npu import torch_npu_module
 from fsdp2_backend.kernels.dispatch import NPU, pick_implementation
 
 

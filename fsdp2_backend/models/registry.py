@@ -5,15 +5,18 @@
 `_init_weights(module)` (seeded initialisation). Its parameters are named like the HF checkpoint's keys
 unless the spec says otherwise: `checkpoint_keys(name, hf_config)` lists the keys holding a parameter and
 `from_checkpoint(name, tensors, hf_config)` assembles it (e.g. per-expert tensors → stacked experts).
-`configure(model, config)` applies the run's switches (e.g. MoE kernels). Later issues add a model by adding
+`configure(model, config, device_type)` applies the run's switches (e.g. MoE kernels; the device type is
+the build step's, so model code never probes the device). Later issues add a model by adding
 one entry to `_SPECS`. Importing this module does not import torch (config validation lists the ids).
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable, List, Mapping, Optional
 
+from fsdp2_backend.models.newer_ids import newer_specs
 from fsdp2_backend.usage_errors import UsageError
 
 if TYPE_CHECKING:  # torch stays out of this module's imports: config validation reads the model ids
@@ -28,21 +31,31 @@ class ModelSpec:
     build: Callable[[object], "nn.Module"]
     checkpoint_keys: Optional[Callable[[str, object], List[str]]] = None
     from_checkpoint: Optional[Callable[[str, Mapping[str, "torch.Tensor"], object], "torch.Tensor"]] = None
-    configure: Optional[Callable[["nn.Module", object], None]] = None
+    configure: Optional[Callable[["nn.Module", object, str], None]] = None  # (model, config, device type)
     # registers the model's own config class with transformers' AutoConfig before a config.json is read
     register_hf: Optional[Callable[[], None]] = None
+
+
+def _lazy(module: str, name: str, *, drop_config: bool = False) -> Callable:
+    """`fsdp2_backend.models.<module>.<name>`, imported at the first call (this module imports no torch);
+    `drop_config`: called without the trailing hf_config argument the engine passes."""
+    def call(*args):
+        function = getattr(importlib.import_module(f"fsdp2_backend.models.{module}"), name)
+        return function(*(args[:-1] if drop_config else args))
+    return call
+
+
+def _module_spec(module: str, build: str, **fields) -> ModelSpec:
+    """The spec of a model module with `build(hf_config)`, `checkpoint_keys(name, hf_config)` and
+    `param_from_checkpoint(name, tensors, hf_config)`; `fields` replaces any of the spec's entries."""
+    return ModelSpec(**{"build": _lazy(module, build), "checkpoint_keys": _lazy(module, "checkpoint_keys"),
+                        "from_checkpoint": _lazy(module, "param_from_checkpoint"), **fields})
 
 
 def _build_qwen3(hf_config) -> nn.Module:
     from transformers import Qwen3ForCausalLM
 
     return Qwen3ForCausalLM(hf_config)
-
-
-def _build_qwen3_moe(hf_config) -> nn.Module:
-    from fsdp2_backend.models.qwen3_moe import build_qwen3_moe
-
-    return build_qwen3_moe(hf_config)
 
 
 def _qwen3_moe_keys(name: str, hf_config) -> List[str]:
@@ -57,120 +70,52 @@ def _qwen3_moe_param(name: str, tensors: Mapping[str, torch.Tensor], hf_config) 
     return param_from_checkpoint(name, tensors, hf_config.num_experts)
 
 
-def _configure_qwen3_moe(model: nn.Module, config) -> None:
+def _configure_qwen3_moe(model: nn.Module, config, device_type: str) -> None:  # noqa: ARG001 — the hooks' signature
     from fsdp2_backend.models.qwen3_moe import configure_moe
 
     configure_moe(model, moe_grouped_gemm=config.optimization.moe_grouped_gemm,
                   fix_router=config.optimization.fix_router, model_args=config.model)
 
 
-def _build_qwen3_next(hf_config) -> nn.Module:
-    from fsdp2_backend.models.qwen3_next import build_qwen3_next
-
-    return build_qwen3_next(hf_config)
-
-
-def _configure_qwen3_next(model: nn.Module, config) -> None:
-    from fsdp2_backend.distributed.device import detect_device_type
+def _configure_qwen3_next(model: nn.Module, config, device_type: str) -> None:
     from fsdp2_backend.models.qwen3_next import configure_qwen3_next
     from fsdp2_backend.kernels.gated_delta_rule import gdn_implementation
 
     o = config.optimization
     configure_qwen3_next(model, moe_grouped_gemm=o.moe_grouped_gemm, fix_router=o.fix_router,
                          gdn_chunk_size=o.gdn_chunk_size,
-                         gdn_implementation=gdn_implementation(detect_device_type(), use_triton_gdn=o.use_triton_gdn,
+                         gdn_implementation=gdn_implementation(device_type, use_triton_gdn=o.use_triton_gdn,
                                                                use_flash_gdn=o.use_flash_gdn),
                          fused_gated_norm=o.use_triton_rmsnormgated, model_args=config.model)
 
 
-def _build_mamba3(hf_config) -> nn.Module:
-    from fsdp2_backend.models.mamba3 import build_mamba3
-
-    return build_mamba3(hf_config)
-
-
-def _register_mamba3() -> None:
-    from fsdp2_backend.models.mamba3 import register_with_transformers
-
-    register_with_transformers()
-
-
-def _gpt_oss_spec() -> ModelSpec:
-    def build(hf_config):
-        from fsdp2_backend.models.gpt_oss import build_gpt_oss
-        return build_gpt_oss(hf_config)
-
-    def keys(name, hf_config):
-        from fsdp2_backend.models.gpt_oss import checkpoint_keys
-        return checkpoint_keys(name, hf_config)
-
-    def param(name, tensors, hf_config):
-        from fsdp2_backend.models.gpt_oss import param_from_checkpoint
-        return param_from_checkpoint(name, tensors)
-
-    return ModelSpec(build=build, checkpoint_keys=keys, from_checkpoint=param, configure=_configure_qwen3_moe)
-
-
-def _minimax_m2_spec() -> ModelSpec:
-    def build(hf_config):
-        from fsdp2_backend.models.minimax_m2 import build_minimax_m2
-        return build_minimax_m2(hf_config)
-
-    def keys(name, hf_config):
-        from fsdp2_backend.models.minimax_m2 import checkpoint_keys
-        return checkpoint_keys(name, hf_config)
-
-    def param(name, tensors, hf_config):
-        from fsdp2_backend.models.minimax_m2 import param_from_checkpoint
-        return param_from_checkpoint(name, tensors, hf_config)
-
-    def configure(model, config):
-        from fsdp2_backend.models.minimax_m2 import configure_minimax
-        configure_minimax(model, config)
-
-    return ModelSpec(build=build, checkpoint_keys=keys, from_checkpoint=param, configure=configure)
-
-
-def _moe_family_spec() -> ModelSpec:
-    """deepseek_v3 / mixtral / qwen2_moe: transformers' model with stacked experts and the project's router
-    (models/moe/family_swap.py; the family is the config's model_type)."""
-    def build(hf_config):
-        from fsdp2_backend.models.moe.family_swap import build as build_family
-        return build_family(hf_config)
-
-    def keys(name, hf_config):
-        from fsdp2_backend.models.moe.family_swap import checkpoint_keys
-        return checkpoint_keys(name, hf_config)
-
-    def param(name, tensors, hf_config):
-        from fsdp2_backend.models.moe.family_swap import param_from_checkpoint
-        return param_from_checkpoint(name, tensors, hf_config)
-
-    return ModelSpec(build=build, checkpoint_keys=keys, from_checkpoint=param, configure=_configure_qwen3_moe)
-
-
-def _step35_spec() -> ModelSpec:
-    def module():
-        from fsdp2_backend.models import step35
-        return step35
-
-    return ModelSpec(build=lambda c: module().build_step35(c),
-                     checkpoint_keys=lambda n, c: module().checkpoint_keys(n, c),
-                     from_checkpoint=lambda n, t, c: module().param_from_checkpoint(n, t, c),
-                     configure=lambda m, c: module().configure_step35(m, c))
+def _configure_with_config(module: str, name: str) -> Callable:
+    """A model's own `configure(model, config)`, which needs no device."""
+    configure = _lazy(module, name)
+    return lambda model, config, device_type: configure(model, config)
 
 
 _SPECS: Mapping[str, ModelSpec] = MappingProxyType({
     "qwen3": ModelSpec(build=_build_qwen3),
-    "qwen3_moe": ModelSpec(build=_build_qwen3_moe, checkpoint_keys=_qwen3_moe_keys,
-                           from_checkpoint=_qwen3_moe_param, configure=_configure_qwen3_moe),
-    "qwen3_next": ModelSpec(build=_build_qwen3_next, checkpoint_keys=_qwen3_moe_keys,  # same per-expert keys
-                            from_checkpoint=_qwen3_moe_param, configure=_configure_qwen3_next),
-    "mamba3": ModelSpec(build=_build_mamba3, register_hf=_register_mamba3),
-    "gpt_oss": _gpt_oss_spec(),  # models/gpt_oss.py: sink attention, grouped experts, the project's router
-    "minimax_m27": _minimax_m2_spec(),  # models/minimax_m2.py: grouped experts, sigmoid router + checkpoint bias
-    "step35": _step35_spec(),  # models/step35.py: transformers' Step-3.5 text model + lm head, grouped experts
-    **{family: _moe_family_spec() for family in ("deepseek_v3", "mixtral", "qwen2_moe")},  # models/moe/family_swap.py
+    "qwen3_moe": _module_spec("qwen3_moe", "build_qwen3_moe", checkpoint_keys=_qwen3_moe_keys,
+                              from_checkpoint=_qwen3_moe_param, configure=_configure_qwen3_moe),
+    "qwen3_next": _module_spec("qwen3_next", "build_qwen3_next", checkpoint_keys=_qwen3_moe_keys,  # same expert keys
+                               from_checkpoint=_qwen3_moe_param, configure=_configure_qwen3_next),
+    "mamba3": ModelSpec(build=_lazy("mamba3", "build_mamba3"),
+                        register_hf=_lazy("mamba3", "register_with_transformers")),
+    # models/gpt_oss.py: sink attention, grouped experts, the project's router
+    "gpt_oss": _module_spec("gpt_oss", "build_gpt_oss", configure=_configure_qwen3_moe,
+                            from_checkpoint=_lazy("gpt_oss", "param_from_checkpoint", drop_config=True)),
+    # models/minimax_m2.py: grouped experts, sigmoid router + checkpoint bias
+    "minimax_m27": _module_spec("minimax_m2", "build_minimax_m2",
+                                configure=_configure_with_config("minimax_m2", "configure_minimax")),
+    # models/step35.py: transformers' Step-3.5 text model + lm head, grouped experts
+    "step35": _module_spec("step35", "build_step35", configure=_configure_with_config("step35", "configure_step35")),
+    # deepseek_v3 / mixtral / qwen2_moe: transformers' model with stacked experts and the project's router
+    # (models/moe/family_swap.py; the family is the config's model_type)
+    **{family: _module_spec("moe.family_swap", "build", configure=_configure_qwen3_moe)
+       for family in ("deepseek_v3", "mixtral", "qwen2_moe")},
+    **newer_specs(ModelSpec),  # deepseek_v4, glm52, longcat_flash_ngram (models/newer_ids.py)
 })
 
 

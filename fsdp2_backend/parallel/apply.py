@@ -54,14 +54,15 @@ def _context_parallel(model: nn.Module, config: Config, ctx: ParallelContext) ->
     return set()
 
 
-def _model_switches(model: nn.Module, config: Config) -> None:
-    """The model id's own run switches (e.g. grouped GEMM, fix_router), before any stage wraps modules."""
+def _model_switches(model: nn.Module, config: Config, device_type: str) -> None:
+    """The model id's own run switches (e.g. grouped GEMM, fix_router; kernels chosen for `device_type`), before
+    any stage wraps modules."""
     from fsdp2_backend.models.registry import model_spec
 
     if config.model.model_id:
         spec = model_spec(config.model.model_id)
         if spec.configure is not None:
-            spec.configure(model, config)
+            spec.configure(model, config, device_type)
 
 
 def set_gradient_policy(model: nn.Module) -> None:
@@ -87,7 +88,7 @@ def apply_parallelism(model: nn.Module, config: Config, ctx: ParallelContext) ->
         from fsdp2_backend.models.packed_attention import enable_packed_attention
 
         enable_packed_attention(model)
-    _model_switches(model, config)
+    _model_switches(model, config, ctx.device.type)
     set_router_groups(model, ctx)  # the groups the MoE routers' load-balancing losses reduce over
     fsdp_ignored: Set[nn.Parameter] = set()
     if parallel.tp_size > 1:

@@ -3,7 +3,7 @@
 Selection (MindSpeed-LLM's fields): a module is converted when its name or an ancestor's matches
 `model.quant_apply_modules` and neither its name nor an ancestor's matches `model.quant_ignored_modules`
 (patterns as in every plan, `fsdp2_backend.parallel.plans`; the defaults keep `lm_head` and MoE routers
-(`*gate`) in high precision). Converters (`model.quant_converters`, names in `parallel.mx.names`):
+(`*gate`) in high precision). Converters (`model.quant_converters`, names in `config.quant_names`):
 
 - `quantize.linear.mx`: an `nn.Linear`'s weight becomes an `MXTrainingWeight` (`parallel.mx.weight`): its
   forward and both backward GEMMs run in MXFP8 (`kernels.mx_linear`); both dims must be multiples of 32
@@ -25,7 +25,7 @@ from typing import List
 from torch import nn
 
 from fsdp2_backend.config import Config
-from fsdp2_backend.parallel.mx.names import EXPERTS_CONVERTER, LINEAR_CONVERTER
+from fsdp2_backend.config.quant_names import EXPERTS_CONVERTER, LINEAR_CONVERTER
 from fsdp2_backend.parallel.mx.weight import MXSettings, MXTrainingWeight, unwrap
 from fsdp2_backend.parallel.plans import lenient_matches, matches
 from fsdp2_backend.kernels.mx import BLOCK

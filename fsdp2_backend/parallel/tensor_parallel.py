@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.distributed.dtensor import local_tensor
 from fsdp2_backend.parallel.plans import match_modules, matches
-from fsdp2_backend.parallel.tp_cp_checks import tensor_parallel_problems
+from fsdp2_backend.config.tp_cp_checks import tensor_parallel_problems
 
 DEFAULT_COLWISE = ("*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj")
 DEFAULT_ROWWISE = ("*.o_proj", "*.down_proj")

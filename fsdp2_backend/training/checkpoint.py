@@ -41,6 +41,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 
 from fsdp2_backend.usage_errors import RunStopped, UsageError
 from fsdp2_backend.training import checkpoint_io as io
+from fsdp2_backend import checkpoint_dirs as dirs
+from fsdp2_backend.distributed.console import print_rank0
 from fsdp2_backend.training import rng_state
 from fsdp2_backend.training.hf_export import save_tokenizer
 
@@ -141,7 +143,7 @@ class CheckpointManager:
         checkpoint (the commit never happened), and stop the run with one line."""
         if _rank() == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
-        previous = io.newest_checkpoint(self.save_dir)
+        previous = dirs.newest_checkpoint(self.save_dir)
         kept = (f"the previous checkpoint {previous.name} is intact" if previous is not None
                 else "no earlier checkpoint exists there")
         why = f"{error.strerror or error}" if error is not None else "a write failed on another rank"
@@ -167,8 +169,8 @@ class CheckpointManager:
             return None  # e.g. the exit save right after an interval save
         self.wait()
         started = time.perf_counter()
-        io.print_rank0(f"saving checkpoint at iteration {iteration:7d} to {self.save_dir} in {io.FORMAT} format")
-        final_dir = self.save_dir / io.iter_dir_name(iteration)
+        print_rank0(f"saving checkpoint at iteration {iteration:7d} to {self.save_dir} in {dirs.FORMAT} format")
+        final_dir = self.save_dir / dirs.iter_dir_name(iteration)
         tmp_dir = io.tmp_dir_for(final_dir)
         rank = _rank()
         with_optim = optimizer is not None and self.save_optim
@@ -200,7 +202,7 @@ class CheckpointManager:
                 if rank == 0 else upload
             self._pending_iteration = iteration
             self._pending_tmp = tmp_dir
-            io.print_rank0(f"  checkpoint {final_dir.name}: staged in {time.perf_counter() - started:.2f}s, "
+            print_rank0(f"  checkpoint {final_dir.name}: staged in {time.perf_counter() - started:.2f}s, "
                            "writing in the background")
         else:
             try:
@@ -217,7 +219,7 @@ class CheckpointManager:
             if _agree_failed(error is not None):  # the barrier after the commit
                 self._stop(iteration, tmp_dir, error)
             self._last_saved = iteration
-            io.print_rank0(f"  checkpoint {final_dir.name} saved in {time.perf_counter() - started:.2f}s")
+            print_rank0(f"  checkpoint {final_dir.name} saved in {time.perf_counter() - started:.2f}s")
         return final_dir
 
     def _finish(self, upload: Future, tmp_dir: Path, final_dir: Path, iteration: int) -> None:
@@ -231,21 +233,21 @@ class CheckpointManager:
 
     def _write_rank0_files(self, tmp_dir: Path, iteration: int, model, with_optim: bool, scheduler, train_state,
                            tokenizer, model_config, extra_states, run_config) -> None:
-        io.write_json(tmp_dir / io.TRAIN_STATE_FILE, {**train_state_to_dict(train_state), "iteration": iteration})
+        io.write_json(tmp_dir / dirs.TRAIN_STATE_FILE, {**train_state_to_dict(train_state), "iteration": iteration})
         if scheduler is not None and self.save_scheduler:
-            torch.save(scheduler.state_dict(), tmp_dir / io.SCHEDULER_FILE)
+            torch.save(scheduler.state_dict(), tmp_dir / dirs.SCHEDULER_FILE)
         if extra_states and self.save_optim:
-            torch.save({name: obj.state_dict() for name, obj in extra_states.items()}, tmp_dir / io.EXTRA_FILE)
+            torch.save({name: obj.state_dict() for name, obj in extra_states.items()}, tmp_dir / dirs.EXTRA_FILE)
         if run_config is not None:
-            io.write_json(tmp_dir / io.RUN_CONFIG_FILE, run_config)
-        hf_meta = tmp_dir / io.HF_META_DIR
+            io.write_json(tmp_dir / dirs.RUN_CONFIG_FILE, run_config)
+        hf_meta = tmp_dir / dirs.HF_META_DIR
         hf_meta.mkdir(exist_ok=True)
         save_tokenizer(tokenizer, hf_meta)
         model_config = model_config if model_config is not None else getattr(model, "config", None)
         if model_config is not None:
             model_config.save_pretrained(str(hf_meta))
-        io.write_json(tmp_dir / io.META_FILE, {
-            "format": io.FORMAT, "iteration": iteration, "world_size": _world_size(),
+        io.write_json(tmp_dir / dirs.META_FILE, {
+            "format": dirs.FORMAT, "iteration": iteration, "world_size": _world_size(),
             "has_optimizer": with_optim, "has_scheduler": scheduler is not None and self.save_scheduler,
             "has_rng": self.save_rng, "torch_version": torch.__version__,
         })
@@ -282,12 +284,12 @@ class CheckpointManager:
 # -------------------------------------------------------------------------------------------------- loading
 def checkpoint_meta(checkpoint: str | os.PathLike) -> dict:
     """What a checkpoint holds: format, iteration, world_size, has_optimizer, has_scheduler, has_rng."""
-    return io.read_json(Path(checkpoint) / io.META_FILE)
+    return io.read_json(Path(checkpoint) / dirs.META_FILE)
 
 
 def checkpoint_hf_dir(checkpoint: str | os.PathLike) -> Path:
     """The directory in a checkpoint with config.json and the tokenizer files (AutoConfig/AutoTokenizer)."""
-    return Path(checkpoint) / io.HF_META_DIR
+    return Path(checkpoint) / dirs.HF_META_DIR
 
 
 def load_checkpoint(checkpoint: str | os.PathLike, model: torch.nn.Module,
@@ -302,10 +304,10 @@ def load_checkpoint(checkpoint: str | os.PathLike, model: torch.nn.Module,
     """
     checkpoint = Path(checkpoint)
     meta = checkpoint_meta(checkpoint)
-    if meta.get("format") != io.FORMAT:
-        raise UsageError(f"{checkpoint}: checkpoint format {meta.get('format')!r}, expected {io.FORMAT!r} — "
+    if meta.get("format") != dirs.FORMAT:
+        raise UsageError(f"{checkpoint}: checkpoint format {meta.get('format')!r}, expected {dirs.FORMAT!r} — "
                          f"load it with the version that wrote it, or convert it to HF and start from that")
-    io.print_rank0(f" loading checkpoint from {checkpoint.parent} at iteration {meta['iteration']}")
+    print_rank0(f" loading checkpoint from {checkpoint.parent} at iteration {meta['iteration']}")
     started = time.perf_counter()
     load_optim = optimizer is not None and not (no_load_optim or finetune)
     if load_optim and not meta["has_optimizer"]:
@@ -324,11 +326,11 @@ def load_checkpoint(checkpoint: str | os.PathLike, model: torch.nn.Module,
 
     if scheduler is not None and not (no_load_optim or finetune):
         if meta["has_scheduler"]:
-            scheduler.load_state_dict(torch.load(checkpoint / io.SCHEDULER_FILE, weights_only=True))
+            scheduler.load_state_dict(torch.load(checkpoint / dirs.SCHEDULER_FILE, weights_only=True))
         else:
             logger.warning("%s holds no scheduler state: the scheduler starts fresh", checkpoint)
     if extra_states and not (no_load_optim or finetune):
-        saved = torch.load(checkpoint / io.EXTRA_FILE, weights_only=True) if (checkpoint / io.EXTRA_FILE).is_file() \
+        saved = torch.load(checkpoint / dirs.EXTRA_FILE, weights_only=True) if (checkpoint / dirs.EXTRA_FILE).is_file() \
             else {}
         for name, obj in extra_states.items():
             if name in saved:
@@ -339,14 +341,14 @@ def load_checkpoint(checkpoint: str | os.PathLike, model: torch.nn.Module,
     if not (no_load_rng or finetune):
         _load_rng(checkpoint, meta)
 
-    io.print_rank0(f"  loaded {checkpoint.name} in {time.perf_counter() - started:.2f}s (saved by "
+    print_rank0(f"  loaded {checkpoint.name} in {time.perf_counter() - started:.2f}s (saved by "
                    f"{meta['world_size']} ranks, loaded by {_world_size()})"
                    + (" for finetuning: iteration reset to 0" if finetune else ""))
-    io.print_rank0(f"  successfully loaded checkpoint from {checkpoint.parent} at iteration "
+    print_rank0(f"  successfully loaded checkpoint from {checkpoint.parent} at iteration "
                  f"{0 if finetune else meta['iteration']}")
     if finetune:
         return train_state
-    return train_state_from_dict(train_state, io.read_json(checkpoint / io.TRAIN_STATE_FILE))
+    return train_state_from_dict(train_state, io.read_json(checkpoint / dirs.TRAIN_STATE_FILE))
 
 
 def _load_rng(checkpoint: Path, meta: dict) -> None:

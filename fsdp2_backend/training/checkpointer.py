@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from fsdp2_backend.training.checkpoint import CheckpointManager, load_checkpoint
-from fsdp2_backend.training.checkpoint_io import ResumePoint
+from fsdp2_backend.checkpoint_dirs import ResumePoint
 from fsdp2_backend.training.hf_export import align_special_tokens, export_hf
 
 HF_EXPORT_SUBDIR = "hf"

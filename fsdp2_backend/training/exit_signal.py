@@ -12,24 +12,12 @@ some received the signal. Torch is imported only by that method.
 from __future__ import annotations
 
 import signal
-from typing import Optional, Set
+from typing import Set
+
+from fsdp2_backend.config.signal_names import resolve_signal
 
 _received: Set[int] = set()
 _installed: Set[int] = set()
-
-
-def resolve_signal(name: str) -> Optional[signal.Signals]:
-    """`SIGTERM`, `TERM`, `sigusr1` or a number such as `15` → the signal; None when no such signal exists."""
-    text = str(name).strip()
-    try:
-        return signal.Signals(int(text))
-    except ValueError:
-        pass
-    except Exception:  # a number that is no signal
-        return None
-    key = text.upper()
-    key = key if key.startswith("SIG") else "SIG" + key
-    return signal.Signals.__members__.get(key)
 
 
 def _record(signum, frame) -> None:  # noqa: ARG001 — the signal module's signature

@@ -29,10 +29,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-try:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError:  # pragma: no cover
-    from torch.distributed._tensor import DTensor, distribute_tensor
+from fsdp2_backend.training.param_steps import momentum_update, on_full_matrix, params_with_grad, run_closure
 
 # Newton-Schulz (a, b, c) schedules, as emerging-optimizers lists them (values from their cited sources).
 COEFFICIENTS: Dict[str, List[Tuple[float, float, float]]] = {
@@ -95,37 +92,19 @@ class MegatronMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, beta = group["lr"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                p.mul_(1 - lr * group["weight_decay"])
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - beta)
-                update = p.grad.lerp(buf, beta) if group["nesterov"] else buf
-                p.add_(self._orthogonalise(update, group).to(p.dtype), alpha=-lr)
+        loss = run_closure(closure)
+        for group, p, state in params_with_grad(self):
+            lr = group["lr"]
+            p.mul_(1 - lr * group["weight_decay"])
+            update = momentum_update(p, state, group["momentum"], group["nesterov"])
+            p.add_(on_full_matrix(update, lambda matrix: _scaled_newton_schulz(matrix, group)).to(p.dtype), alpha=-lr)
         return loss
 
-    @staticmethod
-    def _orthogonalise(update: torch.Tensor, group: Dict[str, Any]) -> torch.Tensor:
-        def scaled(matrix: torch.Tensor) -> torch.Tensor:
-            out = newton_schulz(matrix.float(), group["num_ns_steps"], group["coefficient_type"],
-                                group["matmul_precision"])
-            return out * (muon_scale_factor(*matrix.shape, group["scale_mode"]) * group["extra_scale_factor"])
 
-        if not isinstance(update, DTensor):
-            return scaled(update)
-        full = scaled(update.full_tensor()).to(update.dtype)
-        # Every rank holds the same full result; keep this rank's shard without communicating.
-        return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
+def _scaled_newton_schulz(matrix: torch.Tensor, group: Dict[str, Any]) -> torch.Tensor:
+    """The orthogonalised update of one whole matrix, times the scale mode's factor and the extra scale."""
+    out = newton_schulz(matrix.float(), group["num_ns_steps"], group["coefficient_type"], group["matmul_precision"])
+    return out * (muon_scale_factor(*matrix.shape, group["scale_mode"]) * group["extra_scale_factor"])
 
 
 def megatron_muon_options(training) -> Dict[str, Any] | None:

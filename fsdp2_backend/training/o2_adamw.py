@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch.optim.adam import adam
 
+from fsdp2_backend.training.param_steps import params_with_grad, run_closure
+
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -34,24 +36,17 @@ class BF16StateAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
+        loss = run_closure(closure)
+        for group, p, state in params_with_grad(self):
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                for key in _MOMENTS:
+                    state[key] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+            moments = [state[key].float() for key in _MOMENTS]
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    for key in _MOMENTS:
-                        state[key] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
-                moments = [state[key].float() for key in _MOMENTS]
-                adam([p], [p.grad], moments[:1], moments[1:], [], [state["step"]], foreach=False,
-                     decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
-                for key, value in zip(_MOMENTS, moments):
-                    state[key].copy_(value)  # rounds to bf16, as MindSpeed's copy back does
+            adam([p], [p.grad], moments[:1], moments[1:], [], [state["step"]], foreach=False,
+                 decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+            for key, value in zip(_MOMENTS, moments):
+                state[key].copy_(value)  # rounds to bf16, as MindSpeed's copy back does
         return loss

@@ -30,11 +30,7 @@ import torch
 from torch import nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # torch's Muon math, reused as is
 
-try:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError:  # pragma: no cover
-    from torch.distributed._tensor import DTensor, distribute_tensor
-
+from fsdp2_backend.training.param_steps import momentum_update, on_full_matrix, params_with_grad, run_closure
 from fsdp2_backend.usage_errors import UsageError
 
 
@@ -115,34 +111,15 @@ class ShardedMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - momentum)
-                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = self._orthogonalise(update, group)
-                p.mul_(1 - lr * wd)
-                p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+        loss = run_closure(closure)
+        for group, p, state in params_with_grad(self):
+            lr = group["lr"]
+            update = momentum_update(p, state, group["momentum"], group["nesterov"])
+            args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+            update = on_full_matrix(update, lambda matrix: _zeropower_via_newtonschulz(matrix, *args))
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
-
-    @staticmethod
-    def _orthogonalise(update: torch.Tensor, group: Dict[str, Any]) -> torch.Tensor:
-        args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
-        if not isinstance(update, DTensor):
-            return _zeropower_via_newtonschulz(update, *args)
-        full = _zeropower_via_newtonschulz(update.full_tensor(), *args).to(update.dtype)
-        # Every rank holds the same full result; keep this rank's shard without communicating.
-        return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
 
 
 class CombinedOptimizer:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from fsdp2_backend.distributed.device import torch_npu_module
+from fsdp2_backend.kernels.npu import torch_npu_module
 
 _TORCH_LEVEL_OPTIONS = {"level_none": {}, "level0": {}, "level1": {"with_modules": True},
                         "level2": {"with_modules": True, "with_flops": True}}

@@ -123,7 +123,7 @@ class Trainer:
         if self.chunk_loss_size:
             check_chunked_loss_model(model)
         self.mtp_layers = config.model.mtp_num_layers or 0  # multi-token prediction (models/mtp.py)
-        self.batch_schedule = getattr(job, "batch_schedule", None)  # training/batch_rampup.py
+        self.batch_schedule = getattr(job, "batch_schedule", None)  # config/batch_schedule.py
         self._mtp_means: Optional[torch.Tensor] = None
 
     # -- one iteration -------------------------------------------------------------------------------------
@@ -201,7 +201,7 @@ class Trainer:
 
     def step_batch(self) -> Tuple[int, int]:
         """(micro-batches, global batch size) of the next step: fixed, or Megatron's calculator at the consumed
-        samples (ramp-up, step schedule, rounding: batch_rampup.py), whose consistency check stops the run."""
+        samples (ramp-up, step schedule, rounding: config/batch_schedule.py), whose consistency check stops the run."""
         if self.batch_schedule is None:
             return self.micro_batches, self.global_batch_size
         consumed = self.state.consumed_train_samples

@@ -1,11 +1,11 @@
 """Megatron's optimizer flags (--optimizer, --decoupled-min-lr, the weight-decay schedule, the scheduler-on-resume
 choice), its batch-size schedule flags (--rampup-batch-size, --step-batch-size-schedule,
---decrease-batch-size-if-needed → training.*; fsdp2_backend/training/batch_rampup.py), MindSpeed's --o2-optimizer
+--decrease-batch-size-if-needed → training.*; fsdp2_backend/config/batch_schedule.py), MindSpeed's --o2-optimizer
 (training.o2_optimizer; training/o2_adamw.py) and Megatron's --muon-* options (training.muon_*; training/muon.py).
 """
 from __future__ import annotations
 
-from megatron_compat.translate.handlers import HANDLERS, _direct, handles
+from megatron_compat.translate.handler_table import HANDLERS, _direct, handles
 
 # --- optimizer -------------------------------------------------------------------------------------------------
 _OPTIMIZERS = {"adam": "adamw", "muon": "muon"}  # Megatron's adam is AdamW (decoupled weight decay)

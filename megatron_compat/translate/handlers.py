@@ -10,24 +10,8 @@ fields that several flags determine together (the pretraining stage). Derived va
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, Tuple
 
-HANDLERS: Dict[str, Tuple[str, Callable]] = {}
-
-
-def handles(dest: str, target: str):
-    """Registers a handler for one dest."""
-    def register(fn):
-        HANDLERS[dest] = (target, fn)
-        return fn
-    return register
-
-
-def _direct(dest: str, target: str, convert: Callable[[Any], Any] = lambda v: v, when_none: bool = False) -> None:
-    def handler(ctx, value):
-        if value is not None or when_none:
-            ctx.set(target, convert(value))
-    HANDLERS[dest] = (target, handler)
+from megatron_compat.translate.handler_table import HANDLERS, _direct, handles
 
 
 # --- one-to-one fields (Megatron's default applies when the flag is absent) --------------------------------------

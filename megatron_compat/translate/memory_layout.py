@@ -13,7 +13,7 @@
 """
 from __future__ import annotations
 
-from megatron_compat.translate.handlers import handles
+from megatron_compat.translate.handler_table import handles
 
 
 def _data_parallel(ctx) -> int:

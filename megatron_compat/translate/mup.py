@@ -6,7 +6,7 @@ have no effect. `--mup-output-mult 1.0` (its default) means "1 / width multiplie
 """
 from __future__ import annotations
 
-from megatron_compat.translate.handlers import handles
+from megatron_compat.translate.handler_table import handles
 
 _FIELDS = ("mup_base_hidden_size", "mup_embedding_mult", "mup_output_mult", "mup_base_head_dim",
            "mup_attn_scale_power")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, List
 
-from megatron_compat.translate.handlers import handles
+from megatron_compat.translate.handler_table import handles
 
 # --- recomputation --------------------------------------------------------------------------------------------
 _SELECTIVE = {"core_attn": ["model.layers.{*}.self_attn"], "mla_up_proj": ["model.layers.{*}.self_attn"],

@@ -8,7 +8,7 @@ without `--fim-data`.
 """
 from __future__ import annotations
 
-from megatron_compat.translate.handlers import handles
+from megatron_compat.translate.handler_table import handles
 
 
 def _tiktoken(ctx) -> bool:

@@ -146,7 +146,7 @@ def test_inline_dataset_keys_pretraining_does_not_read_are_reported():
 
 
 def test_a_dataset_string_is_one_path_unless_it_is_a_blend():
-    from fsdp2_backend.config.validation import dataset_entries
+    from fsdp2_backend.config.schema import dataset_entries
 
     assert dataset_entries("/data/with space/x_text_document") == ["/data/with space/x_text_document"]
     assert dataset_entries("0.3 /a 0.7 /b") == ["0.3", "/a", "0.7", "/b"]

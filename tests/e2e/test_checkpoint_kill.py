@@ -38,7 +38,7 @@ def train_loop(save_dir: str, port: int) -> None:
     from transformers import AutoModelForCausalLM
 
     from fsdp2_backend.training.checkpoint import CheckpointManager, load_checkpoint
-    from fsdp2_backend.training.checkpoint_io import resume_point
+    from fsdp2_backend.checkpoint_dirs import resume_point
     from tests.helpers import tiny_qwen3_config
 
     torch.set_num_threads(1)
@@ -92,19 +92,19 @@ def _kill(proc: subprocess.Popen) -> str:
 
 
 def test_sigkill_while_saving_resumes_from_newest_complete(tmp_path):
-    from fsdp2_backend.training import checkpoint_io as io
+    from fsdp2_backend import checkpoint_dirs as dirs
 
     reference_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
     reference = _start(reference_dir)
 
     def newest() -> int:
-        found = io.complete_checkpoints(killed_dir)
+        found = dirs.complete_checkpoints(killed_dir)
         return found[-1][0] if found else 0
 
     def expected_resume() -> int:
         # The spec: the marker's checkpoint when complete, else the highest complete one.
-        marker = io.read_latest_marker(killed_dir)
-        complete = [i for i, _ in io.complete_checkpoints(killed_dir)]
+        marker = dirs.read_latest_marker(killed_dir)
+        complete = [i for i, _ in dirs.complete_checkpoints(killed_dir)]
         assert complete and (marker is None or marker in complete or marker < complete[-1])
         return marker if marker in complete else complete[-1]
 
@@ -136,7 +136,7 @@ def test_sigkill_while_saving_resumes_from_newest_complete(tmp_path):
     assert proc.returncode == 0 and f"resumed {resumes[-1]} " in output
     assert reference.wait(timeout=300) == 0
 
-    assert [i for i, _ in io.complete_checkpoints(killed_dir)] == [TOTAL_STEPS - 1, TOTAL_STEPS]
+    assert [i for i, _ in dirs.complete_checkpoints(killed_dir)] == [TOTAL_STEPS - 1, TOTAL_STEPS]
     assert not any(p.name.endswith((".tmp", ".deleting")) for p in killed_dir.iterdir())
     straight = torch.load(reference_dir / "final.pt", weights_only=True)
     resumed = torch.load(killed_dir / "final.pt", weights_only=True)

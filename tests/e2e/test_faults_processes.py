@@ -106,7 +106,7 @@ def test_a_second_run_into_a_live_runs_save_dir_is_refused_and_a_dead_runs_lock_
 
 
 def test_sigterm_to_the_whole_torchrun_tree_saves_at_the_next_iteration_and_exits(tmp_path):
-    from fsdp2_backend.training import checkpoint_io as io
+    from fsdp2_backend import checkpoint_dirs as dirs
 
     save, log = tmp_path / "save", tmp_path / "run.log"
     args = FLAGS + ["--train-iters", "100000", "--save", save, "--exit-signal-handler"]
@@ -121,7 +121,7 @@ def test_sigterm_to_the_whole_torchrun_tree_saves_at_the_next_iteration_and_exit
     saved = int(re.search(r"exiting program after receiving SIGTERM \(checkpoint of iteration (\d+) saved\)\.",
                           text).group(1))
     assert saved >= seen
-    assert [i for i, _ in io.complete_checkpoints(save)] == [saved] and io.read_latest_marker(save) == saved
+    assert [i for i, _ in dirs.complete_checkpoints(save)] == [saved] and dirs.read_latest_marker(save) == saved
     printed = [int(i) for i in re.findall(r" iteration +(\d+)/", text)]
     assert max(printed) == saved  # no iteration after the saved one ran
     assert not (save / ".fsdp2_run.lock").exists()

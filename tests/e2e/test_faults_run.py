@@ -111,7 +111,7 @@ def _file_size_limit():
 
 
 def test_a_save_that_runs_out_of_room_keeps_the_previous_checkpoint(runs):
-    from fsdp2_backend.training import checkpoint_io as io
+    from fsdp2_backend import checkpoint_dirs as dirs
 
     save = runs["root"] / "full"
     shutil.copytree(runs["root"] / "at4", save)  # a run stopped after its checkpoint of iteration 4
@@ -122,7 +122,7 @@ def test_a_save_that_runs_out_of_room_keeps_the_previous_checkpoint(runs):
         f"large) — the previous checkpoint iter_0000004 is intact; free space or fix permissions there, then rerun "
         f"the same command to resume"]
     assert "Traceback" not in err
-    assert [i for i, _ in io.complete_checkpoints(save)] == [4] and io.read_latest_marker(save) == 4
+    assert [i for i, _ in dirs.complete_checkpoints(save)] == [4] and dirs.read_latest_marker(save) == 4
     assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == ["iter_0000004"]
     assert not (save / "hf").exists()
 
@@ -163,7 +163,7 @@ def test_last_iteration_on_a_save_interval_exports_once(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from fsdp2_backend.config import Config
-    from fsdp2_backend.training.checkpoint_io import ResumePoint
+    from fsdp2_backend.checkpoint_dirs import ResumePoint
     from fsdp2_backend.training.checkpointer import Checkpointer
     from fsdp2_backend.training.trainer import TrainState
     from tests.helpers import tiny_qwen3_config

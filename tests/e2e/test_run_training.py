@@ -88,7 +88,7 @@ def test_resume_continues_from_the_restored_state(model_dir, tmp_path):
     continue. A run stopped by exit_interval at iteration 2, restarted with the same command, resumes from its
     checkpoint and ends as the uninterrupted run does."""
     from fsdp2_backend.build import build, run_training
-    from fsdp2_backend.training import checkpoint_io as io
+    from fsdp2_backend import checkpoint_dirs as dirs
     from fsdp2_backend.training.trainer import Trainer
 
     def config_for(output_dir, **training):
@@ -105,7 +105,7 @@ def test_resume_continues_from_the_restored_state(model_dir, tmp_path):
     assert len(straight.losses) == 4
     stopped = run_training(config_for(tmp_path / "run", exit_interval=2))
     assert stopped.state.iteration == 2 and stopped.losses == pytest.approx(straight.losses[:2], rel=1e-6)
-    assert io.newest_checkpoint(tmp_path / "run") == tmp_path / "run" / "iter_0000002"
+    assert dirs.newest_checkpoint(tmp_path / "run") == tmp_path / "run" / "iter_0000002"
 
     job = build(config_for(tmp_path / "run"))
     recorder = SaveRecorder()
@@ -128,7 +128,7 @@ def test_resume_continues_from_the_restored_state(model_dir, tmp_path):
 def test_num_train_epochs_sets_the_length_from_one_epoch_of_the_train_split(model_dir, tmp_path):
     from fsdp2_backend.data.pretrain import build_pretrain_data
     from fsdp2_backend.distributed.context import ParallelContext
-    from fsdp2_backend.models.tokenizer import load_tokenizer
+    from fsdp2_backend.data.tokenizer import load_tokenizer
     from fsdp2_backend.build import train_length
 
     config = _config(model_dir, str(tmp_path))

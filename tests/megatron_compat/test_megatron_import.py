@@ -113,7 +113,7 @@ def _class_that_disappears(tmp_path):
 @pytest.mark.parametrize("fmt,qk_layernorm,tied", [("torch_dist", True, False), ("torch", True, False),
                                                    ("torch_dist", False, True)])
 def test_megatron_checkpoint_converts_with_equal_logits(megatron, tmp_path, fmt, qk_layernorm, tied):
-    from fsdp2_backend.training.checkpoint_io import resume_point
+    from fsdp2_backend.checkpoint_dirs import resume_point
     from fsdp2_backend.cli.convert_checkpoint import main as convert
 
     model, args = _megatron_gpt(qk_layernorm, tied, seed=3)

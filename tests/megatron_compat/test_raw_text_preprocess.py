@@ -61,13 +61,13 @@ def _write_raw(folder, texts, kind: str) -> str:
 
 def _run_tokenizer(kind: str, path: str):
     """The tokenizer object the run hands to preprocessing: the transformers tokenizer itself, or the
-    engine's (fsdp2_backend.models.tokenizer.load_tokenizer: megatron_compat's PretrainedFromHF wrapper)."""
+    engine's (fsdp2_backend.data.tokenizer.load_tokenizer: megatron_compat's PretrainedFromHF wrapper)."""
     from transformers import AutoTokenizer
 
     if kind == "hf":
         return AutoTokenizer.from_pretrained(path)
     from fsdp2_backend.config import ModelArguments
-    from fsdp2_backend.models.tokenizer import load_tokenizer
+    from fsdp2_backend.data.tokenizer import load_tokenizer
 
     return load_tokenizer(ModelArguments(tokenizer_name_or_path=path))
 

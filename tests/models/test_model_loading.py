@@ -37,7 +37,7 @@ def _config(hf_dir, **model_fields):
 def _build_model(config, ctx):
     """(tokenizer, parallelised model, HF config) of a fresh run (no checkpoint to resume)."""
     from fsdp2_backend.build import build_model
-    from fsdp2_backend.training.checkpoint_io import ResumePoint
+    from fsdp2_backend.checkpoint_dirs import ResumePoint
 
     return build_model(config, ctx, ResumePoint(None, False, ""))
 
@@ -125,7 +125,7 @@ def test_tokenizer_without_resize_or_with_desc_init_is_declined(hf_dir, ctx):
 def test_split_special_tokens_and_slow_tokenizer_flags_reach_the_tokenizer(hf_dir):
     from transformers import AutoTokenizer
 
-    from fsdp2_backend.models.tokenizer import load_tokenizer
+    from fsdp2_backend.data.tokenizer import load_tokenizer
 
     text = "a<|endoftext|>b"
     for split in (False, True):

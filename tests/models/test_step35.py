@@ -190,7 +190,7 @@ def test_checkpoint_layout_streams_in_and_export_round_trips(tmp_path, meta, cap
     class _Run:  # the run config fields configure_step35 reads
         optimization = type("O", (), {"moe_grouped_gemm": False, "fix_router": False})()
         model = args
-    model_spec("step35").configure(model, _Run())
+    model_spec("step35").configure(model, _Run(), "cpu")
     assert "the checkpoint's 1 MTP layers (model.layers.4-4) are not loaded" in capsys.readouterr().out
 
     model.save_pretrained(tmp_path / "export")

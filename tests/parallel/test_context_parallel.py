@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp2_backend.usage_errors import UsageError
-from fsdp2_backend.parallel import tp_cp_checks
+from fsdp2_backend.config import tp_cp_checks
 from fsdp2_backend.parallel.context_parallel import blockwise
 from fsdp2_backend.parallel.context_parallel.batch import sequence_indices, shard_batch_for_cp, shift_labels
 from tests.helpers import run_distributed, tiny_qwen3_config

@@ -60,7 +60,7 @@ def _reference(ranks, steps=STEPS, aux=True):
 def model_spec_configure(model, config):
     from fsdp2_backend.models.registry import model_spec
 
-    model_spec("qwen3_next").configure(model, config)
+    model_spec("qwen3_next").configure(model, config, "cpu")
 
 
 def _parallel(config, aux=True):

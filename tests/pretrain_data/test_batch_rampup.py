@@ -1,10 +1,10 @@
-"""Batch-size ramp-up arithmetic (training/batch_rampup.py) against megatron-core 0.16.1's calculators, the step
+"""Batch-size ramp-up arithmetic (config/batch_schedule.py) against megatron-core 0.16.1's calculators, the step
 schedule against hand-computed values (it is not in megatron-core 0.16.1), and the Megatron flags' rules."""
 import pytest
 
 from fsdp2_backend.config import GROUPS, Config
 from fsdp2_backend.config import validation as config_validation
-from fsdp2_backend.training.batch_rampup import BatchSizeSchedule, parse_step_schedule
+from fsdp2_backend.config.batch_schedule import BatchSizeSchedule, parse_step_schedule
 from megatron_compat.translate import translate_megatron
 from fsdp2_backend.usage_errors import UsageError
 

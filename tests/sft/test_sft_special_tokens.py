@@ -53,7 +53,7 @@ def test_desc_init_rows_are_description_means(assets):
 
 
 def test_desc_init_w_noise_adds_noise_and_new_tokens_tokenize_whole(assets):
-    from fsdp2_backend.models.tokenizer import load_tokenizer, new_token_rows
+    from fsdp2_backend.data.tokenizer import load_tokenizer, new_token_rows
 
     args = ModelArguments(model_name_or_path=assets["model"], new_special_tokens_config=assets["tokens"],
                           init_special_tokens="desc_init_w_noise", resize_vocab=True)

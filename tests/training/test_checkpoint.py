@@ -129,13 +129,13 @@ def _blocking_writes(release: threading.Event):
 def _load_one_rank(rank, world_size, root):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from fsdp2_backend.training import checkpoint_io as io
+    from fsdp2_backend import checkpoint_dirs as dirs
     from fsdp2_backend.training import rng_state
     from fsdp2_backend.training.checkpoint import CheckpointManager, checkpoint_meta, load_checkpoint
 
     root = Path(root)
     saved = torch.load(root / "sync_reference.pt", weights_only=True)
-    sync_ckpt = io.resume_point(str(root / "sync"), None).checkpoint
+    sync_ckpt = dirs.resume_point(str(root / "sync"), None).checkpoint
     assert sync_ckpt == root / "sync" / "iter_0000002"
     assert checkpoint_meta(sync_ckpt)["world_size"] == 2
 
@@ -178,7 +178,7 @@ def _load_one_rank(rank, world_size, root):
     async_dir = root / "async"
     assert sorted(p.name for p in async_dir.iterdir()) == [
         "iter_0000004", "iter_0000005", "latest_checkpointed_iteration.txt"]
-    assert io.read_latest_marker(async_dir) == 5
+    assert dirs.read_latest_marker(async_dir) == 5
     model, optimizer, scheduler = _build(world_size)
     state = load_checkpoint(async_dir / "iter_0000005", model, optimizer, scheduler, _State())
     _assert_close(_full_state(model, optimizer), torch.load(root / "async_reference.pt", weights_only=True))
@@ -189,7 +189,7 @@ def _load_one_rank(rank, world_size, root):
     only_ckpt = only.save(7, model, optimizer, scheduler, _State(7, 7))
     keys = FileSystemReader(str(only_ckpt)).read_metadata().state_dict_metadata
     assert keys and all(k.startswith("model.") for k in keys)
-    assert not (only_ckpt / io.SCHEDULER_FILE).exists() and not (only_ckpt / rng_state.RNG_DIR).exists()
+    assert not (only_ckpt / dirs.SCHEDULER_FILE).exists() and not (only_ckpt / rng_state.RNG_DIR).exists()
     assert (sync_ckpt / rng_state.RNG_DIR).is_dir()  # what save_only_model leaves out is there otherwise
     meta = checkpoint_meta(only_ckpt)
     assert (meta["has_optimizer"], meta["has_scheduler"], meta["has_rng"]) == (False, False, False)
@@ -203,15 +203,15 @@ def _load_one_rank(rank, world_size, root):
     _blocking_writes(release)
     pending = CheckpointManager(root / "held", async_save=True)
     final = pending.save(8, model, optimizer, scheduler, _State(8, 8))
-    assert not final.exists() and io.resume_point(str(root / "held"), None).checkpoint is None
+    assert not final.exists() and dirs.resume_point(str(root / "held"), None).checkpoint is None
     release.set()
     pending.finalize()
-    assert io.is_complete_checkpoint(final) and io.read_latest_marker(root / "held") == 8
+    assert dirs.is_complete_checkpoint(final) and dirs.read_latest_marker(root / "held") == 8
 
     # A crash after the write and before the rename: the .tmp copy is never picked, and is cleared.
     import shutil
     shutil.copytree(final, root / "held" / "iter_0000009.tmp")
-    assert io.resume_point(str(root / "held"), str(root / "sync")).checkpoint == final
+    assert dirs.resume_point(str(root / "held"), str(root / "sync")).checkpoint == final
     CheckpointManager(root / "held")
     assert not (root / "held" / "iter_0000009.tmp").exists()
 
@@ -233,7 +233,7 @@ def test_two_ranks_save_one_rank_resumes(tmp_path):
 def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     """Real single-process DCP saves of a plain module: rotation, marker, resume order, restarts."""
     from fsdp2_backend.usage_errors import UsageError
-    from fsdp2_backend.training import checkpoint_io as io
+    from fsdp2_backend import checkpoint_dirs as dirs
     from fsdp2_backend.training.checkpoint import CheckpointManager, load_checkpoint
 
     model = torch.nn.Linear(4, 4)
@@ -242,8 +242,8 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     save_dir = tmp_path / "run"
     pretrained = str(tmp_path / "pretrained")
     # --load of a save directory (resume_from_checkpoint), or our checkpoint given as the model directory
-    assert io.resume_point(str(save_dir), pretrained).checkpoint == tmp_path / "pretrained" / "iter_0000100"
-    assert io.resume_point(str(save_dir), None, pretrained).checkpoint == tmp_path / "pretrained" / "iter_0000100"
+    assert dirs.resume_point(str(save_dir), pretrained).checkpoint == tmp_path / "pretrained" / "iter_0000100"
+    assert dirs.resume_point(str(save_dir), None, pretrained).checkpoint == tmp_path / "pretrained" / "iter_0000100"
 
     manager = CheckpointManager(save_dir, save_total_limit=2)
     for iteration in (10, 20, 30):
@@ -252,28 +252,28 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     printed = capsys.readouterr().out  # Megatron's lines, which log watchers match
     assert f"saving checkpoint at iteration      10 to {save_dir} in " in printed
     assert f"\n  successfully saved checkpoint from iteration      30 to {save_dir}\n" in printed
-    assert [i for i, _ in io.complete_checkpoints(save_dir)] == [20, 30]
+    assert [i for i, _ in dirs.complete_checkpoints(save_dir)] == [20, 30]
     # A restart of the same command continues its own run, whatever --load says.
-    assert io.resume_point(str(save_dir), None, pretrained).checkpoint == save_dir / "iter_0000030"
-    found = io.resume_point(str(save_dir), pretrained).checkpoint
-    assert found == save_dir / "iter_0000030" and io.is_restart(found, str(save_dir))
-    assert not io.is_restart(tmp_path / "pretrained" / "iter_0000100", str(save_dir))
+    assert dirs.resume_point(str(save_dir), None, pretrained).checkpoint == save_dir / "iter_0000030"
+    found = dirs.resume_point(str(save_dir), pretrained).checkpoint
+    assert found == save_dir / "iter_0000030" and dirs.is_restart(found, str(save_dir))
+    assert not dirs.is_restart(tmp_path / "pretrained" / "iter_0000100", str(save_dir))
     # A --load that names an iter_* directory directly (it wins over the save directory's newest), and a model
     # directory with no checkpoint (HF weights).
-    assert io.resume_point(None, str(save_dir / "iter_0000020")).checkpoint == save_dir / "iter_0000020"
-    assert io.resume_point(str(save_dir), str(save_dir / "iter_0000020")).checkpoint == save_dir / "iter_0000020"
-    assert io.resume_point(None, None, str(tmp_path)) == (None, False, "")
+    assert dirs.resume_point(None, str(save_dir / "iter_0000020")).checkpoint == save_dir / "iter_0000020"
+    assert dirs.resume_point(str(save_dir), str(save_dir / "iter_0000020")).checkpoint == save_dir / "iter_0000020"
+    assert dirs.resume_point(None, None, str(tmp_path)) == (None, False, "")
 
     # As in Megatron the marker decides (a kill between rename and marker resumes from the one before)...
-    (save_dir / io.LATEST_FILE).write_text("20")
-    assert io.newest_checkpoint(save_dir) == save_dir / "iter_0000020"
+    (save_dir / dirs.LATEST_FILE).write_text("20")
+    assert dirs.newest_checkpoint(save_dir) == save_dir / "iter_0000020"
     # ... unless it names no complete checkpoint: then the highest complete iteration. A directory with a
     # final name but without metadata is not a checkpoint.
-    (save_dir / io.LATEST_FILE).write_text("40")
+    (save_dir / dirs.LATEST_FILE).write_text("40")
     (save_dir / "iter_0000040").mkdir()
-    assert io.newest_checkpoint(save_dir) == save_dir / "iter_0000030"
-    (save_dir / io.LATEST_FILE).unlink()
-    assert io.newest_checkpoint(save_dir) == save_dir / "iter_0000030"
+    assert dirs.newest_checkpoint(save_dir) == save_dir / "iter_0000030"
+    (save_dir / dirs.LATEST_FILE).unlink()
+    assert dirs.newest_checkpoint(save_dir) == save_dir / "iter_0000030"
 
     restored = torch.nn.Linear(4, 4)
     assert load_checkpoint(found, restored, train_state=_State()) == _State(30, 30)
@@ -289,8 +289,8 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     manager = CheckpointManager(shared, save_total_limit=2)
     for iteration in (50, 100):
         manager.save(iteration, finetuned, train_state=_State(iteration, iteration))
-    assert [i for i, _ in io.complete_checkpoints(shared)] == [100, 200]
-    assert io.newest_checkpoint(shared) == shared / "iter_0000100"
+    assert [i for i, _ in dirs.complete_checkpoints(shared)] == [100, 200]
+    assert dirs.newest_checkpoint(shared) == shared / "iter_0000100"
     replaced = torch.nn.Linear(4, 4)
     assert load_checkpoint(shared / "iter_0000100", replaced, train_state=_State()) == _State(100, 100)
     assert torch.equal(replaced.weight, finetuned.weight)
@@ -298,26 +298,26 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     # A Megatron-LM checkpoint where ours would be (Megatron scripts often --load and --save the same dir).
     megatron = tmp_path / "megatron"
     (megatron / "iter_0000500" / "mp_rank_00").mkdir(parents=True)
-    (megatron / io.LATEST_FILE).write_text("500")
+    (megatron / dirs.LATEST_FILE).write_text("500")
     megatron_kind = r"a Megatron-LM legacy \(mp_rank_\*\) checkpoint"
     with pytest.raises(UsageError, match=rf"training.output_dir \(--save\): .* holds {megatron_kind}"):
-        io.resume_point(str(megatron), str(megatron))
+        dirs.resume_point(str(megatron), str(megatron))
     with pytest.raises(UsageError, match=rf"training.resume_from_checkpoint \(--load\): .* holds {megatron_kind}"):
-        io.resume_point(str(tmp_path / "fresh"), str(megatron))
+        dirs.resume_point(str(tmp_path / "fresh"), str(megatron))
     with pytest.raises(UsageError, match=rf"training.resume_from_checkpoint \(--load\): .* holds {megatron_kind}"):
-        io.resume_point(None, str(megatron / "iter_0000500"))
+        dirs.resume_point(None, str(megatron / "iter_0000500"))
     with pytest.raises(UsageError, match=rf"model.model_name_or_path \(--load\): .* holds {megatron_kind}"):
-        io.resume_point(str(tmp_path / "fresh"), None, str(megatron))
+        dirs.resume_point(str(tmp_path / "fresh"), None, str(megatron))
 
-    meta_file = shared / "iter_0000100" / io.META_FILE
-    meta_file.write_text(meta_file.read_text().replace(io.FORMAT, "some-other-format"))
+    meta_file = shared / "iter_0000100" / dirs.META_FILE
+    meta_file.write_text(meta_file.read_text().replace(dirs.FORMAT, "some-other-format"))
     with pytest.raises(UsageError, match="checkpoint format 'some-other-format'"):
         load_checkpoint(shared / "iter_0000100", replaced)
 
     # build's one call: --finetune resets a checkpoint from --load (or the model directory), never a restart
     # of this run.
     def plan(*args, **kwargs):
-        point = io.resume_point(*args, **kwargs)
+        point = dirs.resume_point(*args, **kwargs)
         return point.checkpoint, point.finetune
 
     assert plan(str(tmp_path / "fresh"), pretrained, finetune=True) == (tmp_path / "pretrained" / "iter_0000100", True)
@@ -333,12 +333,12 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     # (a final-named directory without our metadata was never written by our atomic saves: refused as foreign)
     with pytest.raises(UsageError, match=r"training.resume_from_checkpoint \(--load\): .*iter_0000040 holds a "
                                          r"checkpoint this backend did not write"):
-        io.resume_point(None, str(save_dir / "iter_0000040"))
+        dirs.resume_point(None, str(save_dir / "iter_0000040"))
     with pytest.raises(UsageError, match="resume_from_checkpoint .*is not a complete checkpoint"):
-        io.resume_point(None, str(tmp_path / "fresh" / "iter_0000001"))
+        dirs.resume_point(None, str(tmp_path / "fresh" / "iter_0000001"))
     (tmp_path / "empty").mkdir()
     for load in (tmp_path / "fresh", tmp_path / "empty"):
-        point = io.resume_point(None, str(load))
+        point = dirs.resume_point(None, str(load))
         assert (point.checkpoint, point.finetune) == (None, False) and "from scratch" in point.reason
 
 

@@ -18,7 +18,7 @@ def test_checkpointer_saves_resumes_finetunes_and_exports(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from fsdp2_backend.config import Config
-    from fsdp2_backend.training import checkpoint_io as io
+    from fsdp2_backend import checkpoint_dirs as dirs
     from fsdp2_backend.training.checkpointer import Checkpointer
     from fsdp2_backend.training.trainer import TrainState
 
@@ -30,7 +30,7 @@ def test_checkpointer_saves_resumes_finetunes_and_exports(tmp_path):
 
     def resume_point(config):  # as `fsdp2_backend.build.build` decides it
         training = config.training
-        return io.resume_point(training.output_dir if training.save_checkpoints else None,
+        return dirs.resume_point(training.output_dir if training.save_checkpoints else None,
                                training.resume_from_checkpoint, config.model.model_name_or_path, training.finetune)
 
     def checkpointer(config, resume, model, optimizer, scheduler, state, loss_scaler=None):
@@ -57,7 +57,7 @@ def test_checkpointer_saves_resumes_finetunes_and_exports(tmp_path):
     saver.close()
 
     out = tmp_path / "out"
-    assert [i for i, _ in io.complete_checkpoints(out)] == [4]
+    assert [i for i, _ in dirs.complete_checkpoints(out)] == [4]
     assert json.loads((out / "iter_0000004" / "run_config.json").read_text())["training"]["output_dir"] == str(out)
     exported = AutoModelForCausalLM.from_pretrained(str(out / "hf"))
     assert torch.equal(exported.lm_head.weight, model.lm_head.weight)

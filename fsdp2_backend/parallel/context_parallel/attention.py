@@ -36,7 +36,7 @@ from fsdp2_backend.kernels.varlen import is_packed
 from fsdp2_backend.parallel.context_parallel.batch import OncePerTensor
 from fsdp2_backend.parallel.context_parallel.ring import ring_attention
 from fsdp2_backend.parallel.context_parallel.ulysses import heads_to_seq, replicate_kv_heads, seq_to_heads
-from fsdp2_backend.parallel.tp_cp_checks import context_parallel_problems, normalize_cp_type
+from fsdp2_backend.config.tp_cp_checks import context_parallel_problems, normalize_cp_type
 
 ATTENTION_NAME = "fsdp2_context_parallel"
 SPEC_ATTRIBUTE = "context_parallel_spec"

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2_backend.usage_errors import UsageError
-from fsdp2_backend.parallel.tp_cp_checks import normalize_cp_type, sequence_length_problems
+from fsdp2_backend.config.tp_cp_checks import normalize_cp_type, sequence_length_problems
 
 Tensor = torch.Tensor
 PER_TOKEN_KEYS = ("input_ids", "labels", "position_ids", "loss_mask")

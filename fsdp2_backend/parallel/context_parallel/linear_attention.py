@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2_backend.parallel.context_parallel.batch import sequence_indices
 from fsdp2_backend.parallel.context_parallel.ulysses import heads_to_seq, seq_to_heads
-from fsdp2_backend.parallel.tp_cp_checks import normalize_cp_type
+from fsdp2_backend.config.tp_cp_checks import normalize_cp_type
 from fsdp2_backend.kernels.varlen import cu_seqlens_from_position_ids, is_packed
 from fsdp2_backend.usage_errors import UsageError
 
