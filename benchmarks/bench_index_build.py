@@ -16,6 +16,11 @@ alternate the two implementations (this machine is shared: both see the same loa
 Results are compared by a digest of their bytes, shape and dtype. Prints one table: wall seconds and MiB for
 both, ours / megatron-core, and the process CPU seconds with their ratio (every stage is single-threaded on
 both sides, so on a loaded machine the CPU-time ratio is the steadier figure).
+
+`first use` rows (`--first-use 2000000`): the three GPTDataset indices (document, sample, shuffle) of that many
+samples over samples / 2 documents, as a training process's first dataset builds them: torch and the dataset
+modules already imported, the time of what the build loads on first use included (megatron-core's C++ helpers
+module; our numba kernels only from index_building.NUMBA_FROM entries on).
 """
 from __future__ import annotations
 
@@ -32,11 +37,14 @@ import numpy
 
 
 STAGES = ("document index", "sample index", "shuffle index", "blending index")
+# All three GPTDataset indices in a fresh process, what the build loads on first use included (`--first-use
+# SAMPLES`: documents = samples / 2, about two epochs).
+FIRST_USE = "first use"
 SEED = 1234
 
 
-def _inputs(size: int, seq: int):
-    num_docs = max(size // 4, 1000)
+def _inputs(size: int, seq: int, docs_per_sample: int = 4):
+    num_docs = max(size // docs_per_sample, 1000)
     sizes = numpy.random.default_rng(0).integers(1, 2 * seq, num_docs).astype(numpy.int32)
     documents = numpy.arange(num_docs, dtype=numpy.int32)
     tokens = int(sizes.sum())
@@ -64,18 +72,23 @@ def _stage(impl: str, stage: str, size: int, seq: int, blend_datasets: int):
     """(a callable running the stage once, a description of its output for the digest)."""
     from megatron_compat.data import index_building as ib
 
-    sizes, documents, tokens, epochs = _inputs(size, seq)
+    sizes, documents, tokens, epochs = _inputs(size, seq, 2 if stage == FIRST_USE else 4)
     weights = numpy.random.default_rng(1).random(blend_datasets) + 0.1
     weights = (weights / weights.sum()).tolist()
     # the same input for both (the document indices are identical), made the same way
     document_index = (ib.build_document_index(documents, epochs, numpy.random.RandomState(SEED), False)
                       if stage == "sample index" else None)
+    if stage == FIRST_USE:
+        return _first_use(impl, sizes, documents, tokens, epochs, seq, size)
     if impl == "ours":
-        # compile (or load from numba's cache) on a tiny input, outside the measurement
+        # compile (or load from numba's cache) on a tiny input, outside the measurement (numba forced: at the
+        # sizes measured here the kernels run; smaller index arrays never load numba, see FIRST_USE)
+        threshold, ib.NUMBA_FROM = ib.NUMBA_FROM, 0
         ib.build_sample_index(sizes[:100], documents[:100], 8, 1, int(sizes[:100].sum()), True, True)
         ib.build_blending_indices(weights, 100)
         for dtype in (numpy.int32, numpy.uint32):  # the shuffle kernel's two specialisations
             ib.shuffle(numpy.arange(10, dtype=dtype), numpy.random.RandomState(0))
+        ib.NUMBA_FROM = threshold
         run = {
             "document index": lambda: ib.build_document_index(documents, epochs, numpy.random.RandomState(SEED),
                                                               False),
@@ -100,6 +113,35 @@ def _stage(impl: str, stage: str, size: int, seq: int, blend_datasets: int):
             "shuffle index": lambda: _build_shuffle_index(size, size, numpy.random.RandomState(SEED)),
             "blending index": blend,
         }[stage]
+    return run
+
+
+def _first_use(impl, sizes, documents, tokens, epochs, seq, size):
+    """GPTDataset's three indices as its first use in a training process builds them: the dataset modules are
+    imported (and torch with them) outside the measurement; inside it, whatever the build loads on first use
+    (megatron-core's C++ helpers module; our numba, when the arrays are large enough to need it)."""
+    if impl == "ours":
+        from megatron_compat.data import gpt_dataset  # noqa: F401 - what a training process has imported
+
+        def run():
+            from megatron_compat.data import index_building as ib
+
+            state = numpy.random.RandomState(SEED)
+            document_index = ib.build_document_index(documents, epochs, state, False)
+            sample_index = ib.build_sample_index(sizes, document_index, seq, epochs, tokens, True, True)
+            return document_index, sample_index, ib.build_shuffle_index(len(sample_index) - 1,
+                                                                        len(sample_index) - 1, state)
+    else:
+        from megatron.core.datasets import gpt_dataset
+
+        def run():
+            from megatron.core.datasets import helpers
+
+            state = numpy.random.RandomState(SEED)
+            document_index = gpt_dataset._build_document_index(documents, epochs, state, False)
+            sample_index = helpers.build_sample_idx(sizes, document_index, seq, epochs, tokens, True, True)
+            return document_index, sample_index, gpt_dataset._build_shuffle_index(len(sample_index) - 1,
+                                                                                  len(sample_index) - 1, state)
     return run
 
 
@@ -150,6 +192,9 @@ def main() -> None:
     parser.add_argument("--blend-datasets", type=int, default=20)
     parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset of: " + ", ".join(STAGES))
     parser.add_argument("--repeats", type=int, default=3, help="rounds per measurement (best time)")
+    parser.add_argument("--first-use", default="2000000", help="samples (comma-separated) of the 'first use' rows: "
+                        "the three GPTDataset indices in a fresh process, load of numba / the C++ helpers included "
+                        "('' for none)")
     parser.add_argument("--digest", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", nargs=3, metavar=("IMPL", "STAGE", "SIZE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -161,14 +206,15 @@ def main() -> None:
           f"{args.blend_datasets} datasets; best of {args.repeats}; peak = RSS high-water above the inputs")
     print(f"{'samples':>12} {'stage':<15}{'mcore s':>9}{'ours s':>9}{'time x':>8}{'mcore MiB':>11}"
           f"{'ours MiB':>10}{'mem x':>7}{'mcore cpu':>11}{'ours cpu':>10}{'cpu x':>7}  identical")
-    for size in (int(s) for s in args.sizes.split(",")):
-        for stage in [s.strip() for s in args.stages.split(",")]:
-            m, o = _best_of(stage, size, args)
-            same = m["digest"] == o["digest"]
-            print(f"{size:>12} {stage:<15}{m['seconds']:>9.3f}{o['seconds']:>9.3f}"
-                  f"{o['seconds'] / m['seconds']:>8.2f}{m['peak_mib']:>11.1f}{o['peak_mib']:>10.1f}"
-                  f"{o['peak_mib'] / max(m['peak_mib'], 0.1):>7.2f}{m['cpu_seconds']:>11.3f}{o['cpu_seconds']:>10.3f}"
-                  f"{o['cpu_seconds'] / max(m['cpu_seconds'], 1e-9):>7.2f}  {'yes' if same else 'NO'}", flush=True)
+    rows = [(int(size), stage.strip()) for size in args.sizes.split(",") if size for stage in args.stages.split(",")]
+    rows += [(int(size), FIRST_USE) for size in args.first_use.split(",") if size]
+    for size, stage in rows:
+        m, o = _best_of(stage, size, args)
+        same = m["digest"] == o["digest"]
+        print(f"{size:>12} {stage:<15}{m['seconds']:>9.3f}{o['seconds']:>9.3f}"
+              f"{o['seconds'] / m['seconds']:>8.2f}{m['peak_mib']:>11.1f}{o['peak_mib']:>10.1f}"
+              f"{o['peak_mib'] / max(m['peak_mib'], 0.1):>7.2f}{m['cpu_seconds']:>11.3f}{o['cpu_seconds']:>10.3f}"
+              f"{o['cpu_seconds'] / max(m['cpu_seconds'], 1e-9):>7.2f}  {'yes' if same else 'NO'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,11 @@ document and shuffle indices, its C++ `helpers.cpp` sample and blending indices)
 Why our own: megatron-core compiles a C++ extension for the loops; a drop-in must not need a compiler or
 megatron-core at run time. The document and shuffle indices are built in one array each and shuffled in
 place by part (megatron-core builds the parts and concatenates them, and its document index goes through an
-int64 grid first), by numpy's own shuffle algorithm on the same `RandomState` (`shuffle`: a numba kernel
-drawing from that RandomState's MT19937, 2x faster than numpy's for 4-byte ids). The sequential loops
-(sample index, blending) are the numba kernels of `index_kernels` filling preallocated arrays.
+int64 grid first), by numpy's own shuffle algorithm on the same `RandomState` (`shuffle`: from `NUMBA_FROM` entries on, a
+numba kernel drawing from that RandomState's MT19937, 2x faster than numpy's for 4-byte ids). The sequential
+loops (sample index, blending) are the numba kernels of `index_kernels` filling preallocated arrays; a sample
+index below `NUMBA_FROM` entries is counted in numpy instead, so that a small data set's first use in a
+process costs no numba import (numba's import and cache load took longer than the whole C++ build there).
 
 Facts reproduced (megatron-core 0.16.1, gpt_dataset.py / helpers.cpp / blended_dataset.py):
 - document index: the split's document ids repeated once per epoch, cast to int32 and shuffled in place with
@@ -32,14 +34,21 @@ from typing import Optional, Sequence, Tuple
 import numpy
 
 
+# numba is imported (~0.25 s) and its cached kernels loaded (up to ~0.3 s more) only for arrays of at least this
+# many entries, where its speed repays that once per process; smaller ones take numpy (megatron-core's own
+# shuffle; a linear-time numpy sample index), so a training process with a small data set never loads numba.
+NUMBA_FROM = 1 << 22
+
+
 def shuffle(array: numpy.ndarray, random_state: numpy.random.RandomState) -> None:
     """`random_state.shuffle(array)` (the same permutation, the same generator state after it) for a 1-D
-    contiguous array, by the numba kernel `index_kernels.shuffle_in_place` on the RandomState's own MT19937."""
-    from megatron_compat.data.index_kernels import shuffle_in_place
-
-    if array.ndim != 1 or not array.flags.c_contiguous or len(array) < 2:
+    array: numpy's own below `NUMBA_FROM` entries, else the numba kernel `index_kernels.shuffle_in_place` on
+    the RandomState's own MT19937 (2x faster for 4-byte ids)."""
+    if array.ndim != 1 or not array.flags.c_contiguous or len(array) < max(2, NUMBA_FROM):
         random_state.shuffle(array)
         return
+    from megatron_compat.data.index_kernels import shuffle_in_place
+
     bit_generator = random_state._bit_generator  # numpy's documented route for numba (ctypes interface)
     interface = bit_generator.ctypes
     with bit_generator.lock:
@@ -78,15 +87,45 @@ def build_sample_index(sizes: numpy.ndarray, document_index: numpy.ndarray, seq_
                        add_extra_token_to_sequence: bool = True) -> numpy.ndarray:
     """The (num_samples + 1, 2) sample index: per boundary, a position in `document_index` and an offset;
     int32 unless a position or a document length needs int64 (megatron-core's rule)."""
-    from megatron_compat.data.index_kernels import fill_sample_index
-
     extra = 1 if add_extra_token_to_sequence else 0
     num_samples = num_samples_in(num_epochs, tokens_per_epoch, seq_length, drop_last_partial_sequence, extra)
     max_value = max(len(document_index), int(sizes.max()) if len(sizes) else 0)
     dtype = numpy.int32 if max_value <= numpy.iinfo(numpy.int32).max else numpy.int64
     sample_index = numpy.empty((num_samples + 1, 2), dtype=dtype)
-    fill_sample_index(numpy.asarray(sizes), numpy.asarray(document_index), int(seq_length), extra, sample_index)
+    if max(len(document_index), num_samples) < NUMBA_FROM:
+        _fill_sample_index_numpy(numpy.asarray(sizes), numpy.asarray(document_index), int(seq_length), extra,
+                                 sample_index)
+    else:
+        from megatron_compat.data.index_kernels import fill_sample_index
+
+        fill_sample_index(numpy.asarray(sizes), numpy.asarray(document_index), int(seq_length), extra, sample_index)
     return sample_index
+
+
+def _fill_sample_index_numpy(sizes, document_index, seq_length: int, extra: int, out: numpy.ndarray) -> None:
+    """`index_kernels.fill_sample_index` in linear-time numpy (int64 temporaries of the document index's
+    length): sample k starts at token p = k * seq_length, in the first position i whose running end cum[i]
+    is >= p + extra, at offset p - cum[i - 1]; past the last document, at (last position, its length - extra).
+    The first position of each boundary is counted, not searched: #{i : cum[i] < p_k + extra} =
+    #{i : (cum[i] - extra) // seq_length < k}, a bincount's running sum."""
+    rows = out.shape[0]
+    cum = numpy.cumsum(sizes[document_index], dtype=numpy.int64)
+    below = cum - extra
+    below //= seq_length
+    below += 1
+    numpy.clip(below, 0, rows, out=below)
+    position = numpy.cumsum(numpy.bincount(below, minlength=rows + 1)[:rows])
+    del below
+    ends = numpy.concatenate((numpy.zeros(1, numpy.int64), cum))
+    offset = numpy.arange(rows, dtype=numpy.int64) * seq_length - ends[position]
+    del ends, cum
+    past = position >= len(document_index)
+    if past.any():  # a kept partial last sample runs out of documents
+        position[past] = len(document_index) - 1
+        offset[past] = int(sizes[document_index[-1]]) - extra
+    out[:, 0] = position
+    out[:, 1] = offset
+    out[0] = 0
 
 
 def build_shuffle_index(num_samples: int, total_size: int, random_state: Optional[numpy.random.RandomState]

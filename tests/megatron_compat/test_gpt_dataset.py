@@ -138,10 +138,15 @@ def test_mock_dataset_matches_megatron():
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_sample_index_matches_cpp_helper_on_awkward_lengths(seed):
-    """Zero-length documents, documents shorter than a sample, exact boundaries, kept partial samples; 9000
-    positions, so the walk crosses the kernel's 4096-position length buffer."""
+@pytest.mark.parametrize("numba_from", [0, None], ids=["numba", "numpy"])
+def test_sample_index_matches_cpp_helper_on_awkward_lengths(seed, numba_from, monkeypatch):
+    """Zero-length documents (leading ones too), documents shorter than a sample, exact boundaries, kept partial
+    samples; 9000 positions, so the walk crosses the kernel's 4096-position length buffer. Both builders: the
+    numba kernel (large data sets) and the numpy count (below index_building.NUMBA_FROM entries)."""
     from megatron.core.datasets import helpers
+
+    if numba_from is not None:
+        monkeypatch.setattr(index_building, "NUMBA_FROM", numba_from)
 
     rng = numpy.random.default_rng(seed)
     sizes = rng.integers(0, 9, 3000).astype(numpy.int32)
@@ -149,8 +154,9 @@ def test_sample_index_matches_cpp_helper_on_awkward_lengths(seed):
     document_index = rng.permutation(numpy.tile(numpy.arange(3000, dtype=numpy.int32), 3))
     # megatron-core asserts (its end row would be -1) when a kept partial sample ends on an empty document
     sizes[document_index[-1]] = max(1, sizes[document_index[-1]])
+    sizes[document_index[:seed]] = 0
     tokens = int(sizes.sum())
-    for seq_length in (2, 8, 13):
+    for seq_length in (1, 2, 8, 13):
         for drop_last in (True, False):
             for extra in (True, False):
                 expected = helpers.build_sample_idx(sizes, document_index, seq_length, 3, tokens, drop_last, extra)
@@ -231,9 +237,10 @@ def test_unshuffled_samples_read_the_documents_in_order(corpus, tmp_path, monkey
 
 
 @pytest.mark.parametrize("dtype", [numpy.int32, numpy.uint32, numpy.int64])
-def test_compiled_shuffle_is_numpys(dtype):
+def test_compiled_shuffle_is_numpys(dtype, monkeypatch):
     """Same permutation and same generator state afterwards as RandomState.shuffle, at sizes around the
-    32-bit mask boundaries, on views too."""
+    32-bit mask boundaries, on views too (the numba kernel forced at every size)."""
+    monkeypatch.setattr(index_building, "NUMBA_FROM", 0)
     for n in (0, 1, 2, 3, 17, 1000, 65537, 300000):
         expected, got = numpy.arange(n, dtype=dtype), numpy.arange(n, dtype=dtype)
         theirs, ours = numpy.random.RandomState(n), numpy.random.RandomState(n)
