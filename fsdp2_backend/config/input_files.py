@@ -40,7 +40,7 @@ def input_file_errors(config: Config) -> List[str]:
         entries = dataset_entries(getattr(d, name))
         if entries:
             errors += _data_errors(f"data.{name} ({flag})", entries, config)
-    return errors
+    return list(dict.fromkeys(errors))  # a read-only folder holding several prefixes: said once
 
 
 def _looks_like_path(value: str) -> bool:
