@@ -63,3 +63,47 @@ def assert_same_samples(reference, ours, indices=None) -> None:
                 assert torch.equal(value, got[key]), (i, key)
             else:
                 assert int(value) == int(got[key]), (i, key)
+
+
+def megatron_lm_args(*argv: str, **derived):
+    """The args namespace Megatron-LM saves in its checkpoints for the flags ``argv``: every dest with its default
+    (``../shared/megatron/megatron_lm_arguments.json``, Megatron-LM's own parser dump), the flags parsed by an
+    argparse built from it — so a test's saved args carry Megatron's dest names (``--norm-epsilon`` is
+    ``layernorm_epsilon``), not the reader's guesses. ``derived``: what Megatron-LM's validate_args / tokenizer
+    build then set (``padded_vocab_size``, ...)."""
+    import argparse
+    import ast
+    import json
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "megatron",
+                           "megatron_lm_arguments.json")) as f:
+        table = json.load(f)
+
+    def moe_freq(text):  # Megatron-LM's moe_freq_type: an int, or a list ("[1,0,1]")
+        return int(text) if text.strip().isdigit() else list(ast.literal_eval(text))
+
+    types = {"int": int, "float": float, "str": str, "moe_freq_type": moe_freq,
+             "bool": lambda text: text.lower() in ("1", "true", "yes")}
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for entry in table:
+        action = entry["action"]
+        if action == "_HelpAction":
+            continue
+        kwargs = {"dest": entry["dest"], "default": argparse.SUPPRESS}  # defaults set below, not type-converted
+        if action == "_StoreTrueAction":
+            kwargs["action"] = "store_true"
+        elif action == "_StoreFalseAction":
+            kwargs["action"] = "store_false"
+        elif action == "BooleanOptionalAction":
+            kwargs["action"] = argparse.BooleanOptionalAction
+            entry = {**entry, "flags": [f for f in entry["flags"] if not f.startswith("--no-")]}
+        else:
+            kwargs.update(type=types.get(entry["type"], str), nargs=entry["nargs"], choices=entry["choices"])
+        parser.add_argument(*entry["flags"], **kwargs)
+    args = parser.parse_args(list(argv))
+    for entry in table:
+        if entry["action"] != "_HelpAction" and not hasattr(args, entry["dest"]):
+            setattr(args, entry["dest"], entry["default"])
+    for name, value in derived.items():
+        setattr(args, name, value)
+    return args

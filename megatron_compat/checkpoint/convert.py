@@ -10,6 +10,7 @@ Layout facts (megatron-core 0.16.1 ``dist_checkpointing``, Megatron-LM ``megatro
   tensors are stacked under one key with a leading layer axis (``decoder.layers.mlp.linear_fc2.weight``:
   ``[num_layers, H, F]``), and the layer norms are saved under the Transformer Engine names
   (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``) whichever spec trained the model.
+- ``torch_dcp``: DCP files only, the legacy format's dict flattened (`dcp_format`).
 - legacy ``torch``: ``mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt``, a ``torch.save`` of a dict with ``args``,
   ``iteration`` and ``model`` (the module's ``state_dict``: one key per layer; under the local spec the norms are
   ``input_layernorm`` / ``pre_mlp_layernorm``).
@@ -17,7 +18,8 @@ Layout facts (megatron-core 0.16.1 ``dist_checkpointing``, Megatron-LM ``megatro
   ``heads/groups`` query heads, then one key head, then one value head (``head_dim`` rows each).
   ``linear_fc1`` of a gated MLP is ``[gate; up]``.
 
-The DCP files are read with torch's own ``FileSystemReader`` (``no_dist``: no process group needed); only the
+The DCP files are read with torch's own ``FileSystemReader`` (``no_dist``: no process group needed), every pickle
+(``common.pt``, ``.metadata``, legacy files) through `safe_pickle`'s allow-list; only the
 layout conversion is written here, since no library converts Megatron's layout without Megatron-LM itself.
 Scope: dense GPT models, and MoE GPT models (experts local or grouped, any expert-parallel split; routers, shared
 experts and dense layers as transformers' Qwen3-MoE / Qwen2-MoE / Mixtral have them: `megatron_checkpoint_moe`);
@@ -29,15 +31,15 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 
 from fsdp2_backend.training.checkpoint_io import LATEST_FILE  # the same marker name as Megatron-LM's
+from megatron_compat.checkpoint.dcp_format import is_plain_dcp, read_dcp_checkpoint
+from megatron_compat.checkpoint.safe_pickle import dcp_load, dcp_metadata, load_torch_file
 from megatron_compat.checkpoint.moe import is_moe, moe_config, moe_layer_to_hf, normalize_experts
 from fsdp2_backend.usage_errors import UsageError
 
@@ -64,9 +66,12 @@ def megatron_iteration_dir(path: os.PathLike | str) -> Optional[Path]:
 
 
 def checkpoint_format(it_dir: Path) -> Optional[str]:
-    """``torch_dist`` or ``torch`` (legacy) for a Megatron-LM iteration directory, else None."""
+    """``torch_dist``, ``torch`` (legacy) or ``torch_dcp`` (also Megatron-FSDP's ``fsdp_dtensor``: `dcp_format`)
+    for a Megatron-LM iteration directory, else None."""
     if not it_dir.is_dir():
         return None
+    if is_plain_dcp(it_dir):
+        return "torch_dcp"
     meta = it_dir / "metadata.json"
     if meta.is_file() and (it_dir / ".metadata").is_file():
         try:
@@ -86,52 +91,31 @@ def read_megatron_checkpoint(path: os.PathLike | str) -> tuple[dict[str, torch.T
     it_dir = megatron_iteration_dir(path)
     if it_dir is None:
         raise UsageError(f"{path}: no Megatron-LM checkpoint there (no {LATEST_FILE}, iter_* directory with "
-                         f"metadata.json / .metadata, or mp_rank_* directory)")
+                         f"DCP files (.metadata), or mp_rank_* directory)")
     if checkpoint_format(it_dir) == "torch_dist":
         return _read_torch_dist(it_dir)
+    if checkpoint_format(it_dir) == "torch_dcp":
+        saved = read_dcp_checkpoint(it_dir, with_optimizer=False)
+        return normalize_experts(saved["model"]), saved.get("args"), int(saved.get("iteration", 0) or 0)
     return _read_legacy(it_dir)
 
 
-class _LenientUnpickler(pickle.Unpickler):
-    """Megatron-LM pickles its args namespace with megatron's own classes in it (``AttnBackend`` enums, ...):
-    where megatron is not installed (it is not a run-time dependency), such a value loads as a stand-in
-    object instead of failing the whole checkpoint; no architecture field read here is of such a class."""
-
-    def find_class(self, module, name):
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError):
-            return type(name, (_Unavailable,), {"__module__": module})
-
-
-class _Unavailable:
-    def __init__(self, *args, **kwargs):
-        self.args = args
-
-    def __setstate__(self, state):
-        self.state = state
-
-
-_lenient_pickle = SimpleNamespace(Unpickler=_LenientUnpickler, load=pickle.load, __name__="pickle")
-
-
 def _load_pickled(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_lenient_pickle)
+    """A foreign torch.save file (common.pt, model_optim_rng.pt) through the allow-list (`safe_pickle`)."""
+    return load_torch_file(path)
 
 
 def _read_torch_dist(it_dir: Path):
-    from torch.distributed.checkpoint import FileSystemReader, load
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     common = _load_pickled(it_dir / "common.pt")
-    reader = FileSystemReader(str(it_dir))
     state = {}
-    for key, meta in reader.read_metadata().state_dict_metadata.items():
+    for key, meta in dcp_metadata(it_dir).state_dict_metadata.items():
         # Model tensors only: optimizer moments ("optimizer.*"), RNG and rerun state are not weights.
         if isinstance(meta, TensorStorageMetadata) and not key.startswith(("optimizer.", "rng_state",
                                                                             "rerun_state")):
             state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    load(state, storage_reader=reader, no_dist=True)
+    dcp_load(state, it_dir)
     return state, common.get("args"), int(common.get("iteration", 0) or 0)
 
 
@@ -220,6 +204,29 @@ def _arg(args: Any, name: str, default=None):
     return default if value is None else value
 
 
+# Saved args that change the model's function and that the HF layouts here cannot express: (argparse dest, flag,
+# what it does). A value other than the default declines the conversion, never silently dropped.
+_UNMAPPED_ARGS = (
+    ("layernorm_zero_centered_gamma", "--apply-layernorm-1p", "norm weights stored as w - 1"),
+    ("rotary_interleaved", "--rotary-interleaved", "interleaved rotary pairs"),
+    ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor", "rotary position scaling"),
+    ("qk_l2_norm", "--qk-l2-norm", "L2-normalised queries and keys"),
+    ("attention_output_gate", "--attention-output-gate", "a gated attention output"),
+    ("window_size", "--window-size", "sliding-window attention"),
+    ("glu_linear_offset", "--glu-linear-offset", "an offset in the gated MLP"),
+    ("activation_func_clamp_value", "--activation-func-clamp-value", "a clamped activation"),
+    ("apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm",
+     "residuals taken after the norm"),
+    ("softmax_type", "--softmax-type", "a non-standard attention softmax"),
+    ("no_rope_freq", "--no-rope-freq", "layers without rotary embeddings"),
+    ("experimental_attention_variant", "--experimental-attention-variant", "another attention kind"),
+    ("use_mup", "--use-mup", "muP scaling of embeddings and logits"),
+    ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path", "layers of different shapes"),
+    ("moe_expert_capacity_factor", "--moe-expert-capacity-factor", "token dropping in the experts"),
+    ("moe_latent_size", "--moe-latent-size", "experts in a latent space"),
+)
+
+
 def hf_config_from_args(args: Any, state: dict[str, torch.Tensor]):
     """An HF config for the model Megatron's saved ``args`` describe: Qwen3 with ``--qk-layernorm``, Qwen2 with
     ``--add-qkv-bias``, else Llama. Shapes the args do not carry are read from the tensors."""
@@ -233,6 +240,11 @@ def hf_config_from_args(args: Any, state: dict[str, torch.Tensor]):
         if _arg(args, flag):
             raise UsageError(f"the Megatron-LM checkpoint has {why} (--{flag.replace('_', '-')}) — importing "
                              f"them is not supported yet; only dense GPT checkpoints convert")
+    for dest, flag, why in _UNMAPPED_ARGS:  # saved under Megatron-LM's argparse dests (its arguments.py)
+        value = getattr(args, dest, None)
+        if value not in (None, False, 0, 0.0, "vanilla") and value != []:
+            raise UsageError(f"the Megatron-LM checkpoint was trained with {flag} {value!r} ({why}) — the Llama / "
+                             f"Qwen HF layouts have no counterpart; not converted")
     if not _arg(args, "swiglu", False):
         raise UsageError("the Megatron-LM checkpoint's MLP is not gated (no --swiglu) — only Llama/Qwen-style "
                          "(SwiGLU, RMSNorm, RoPE) GPT checkpoints convert to an HF model")
@@ -253,7 +265,7 @@ def hf_config_from_args(args: Any, state: dict[str, torch.Tensor]):
         vocab_size=int(state["embedding.word_embeddings.weight"].shape[0]),  # the padded vocabulary, as trained
         hidden_size=hidden, intermediate_size=int(_arg(args, "ffn_hidden_size", 4 * hidden)),
         num_hidden_layers=int(args.num_layers), num_attention_heads=heads, num_key_value_heads=groups,
-        head_dim=head_dim, rms_norm_eps=float(_arg(args, "norm_epsilon", 1e-5)),
+        head_dim=head_dim, rms_norm_eps=float(_arg(args, "layernorm_epsilon", 1e-5)),  # --norm-epsilon's dest
         rope_theta=float(_arg(args, "rotary_base", 10000)), hidden_act="silu",
         max_position_embeddings=int(_arg(args, "max_position_embeddings", _arg(args, "seq_length", 4096))),
         tie_word_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False))

@@ -37,7 +37,6 @@ model and process groups; no library maps it to per-parameter tensors.
 """
 from __future__ import annotations
 
-import io
 import math
 import re
 from pathlib import Path
@@ -46,6 +45,7 @@ from typing import Any
 import torch
 
 from fsdp2_backend.usage_errors import UsageError
+from megatron_compat.checkpoint.safe_pickle import dcp_metadata
 
 _BUCKET_RE = re.compile(r"^(.*?distributed\.dp_group_idx_\d+)\.gbuf_idx_(\d+)\.dtype_\((torch\.\w+), (torch\.\w+)\)"
                         r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
@@ -118,11 +118,9 @@ def read_dp_reshardable(it_dir: Path, weights: dict[str, torch.Tensor]) -> tuple
     """({param / exp_avg / exp_avg_sq: {model key: full tensor shaped like weights[key]}}, the optimizer's
     non-tensor state {"optimizer": param groups with the step, "grad_scaler": ...}) of a dp_reshardable
     checkpoint whose model tensors are ``weights``."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     from megatron_compat.checkpoint.resume import _torch_dist_tensors
 
-    keys = list(FileSystemReader(str(it_dir)).read_metadata().state_dict_metadata)
+    keys = list(dcp_metadata(it_dir).state_dict_metadata)
     found = [m.groups() for m in map(_BUCKET_RE.match, keys) if m]
     domains = sorted({g[0] for g in found})
     if not domains:
@@ -137,10 +135,7 @@ def read_dp_reshardable(it_dir: Path, weights: dict[str, torch.Tensor]) -> tuple
     prefix = domains[0]
     objects = _torch_dist_tensors(it_dir, lambda k: k.startswith(prefix + ".") and not _BUCKET_RE.match(k))
     extra = {}
-    for key, value in objects.items():
-        if isinstance(value, io.BytesIO):
-            value.seek(0)
-            value = torch.load(value, map_location="cpu", weights_only=False)
+    for key, value in objects.items():  # unpickled through the allow-list (safe_pickle)
         if isinstance(value, list) and len(value) == 1:  # a ShardedObject reads back as the list of its one shard
             value = value[0]
         extra[key[len(prefix) + 1:].split("/")[0]] = value

@@ -71,6 +71,17 @@ def moe_layer_pattern(args: Any, num_layers: int) -> list[bool]:
     return [moe and i >= first_dense for i, moe in enumerate(pattern)]
 
 
+def _aux_coeff(args: Any) -> float:
+    """--moe-aux-loss-coeff (nargs='+': Megatron-LM saves a list, one value per --moe-router-load-balancing-type)."""
+    value = _arg(args, "moe_aux_loss_coeff", 0.0) or 0.0
+    if isinstance(value, (list, tuple)):
+        if len(value) > 1:
+            raise UsageError(f"the Megatron-LM checkpoint combines several load-balancing losses (--moe-aux-loss-coeff "
+                             f"{list(value)}) — the HF MoE layouts have one auxiliary loss; not converted")
+        value = value[0] if value else 0.0
+    return float(value)
+
+
 def moe_config(args: Any, fields: dict, qkv_bias: bool):
     """The HF config of a megatron-core MoE GPT: ``fields`` are the dense ones `hf_config_from_args` derived."""
     from transformers import AutoConfig
@@ -79,8 +90,7 @@ def moe_config(args: Any, fields: dict, qkv_bias: bool):
                    ("moe_router_enable_expert_bias", "an expert bias (aux-loss-free balancing)", bool),
                    ("moe_router_num_groups", "group-limited routing", bool),
                    ("moe_router_topk_scaling_factor", "a top-k scaling factor", lambda v: v not in (None, 1, 1.0)),
-                   ("moe_apply_probs_on_input", "routing probabilities applied on the input", bool),
-                   ("moe_router_add_bias", "a router bias", bool))
+                   ("moe_apply_probs_on_input", "routing probabilities applied on the input", bool))
     for name, what, bad in unsupported:
         if bad(_arg(args, name)):
             raise UsageError(f"the Megatron-LM checkpoint's router uses {what} (--{name.replace('_', '-')}) — the "
@@ -91,8 +101,7 @@ def moe_config(args: Any, fields: dict, qkv_bias: bool):
     moe = dict(num_experts=int(args.num_experts), num_experts_per_tok=int(_arg(args, "moe_router_topk", 2)),
                moe_intermediate_size=int(_arg(args, "moe_ffn_hidden_size", fields["intermediate_size"])),
                norm_topk_prob=not _arg(args, "moe_router_pre_softmax", False), decoder_sparse_step=1,
-               mlp_only_layers=[i for i, m in enumerate(pattern) if not m], router_aux_loss_coef=float(
-                   _arg(args, "moe_aux_loss_coeff", 0.0) or 0.0))
+               mlp_only_layers=[i for i, m in enumerate(pattern) if not m], router_aux_loss_coef=_aux_coeff(args))
     shared = _arg(args, "moe_shared_expert_intermediate_size")
     qk_norm = _arg(args, "qk_layernorm", False)
     if shared:

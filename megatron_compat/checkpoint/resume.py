@@ -20,6 +20,7 @@ What maps onto what (megatron-core 0.16.1 ``dist_checkpointing`` / ``optimizer``
   ``torch``: ``model_optim_rng.pt['optimizer']`` is the torch optimizer's state dict; its parameter indices are
   matched to names by Megatron's param-group rule (groups by ``wd_mult``; 1-D and ``.bias`` parameters take no
   weight decay; parameters in model order), each shape checked; legacy ``distrib_optim.pt`` is declined.
+  ``torch_dcp`` holds the legacy dict in DCP files (`dcp_format`): read as one legacy rank.
   Everything is then set through torch's ``set_state_dict`` with full tensors, so any FSDP / TP layout loads it.
 - ``opt_param_scheduler`` loads into our ``ParamScheduler`` (same keys, counted in samples), with Megatron's
   ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler`` semantics
@@ -52,6 +53,8 @@ import numpy as np
 import torch
 
 from megatron_compat.checkpoint import convert as mc
+from megatron_compat.checkpoint.dcp_format import model_shapes, read_dcp_checkpoint, read_dcp_common
+from megatron_compat.checkpoint.safe_pickle import dcp_load, dcp_metadata, load_torch_file
 from fsdp2_backend.distributed.console import print_rank0
 from fsdp2_backend.usage_errors import UsageError
 
@@ -61,14 +64,12 @@ _UNMAPPED_SHARDING = ("dp_zero_gather_scatter", "fully_sharded_bucket_space", "f
 
 # ------------------------------------------------------------------------------------------------ reading
 def _torch_dist_tensors(it_dir: Path, keep) -> dict[str, Any]:
-    """The DCP entries of a torch_dist checkpoint whose key passes ``keep`` (tensors, and byte objects such as
-    the RNG's ShardedObject as BytesIO), read without a process group."""
-    from torch.distributed.checkpoint import FileSystemReader, load
+    """The DCP entries of a torch_dist checkpoint whose key passes ``keep`` (tensors, and pickled objects such as
+    the RNG's ShardedObject), read without a process group."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    reader = FileSystemReader(str(it_dir))
     state: dict[str, Any] = {}
-    for key, meta in reader.read_metadata().state_dict_metadata.items():
+    for key, meta in dcp_metadata(it_dir).state_dict_metadata.items():
         if not keep(key):
             continue
         if isinstance(meta, TensorStorageMetadata):
@@ -76,19 +77,20 @@ def _torch_dist_tensors(it_dir: Path, keep) -> dict[str, Any]:
         elif isinstance(meta, BytesStorageMetadata):
             state[key] = io.BytesIO()
     if state:
-        load(state, storage_reader=reader, no_dist=True)
+        dcp_load(state, it_dir)  # byte entries come back as the objects they pickle (through the allow-list)
     return state
 
 
 def _tensor_shapes(it_dir: Path) -> dict[str, torch.Tensor]:
     """The model tensors of a checkpoint as meta tensors (shapes only), for the HF config."""
     if mc.checkpoint_format(it_dir) == "torch_dist":
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        meta = FileSystemReader(str(it_dir)).read_metadata().state_dict_metadata
+        meta = dcp_metadata(it_dir).state_dict_metadata
         return {k: torch.empty(m.size, dtype=m.properties.dtype, device="meta") for k, m in meta.items()
                 if isinstance(m, TensorStorageMetadata) and not k.startswith(("optimizer.", "rng_state"))}
+    if mc.checkpoint_format(it_dir) == "torch_dcp":
+        return mc._merge_tensor_parallel([model_shapes(it_dir)])
     shards = [{k: v.to("meta") for k, v in saved["model"].items()
                if isinstance(v, torch.Tensor) and "_extra_state" not in k} for saved in _legacy_files(it_dir)]
     return mc._merge_tensor_parallel(shards)
@@ -107,8 +109,7 @@ def _legacy_files(it_dir: Path, mmap: bool = True) -> list[dict]:
         path = rank / "model_optim_rng.pt"
         if not path.is_file():
             raise UsageError(f"{rank}: no model_optim_rng.pt in this Megatron-LM checkpoint directory")
-        out.append(torch.load(path, map_location="cpu", weights_only=False, mmap=mmap,
-                              pickle_module=mc._lenient_pickle))
+        out.append(load_torch_file(path, mmap=mmap))
         if "model" not in out[-1]:
             raise UsageError(f"{path}: holds no 'model' (a virtual-pipeline checkpoint) — re-save it with "
                              f"Megatron-LM's --ckpt-format torch_dist")
@@ -119,6 +120,8 @@ def _common(it_dir: Path) -> dict:
     """The non-tensor part: common.pt (torch_dist) or rank 0's model_optim_rng.pt without its tensors."""
     if mc.checkpoint_format(it_dir) == "torch_dist":
         return mc._load_pickled(it_dir / "common.pt")
+    if mc.checkpoint_format(it_dir) == "torch_dcp":
+        return read_dcp_common(it_dir)
     return _legacy_files(it_dir)[0]
 
 
@@ -137,13 +140,20 @@ def megatron_model_args(model_args, it_dir: Path):
     """The run's ModelArguments for a Megatron-LM checkpoint: the model from the checkpoint's args; the remaining
     model fields (dropouts, ...) from the flags. Architecture flags that disagree with the checkpoint were reported
     by validation (one line each, Megatron's words: `config.validation`, the checkpoint's facts via model_facts)."""
-    fields, _ = megatron_architecture(str(it_dir))
+    from megatron_compat.checkpoint.tokenizer_assets import TOKENIZER_DIR, checkpoint_tokenizer
+
+    fields, args = megatron_architecture(str(it_dir))
     given = {k: v for k, v in (model_args.architecture or {}).items() if v is not None}
-    if not (model_args.tokenizer_type or model_args.tokenizer_name_or_path):
-        raise UsageError(f"--tokenizer-type / --tokenizer-model: {it_dir} is a Megatron-LM checkpoint, which "
-                         f"carries no tokenizer — give the run's tokenizer flags")
+    tokenizer = {}
+    if not (model_args.tokenizer_type or model_args.tokenizer_name_or_path):  # the one the checkpoint carries
+        tokenizer = checkpoint_tokenizer(Path(it_dir), args)
+        if tokenizer is None:
+            raise UsageError(f"--tokenizer-type / --tokenizer-model: the Megatron-LM checkpoint {it_dir} carries no "
+                             f"tokenizer this run can read (no {TOKENIZER_DIR}/ for its saved tokenizer type "
+                             f"{getattr(args, 'tokenizer_type', None)!r}) — give the run's tokenizer flags")
+        print_rank0(f"  tokenizer: {tokenizer['tokenizer_type']} from the Megatron-LM checkpoint {it_dir}")
     return dataclasses.replace(model_args, model_name_or_path=None, train_from_scratch=True,
-                               architecture={**given, **fields})
+                               architecture={**given, **fields}, **tokenizer)
 
 
 def _config_of(fields: dict):
@@ -278,8 +288,8 @@ def load_megatron_checkpoint(it_dir: Path, model, optimizer=None, scheduler=None
         weights = _torch_dist_tensors(it_dir, lambda k: not k.startswith(("optimizer.", "rng_state", "rerun_state"))
                                       and "_extra_state" not in k)
         files = None
-    else:
-        files = _legacy_files(it_dir, mmap=False)
+    else:  # legacy, or torch_dcp: the legacy format's dict in DCP files (one "rank")
+        files = [read_dcp_checkpoint(it_dir)] if fmt == "torch_dcp" else _legacy_files(it_dir, mmap=False)
         common = files[0]
         weights = mc._merge_tensor_parallel([{k: v for k, v in f["model"].items() if isinstance(v, torch.Tensor)
                                               and "_extra_state" not in k} for f in files])
@@ -350,9 +360,6 @@ def _restore_rng(it_dir: Path, common: dict, fmt: str, args: Any) -> None:
         found = _torch_dist_tensors(it_dir, lambda k: k.startswith("rng_state"))
         if found:  # one ShardedObject per (pp, tp) rank: the first tensor-parallel rank's (DCP unpickles it)
             entries = found[sorted(found)[0]]
-            if isinstance(entries, io.BytesIO):
-                entries.seek(0)
-                entries = torch.load(entries, map_location="cpu", weights_only=False)
     while isinstance(entries, (list, tuple)) and len(entries) == 1 and isinstance(entries[0], (list, tuple)):
         entries = entries[0]  # a ShardedObject read back as the list of its one shard
     if not entries:

@@ -60,7 +60,7 @@ def cached_arrays(path_to_cache: Optional[str], base: str, description: str, nam
         arrays = {}
         for name, path in path_of.items():
             logger.info("\tLoad the %s from %s", name.replace("_", " "), os.path.basename(path))
-            arrays[name] = numpy.load(path, mmap_mode="r")
+            arrays[name] = numpy.load(path, mmap_mode="r", allow_pickle=False)  # a foreign cache holds no objects
         return arrays
     if path_to_cache and not builds_caches_first(shared_storage):
         raise FileNotFoundError(

@@ -84,6 +84,10 @@ class HuggingFaceTokenizer(_Tokenizer):
             self.hf = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
                                                     use_fast=use_fast)
         except (OSError, ValueError) as exc:
+            if "custom code" in str(exc) and not trust_remote_code:  # an auto_map: code shipped with the files
+                raise UsageError(f"{flag}: {os.path.join(name_or_path, 'tokenizer_config.json')} (or its "
+                                 f"config.json) names custom tokenizer code (auto_map), which runs only with "
+                                 f"--trust-remote-code — give it only for a directory you trust") from None
             where = "not found" if not os.path.exists(name_or_path) else "cannot be loaded"
             raise UsageError(f"{flag}: tokenizer {name_or_path} {where} ({str(exc).splitlines()[0]}) — give "
                              "a local tokenizer directory (tokenizer.json / tokenizer_config.json)") from None

@@ -2,7 +2,9 @@
 
 megatron-core builds a tiny Qwen3-like GPT (GQA, q/k layer norms, SwiGLU, RMSNorm, RoPE) on CPU (1-rank gloo
 group; `torch.cuda.current_device` / `synchronize` made CPU-safe and the dropout RNG fork a no-op — dropout is 0)
-and saves it with `dist_checkpointing.save` (torch_dist) and as a legacy `mp_rank_00/model_optim_rng.pt`, with
+and saves it with `dist_checkpointing.save` (torch_dist), as a legacy `mp_rank_00/model_optim_rng.pt` and as
+Megatron-LM's `--ckpt-format torch_dcp` (its save_checkpoint's torch.distributed.checkpoint.save of the legacy
+dict: megatron-core has no writer for it), with
 a Megatron-style `args` namespace; `tools/convert_checkpoint.py` converts each, and transformers' model from the
 output gives megatron-core's logits on the same tokens.
 """
@@ -65,7 +67,7 @@ def _megatron_gpt(qk_layernorm: bool, tied: bool, seed: int, parallel_output: bo
                 param.uniform_(0.5, 1.5)
     args = argparse.Namespace(
         num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, group_query_attention=True,
-        num_query_groups=2, kv_channels=16, normalization="RMSNorm", norm_epsilon=1e-6, swiglu=True,
+        num_query_groups=2, kv_channels=16, normalization="RMSNorm", layernorm_epsilon=1e-6, swiglu=True,
         add_bias_linear=False, add_qkv_bias=False, qk_layernorm=qk_layernorm, position_embedding_type="rope",
         rotary_base=10000, rotary_percent=1.0, max_position_embeddings=64, seq_length=SEQ,
         untie_embeddings_and_output_weights=not tied, padded_vocab_size=VOCAB, num_experts=None)
@@ -86,6 +88,12 @@ def _save(model, args, root, fmt: str) -> None:
         it_dir.mkdir(parents=True)
         dist_checkpointing.save({"model": model.sharded_state_dict(), "args": args, "iteration": 5,
                                  "checkpoint_version": 3.0}, str(it_dir))
+    elif fmt == "torch_dcp":  # Megatron-LM's save_checkpoint for --ckpt-format torch_dcp: DCP of the legacy dict
+        from torch.distributed.checkpoint import FileSystemWriter, save
+
+        it_dir.mkdir(parents=True)
+        save({"args": args, "checkpoint_version": 3.0, "iteration": 5, "model": model.state_dict_for_save_checkpoint()},
+             storage_writer=FileSystemWriter(str(it_dir)))
     else:
         (it_dir / "mp_rank_00").mkdir(parents=True)
         torch.save({"model": model.state_dict(), "args": args, "iteration": 5, "checkpoint_version": 3.0},
@@ -101,17 +109,17 @@ def _hf_logits(out_dir, tokens):
         return model, model(tokens).logits
 
 
-def _class_that_disappears(tmp_path):
-    """A value of an Enum class from a module that is gone by load time (megatron not installed at run time)."""
-    (tmp_path / "gone_after_save.py").write_text("import enum\nclass AttnBackend(enum.Enum):\n    auto = 5\n")
-    sys.path.insert(0, str(tmp_path))
-    import gone_after_save
+def _megatron_enums(args):
+    """The megatron classes Megatron-LM's saved args hold (its AttnBackend and ModelType enums): read back as inert
+    stand-ins, megatron never imported at load time (megatron_compat/checkpoint/safe_pickle.py)."""
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.enums import AttnBackend
 
-    return gone_after_save.AttnBackend.auto
+    args.attention_backend, args.model_type = AttnBackend.auto, ModelType.encoder_or_decoder
 
 
 @pytest.mark.parametrize("fmt,qk_layernorm,tied", [("torch_dist", True, False), ("torch", True, False),
-                                                   ("torch_dist", False, True)])
+                                                   ("torch_dist", False, True), ("torch_dcp", True, True)])
 def test_megatron_checkpoint_converts_with_equal_logits(megatron, tmp_path, fmt, qk_layernorm, tied):
     from fsdp2_backend.checkpoint_dirs import resume_point
     from fsdp2_backend.cli.convert_checkpoint import main as convert
@@ -119,11 +127,8 @@ def test_megatron_checkpoint_converts_with_equal_logits(megatron, tmp_path, fmt,
     model, args = _megatron_gpt(qk_layernorm, tied, seed=3)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     expected = _megatron_logits(model, tokens)
-    args.attention_backend = _class_that_disappears(tmp_path)  # as Megatron-LM's AttnBackend enum in its args
+    _megatron_enums(args)
     _save(model, args, tmp_path / "mg", fmt)
-    del sys.modules["gone_after_save"]
-    sys.path.remove(str(tmp_path))
-    (tmp_path / "gone_after_save.py").unlink()
     convert([str(tmp_path / "mg"), str(tmp_path / "hf")])
     hf_model, got = _hf_logits(tmp_path / "hf", tokens)
     assert hf_model.config.model_type == ("qwen3" if qk_layernorm else "llama")
@@ -217,3 +222,16 @@ def test_a_tensor_parallel_checkpoint_converts_with_equal_logits(tmp_path):
         convert([str(tmp_path / fmt), str(tmp_path / f"hf_{fmt}")])
         _, got = _hf_logits(tmp_path / f"hf_{fmt}", reference["tokens"])
         torch.testing.assert_close(got, reference["logits"], rtol=0, atol=1e-5, msg=fmt)
+
+
+def test_a_megatron_fsdp_checkpoint_is_declined_with_the_reason(megatron, tmp_path):
+    """Megatron-FSDP's fsdp_dtensor saves are DCP files like torch_dcp ones, told apart by the saved args (as
+    Megatron-LM tells them): their re-laid tensors are not mapped — one line, not a wrong model."""
+    from fsdp2_backend.usage_errors import UsageError
+    from megatron_compat.checkpoint.convert import convert_megatron_checkpoint
+
+    model, args = _megatron_gpt(True, False, seed=4)
+    args.ckpt_format, args.use_megatron_fsdp = "fsdp_dtensor", True
+    _save(model, args, tmp_path / "mg", "torch_dcp")
+    with pytest.raises(UsageError, match="Megatron-FSDP checkpoint .--ckpt-format fsdp_dtensor."):
+        convert_megatron_checkpoint(tmp_path / "mg", tmp_path / "hf")

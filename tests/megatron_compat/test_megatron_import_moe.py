@@ -97,7 +97,7 @@ def _megatron_moe_gpt(kind: str, seed: int):
 
     args = argparse.Namespace(
         num_layers=3, hidden_size=H, ffn_hidden_size=F_DENSE, num_attention_heads=4, group_query_attention=True,
-        num_query_groups=2, kv_channels=16, normalization="RMSNorm", norm_epsilon=1e-6, swiglu=True,
+        num_query_groups=2, kv_channels=16, normalization="RMSNorm", layernorm_epsilon=1e-6, swiglu=True,
         add_bias_linear=False, add_qkv_bias=shared, qk_layernorm=qk, position_embedding_type="rope",
         rotary_base=10000, rotary_percent=1.0, max_position_embeddings=64, seq_length=SEQ,
         untie_embeddings_and_output_weights=True, padded_vocab_size=VOCAB, **options, num_experts=E)

@@ -6,7 +6,9 @@ own stack: `DistributedDataParallel`, `get_megatron_optimizer` (torch AdamW, as 
 TE/Apex; the distributed optimizer for torch_dist), `OptimizerParamScheduler`, gradient clipping, on batches of
 megatron-core's GPTDataset read in Megatron's sampler order. It saves the checkpoint in Megatron-LM's layout
 (`dist_checkpointing.save` of the model / optimizer sharded state dicts, the scheduler, args with the consumed
-samples and a ShardedObject RNG state; or the legacy `mp_rank_00/model_optim_rng.pt`) and then goes on for two
+samples and a ShardedObject RNG state; or the legacy `mp_rank_00/model_optim_rng.pt`; or `--ckpt-format torch_dcp`'s
+DCP save of the legacy dict, which Megatron-LM writes with torch.distributed.checkpoint and megatron-core has no
+writer for: built here as Megatron-LM's save_checkpoint builds it) and then goes on for two
 more iterations: the reference. Our engine, given only `--load` and the run's training flags, must print
 megatron-core's loss for iteration K+1 (the loaded weights), its loss for K+2 (the Adam step from the loaded
 moments, step count, learning rate, weight decay and clipping), the iteration, consumed samples and learning
@@ -135,6 +137,12 @@ def _save_like_megatron_lm(root, fmt, model, optimizer, scheduler, args, dist_ch
                                  "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata),
                                  "rng_state": ShardedObject("rng_state", [rng], (1, 1), (0, 0), replica_id=0)},
                                 str(it_dir))
+    elif fmt == "torch_dcp":  # CheckpointType.GLOBAL: torch.distributed.checkpoint.save of the legacy dict
+        from torch.distributed.checkpoint import FileSystemWriter, save
+
+        it_dir.mkdir(parents=True)
+        save({**common, "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(),
+              "rng_state": [rng]}, storage_writer=FileSystemWriter(str(it_dir)))
     else:
         (it_dir / "mp_rank_00").mkdir(parents=True)
         torch.save({**common, "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(),
@@ -176,7 +184,8 @@ def _reference(megatron, tmp_path_factory, fmt, distributed_optimizer):
     return _RUNS[key]
 
 
-@pytest.mark.parametrize("fmt,distributed_optimizer,ranks", [("torch_dist", True, 2), ("torch", False, 1)])
+@pytest.mark.parametrize("fmt,distributed_optimizer,ranks", [("torch_dist", True, 2), ("torch", False, 1),
+                                                              ("torch_dcp", False, 1)])
 def test_resumes_a_megatron_core_run_as_megatron_core_continues_it(megatron, tmp_path_factory, fmt,
                                                                    distributed_optimizer, ranks):
     from transformers import AutoConfig

@@ -1,0 +1,131 @@
+"""Megatron-LM's ``--ckpt-format torch_dcp`` checkpoints read back into the dict Megatron-LM saved (and
+Megatron-FSDP's ``fsdp_dtensor`` saves recognised, to be declined with the reason).
+
+Layout facts (Megatron-LM ``megatron/training/checkpointing.py``: ``generate_state_dict``, ``save_checkpoint``'s
+``CheckpointType.GLOBAL`` branch, ``_get_checkpoint_format``):
+
+- ``iter_*/`` holds only PyTorch DCP files (``.metadata``, ``__*_*.distcp``): no ``metadata.json`` and no
+  ``common.pt`` (those make a ``torch_dist`` save), no ``mp_rank_*`` (the legacy ``torch`` format).
+- It is ``torch.distributed.checkpoint.save`` of the whole dict ``generate_state_dict`` builds for the legacy
+  format: ``args``, ``checkpoint_version``, ``iteration``, ``model`` (``state_dict_for_save_checkpoint()``: one
+  key per layer, as the legacy format; under torch FSDP2 DTensors, stored as global tensors), ``optimizer``
+  (the optimizer's ``state_dict()``: torch's, indexed by parameter), ``opt_param_scheduler``, ``rng_state`` (a
+  list of per-rank dicts), ``rerun_state_machine``. DCP's default planner flattens it: every tensor and every
+  other leaf is one entry (``model.decoder.layers.0.mlp.linear_fc1.weight``, ``optimizer.optimizer.state.0.exp_avg``,
+  ``rng_state.0.np_rng_state``, ...), the leaves pickled; ``.metadata``'s ``planner_data`` maps each entry to its
+  path in the dict (strings for dict keys — an int key such as a parameter index comes back as its string —
+  ints for list positions).
+- ``fsdp_dtensor`` (Megatron-FSDP, ``--use-megatron-fsdp``) writes the same kind of files after
+  ``preprocess_fsdp_dtensor_state_dict`` (SwiGLU halves, experts and uneven DTensors re-laid, the optimizer as
+  Megatron-FSDP's sharded state): told apart by the saved args (``ckpt_format`` / ``use_megatron_fsdp``), as
+  Megatron-LM itself does.
+
+Every pickled leaf and ``.metadata`` are read through `safe_pickle`'s allow-list.
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdp2_backend.usage_errors import UsageError
+from megatron_compat.checkpoint.safe_pickle import dcp_load, dcp_metadata
+
+
+def is_plain_dcp(it_dir: Path) -> bool:
+    """A DCP directory without torch_dist's metadata.json (nor this project's own checkpoint_meta.json, which
+    makes one of its own checkpoints): Megatron-LM's torch_dcp (or fsdp_dtensor) format."""
+    return (it_dir / ".metadata").is_file() and not any((it_dir / n).is_file() for n in ("metadata.json",
+                                                                                         "checkpoint_meta.json"))
+
+
+def _rebuild(flat: dict, paths: dict) -> dict:
+    """The nested dict DCP flattened: dict keys from strings, list positions from ints."""
+    root: dict = {}
+    for key, value in flat.items():
+        path = paths.get(key, (key,))
+        node = root
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return _lists(root)
+
+
+def _lists(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    node = {k: _lists(v) for k, v in node.items()}
+    if node and all(isinstance(k, int) for k in node):  # list positions
+        return [node[i] for i in sorted(node)]
+    return node
+
+
+def _int_keys(state: dict) -> dict:
+    """torch optimizer state keyed by parameter index again (DCP stored the indices as strings)."""
+    return {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in state.items()}
+
+
+def read_dcp_entries(it_dir: Path, keep=lambda key: True) -> dict:
+    """The saved dict (nested, as Megatron-LM built it) restricted to the DCP entries whose key passes ``keep``."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    metadata = dcp_metadata(it_dir)
+    flat: dict[str, Any] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if not keep(key):
+            continue
+        if isinstance(meta, TensorStorageMetadata):
+            flat[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        elif isinstance(meta, BytesStorageMetadata):
+            flat[key] = io.BytesIO()
+    if flat:
+        dcp_load(flat, it_dir)
+    saved = _rebuild(flat, metadata.planner_data if isinstance(metadata.planner_data, dict) else {})
+    optimizer = saved.get("optimizer")
+    if isinstance(optimizer, dict):
+        inner = optimizer.get("optimizer", optimizer)
+        if isinstance(inner, dict) and isinstance(inner.get("state"), dict):
+            inner["state"] = _int_keys(inner["state"])
+    return saved
+
+
+def model_shapes(it_dir: Path) -> dict[str, torch.Tensor]:
+    """The model tensors as meta tensors (shapes only), in Megatron's names, in the order they were saved."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp_metadata(it_dir)
+    return {key[len("model."):]: torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
+            for key, meta in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata) and "_extra_state" not in key}
+
+
+def read_dcp_common(it_dir: Path) -> dict:
+    """Everything but the model and optimizer tensors (args, iteration, scheduler, RNG), fsdp_dtensor declined."""
+    saved = read_dcp_entries(it_dir, lambda key: not key.startswith(("model.", "optimizer.")))
+    _decline_fsdp_dtensor(it_dir, saved.get("args"))
+    return saved
+
+
+def read_dcp_checkpoint(it_dir: Path, with_optimizer: bool = True) -> dict:
+    """The dict a torch_dcp save holds (``model``: {name: tensor}, per layer), fsdp_dtensor declined."""
+    saved = read_dcp_entries(it_dir, lambda key: with_optimizer or not key.startswith("optimizer."))
+    _decline_fsdp_dtensor(it_dir, saved.get("args"))
+    model = saved.get("model")
+    if not isinstance(model, dict) or not model:
+        raise UsageError(f"{it_dir}: a DCP checkpoint without Megatron-LM's 'model' entries (model0, model1, ...: a "
+                         f"virtual-pipeline save is not read) — re-save it with --ckpt-format torch_dist")
+    saved["model"] = {k: v for k, v in model.items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+    return saved
+
+
+def _decline_fsdp_dtensor(it_dir: Path, args: Any) -> None:
+    if getattr(args, "ckpt_format", None) == "fsdp_dtensor" or getattr(args, "use_megatron_fsdp", False):
+        raise UsageError(f"{it_dir}: a Megatron-FSDP checkpoint (--ckpt-format fsdp_dtensor) — its re-laid SwiGLU / "
+                         f"expert tensors and Megatron-FSDP optimizer state are not mapped; re-save it with "
+                         f"Megatron-LM's --ckpt-format torch_dist (or convert it with Megatron-LM's "
+                         f"tools/checkpoint) and load that")
+
+
+__all__ = ["is_plain_dcp", "read_dcp_entries", "model_shapes", "read_dcp_common", "read_dcp_checkpoint"]
