@@ -28,9 +28,10 @@ def _optimizer_instances(ctx, value):
         return
     dp, cp = _data_parallel(ctx), ctx.get("context_parallel_size") or 1
     if dp % value:
+        tp = ctx.get("tensor_model_parallel_size") or 1
         ctx.decline("num_distributed_optimizer_instances",
-                    f"{value} instances do not divide the data-parallel size {dp} (world {ctx.world_size} / tp / cp)"
-                    f" — use a divisor of {dp}")
+                    f"{value} instances do not divide the data-parallel size {dp} (world size {ctx.world_size} / "
+                    f"tp {tp} / cp {cp}), as Megatron requires — use a divisor of {dp}")
         return
     if dp == value:  # one rank per instance: plain replication, which fsdp_size cannot write (1 means all)
         ctx.warn(f"--num-distributed-optimizer-instances {value}: one rank per instance is plain replication; here "

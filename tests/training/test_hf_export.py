@@ -148,6 +148,15 @@ def test_moe_export_and_converter_write_per_expert_hf_layout(tmp_path):
     with torch.no_grad():
         assert torch.allclose(loaded(input_ids=batch).logits, model(input_ids=batch).logits, atol=1e-6, rtol=0)
 
+    # one shard at a time under a size limit (what a converting process holds): the same tensors, split into
+    # files of whole layers (2 layers + the rest), with transformers' index
+    convert_checkpoint(tmp_path / "ckpt", tmp_path / "shards", shard_bytes=64 * 1024)
+    index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    sharded = _tensors(tmp_path / "shards")
+    assert sharded.keys() == ours.keys() and all(torch.equal(sharded[k], ours[k]) for k in ours)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in ours.values())
+
     convert_checkpoint(tmp_path / "ckpt", tmp_path / "bf16", dtype=torch.bfloat16)
     halved = _tensors(tmp_path / "bf16")
     assert all(halved[k].dtype == torch.bfloat16 and torch.equal(halved[k], ours[k].bfloat16()) for k in ours)
