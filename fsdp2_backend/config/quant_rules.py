@@ -10,11 +10,13 @@ import importlib.util
 from typing import List
 
 from fsdp2_backend.config.schema import Config
-from fsdp2_backend.config.quant_names import CONVERTERS, EXPERTS_CONVERTER
+from fsdp2_backend.config.quant_names import (CONVERTERS, EXPERTS_CONVERTER, FLOAT8_LINEAR_CONVERTER,
+                                             FLOAT8_RECIPES, MX_CONVERTERS)
 
 # Model fields that only a quantisation recipe reads.
 QUANT_ONLY_MODEL_FIELDS = ("quant_apply_modules", "quant_ignored_modules", "quant_converters",
-                           "enable_fsdp_low_precision_all_gather", "fsdp_low_precision_all_gather_mode")
+                           "enable_fsdp_low_precision_all_gather", "fsdp_low_precision_all_gather_mode",
+                           "quant_fp8_format")
 
 
 def check_quantization(config: Config, errors: List[str]) -> None:
@@ -34,6 +36,20 @@ def check_quantization(config: Config, errors: List[str]) -> None:
     if not m.quant_apply_modules:
         errors.append("model.quant_apply_modules: empty, so nothing would be quantised — give module patterns "
                       "such as 'model.layers.{*}'")
+    float8 = m.quant_recipe_name in FLOAT8_RECIPES
+    wrong = [name for name in m.quant_converters if name in CONVERTERS and (name in MX_CONVERTERS) == float8]
+    if wrong:
+        errors.append(f"model.quant_converters: {', '.join(wrong)} do not go with quant_recipe_name "
+                      f"{m.quant_recipe_name} — use {FLOAT8_LINEAR_CONVERTER if float8 else ', '.join(MX_CONVERTERS)}")
+    if float8:
+        if p.tp_size > 1 or p.cp_size > 1:  # one scale over a tensor (row, block) split across ranks
+            errors.append(f"model.quant_recipe_name: {m.quant_recipe_name} FP8 scales over a tensor that "
+                          f"{'tensor' if p.tp_size > 1 else 'context'} parallel splits across ranks are not "
+                          f"supported yet — use tp_size 1 and cp_size 1, or drop quantisation")
+        return
+    if m.quant_fp8_format != "e4m3":
+        errors.append("model.quant_fp8_format: hybrid (E5M2 gradients) is not part of the mxfp8 recipe — use e4m3, "
+                      "or quant_recipe_name tensorwise / rowwise / blockwise")
     if importlib.util.find_spec("torchao") is None:
         errors.append("model.quant_recipe_name: mxfp8 needs torchao — pip install torchao (megatron-fsdp2[quant])")
     if p.tp_size > 1:
@@ -49,6 +65,12 @@ def quant_notices(config: Config) -> List[str]:
     if m.quant_recipe_name is None:
         return []
     notices = []
+    if m.quant_recipe_name in FLOAT8_RECIPES:
+        if m.enable_fsdp_low_precision_all_gather:
+            notices.append(f"model.enable_fsdp_low_precision_all_gather: the {m.quant_recipe_name} FP8 weights are "
+                           "gathered in param_dtype and quantised after the gather (the values an FP8 all-gather "
+                           "with the all-reduced scale gives; no communication saved)")
+        return notices
     if not m.enable_fsdp_low_precision_all_gather and m.fsdp_low_precision_all_gather_mode != "on-demand":
         notices.append("model.fsdp_low_precision_all_gather_mode: no effect without "
                        "enable_fsdp_low_precision_all_gather (weights are gathered in param_dtype)")

@@ -50,11 +50,16 @@ class ModelArguments:
     hf_hub_token: Optional[str] = help_field(None, "Hugging Face Hub token.")
     ms_hub_token: Optional[str] = help_field(None, "ModelScope Hub token.")
     om_hub_token: Optional[str] = help_field(None, "Modelers Hub token.")
-    quant_recipe_name: Optional[Literal["mxfp8"]] = help_field(None, "Quantisation recipe.")
+    quant_recipe_name: Optional[Literal["mxfp8", "tensorwise", "rowwise", "blockwise"]] = help_field(
+        None, "Quantisation recipe: mxfp8 (MX blocks of 32), or FP8 with one scale per tensor (tensorwise), per row "
+              "(rowwise) or per 1x128 / 128x128 block (blockwise) (Megatron --fp8-recipe).")
     quant_apply_modules: List[str] = help_field(["model.layers.{*}"], "Modules quantisation applies to.")
     quant_ignored_modules: List[str] = help_field(["*lm_head", "*gate"], "Modules quantisation skips.")
     quant_converters: List[str] = help_field(["quantize.linear.mx"], "Quantisation converters.")
     enable_fsdp_low_precision_all_gather: bool = help_field(True, "Low-precision FSDP all-gather (with quantisation).")
+    quant_fp8_format: Literal["e4m3", "hybrid"] = help_field(
+        "e4m3", "FP8 element format of the tensorwise / rowwise / blockwise recipes: e4m3 everywhere, or hybrid (E5M2 "
+                "gradients) (Megatron --fp8-format).")
     fsdp_low_precision_all_gather_mode: Literal["on-demand", "all"] = help_field(
         "on-demand", "Low-precision all-gather mode: on demand for forward/backward weights, or all.")
     # Megatron extensions

@@ -1,4 +1,4 @@
-"""The `quantize` plan stage (first in the fixed order): MXFP8 training for the modules the config names.
+"""The `quantize` plan stage (first in the fixed order): MXFP8 or FP8 training for the modules the config names.
 
 Selection (MindSpeed-LLM's fields): a module is converted when its name or an ancestor's matches
 `model.quant_apply_modules` and neither its name nor an ancestor's matches `model.quant_ignored_modules`
@@ -9,7 +9,10 @@ Selection (MindSpeed-LLM's fields): a module is converted when its name or an an
   forward and both backward GEMMs run in MXFP8 (`kernels.mx_linear`); both dims must be multiples of 32
   (MX blocks), others stay high precision and are listed once;
 - `quantize.moe.mx`: stacked MoE experts (`GroupedExperts`) run the MXFP8 grouped GEMM
-  (`kernels.mx_linear.mx_grouped_linear`) through their `gemm` hook; their weights gather in high precision.
+  (`kernels.mx_linear.mx_grouped_linear`) through their `gemm` hook; their weights gather in high precision;
+- `quantize.linear.float8` (recipes tensorwise / rowwise / blockwise, `kernels.float8`): an `nn.Linear`'s
+  forward becomes `float8_linear` on the instance (its weight stays a plain parameter, gathered by FSDP in
+  param_dtype and quantised in the call); blockwise needs whole 128×128 weight blocks, others stay high precision.
 
 Master weights, optimizer state, checkpoints and the HF export stay unquantised: the state dict of a
 converted module holds the plain weight (`unwrap`), which shares storage with the wrapper, so loading into it
@@ -20,15 +23,17 @@ quantisations at once.
 """
 from __future__ import annotations
 
+import functools
 from typing import List
 
 from torch import nn
 
 from fsdp2_backend.config import Config
-from fsdp2_backend.config.quant_names import EXPERTS_CONVERTER, LINEAR_CONVERTER
+from fsdp2_backend.config.quant_names import EXPERTS_CONVERTER, FLOAT8_LINEAR_CONVERTER, LINEAR_CONVERTER
 from fsdp2_backend.parallel.mx.weight import MXSettings, MXTrainingWeight, unwrap
 from fsdp2_backend.parallel.plans import lenient_matches, matches
 from fsdp2_backend.kernels.mx import BLOCK
+from fsdp2_backend.kernels.float8 import BLOCK as FLOAT8_BLOCK, blockwise_supported, float8_linear
 
 
 def _selected(name: str, apply: List[str], ignored: List[str]) -> bool:
@@ -55,7 +60,13 @@ def apply_quantization(model: nn.Module, config: Config) -> List[str]:
     for name, module in model.named_modules():
         if not name or not _selected(name, m.quant_apply_modules, m.quant_ignored_modules):
             continue
-        if LINEAR_CONVERTER in m.quant_converters and isinstance(module, nn.Linear):
+        if FLOAT8_LINEAR_CONVERTER in m.quant_converters and isinstance(module, nn.Linear):
+            if m.quant_recipe_name == "blockwise" and not blockwise_supported(module.weight.shape):
+                skipped.append(name)
+                continue
+            module.forward = functools.partial(_float8_forward, module, m.quant_recipe_name, m.quant_fp8_format)
+            converted.append(name)
+        elif LINEAR_CONVERTER in m.quant_converters and isinstance(module, nn.Linear):
             if module.in_features % BLOCK or module.out_features % BLOCK:
                 skipped.append(name)
                 continue
@@ -76,11 +87,17 @@ def apply_quantization(model: nn.Module, config: Config) -> List[str]:
         print_rank0(f"notice: model.quant_converters: {EXPERTS_CONVERTER} found no stacked experts (GroupedExperts) in "
                     f"{type(model).__name__}; its experts stay high precision — set model.model_id (e.g. qwen3_moe)")
     if skipped:
+        block = f"{FLOAT8_BLOCK} (128x128 blocks)" if m.quant_recipe_name == "blockwise" else f"{BLOCK} (MX blocks)"
         print_rank0(f"notice: model.quant_recipe_name: {len(skipped)} module(s) stay high precision, a dim not a "
-                    f"multiple of {BLOCK} (MX blocks): {', '.join(skipped)}")
-    print_rank0(f"quantisation: {m.quant_recipe_name} in {len(converted)} module(s) (emulated unless the device has "
-                f"MX GEMMs)")
+                    f"multiple of {block}: {', '.join(skipped)}")
+    how = "emulated unless the device has MX GEMMs" if m.quant_recipe_name == "mxfp8" else "emulated FP8 GEMMs"
+    print_rank0(f"quantisation: {m.quant_recipe_name} in {len(converted)} module(s) ({how})")
     return converted
+
+
+def _float8_forward(module: nn.Linear, recipe: str, grad_format: str, x):
+    """`module`'s forward with its GEMMs in FP8 (the weight as FSDP hands it in, i.e. gathered)."""
+    return float8_linear(x, module.weight, module.bias, recipe=recipe, grad_format=grad_format)
 
 
 def mx_weights(model: nn.Module):

@@ -195,9 +195,7 @@ _DECLINED: Dict[str, str] = {
     "this FP8/FP4 training option (Transformer Engine) is not available and would change the numerics — drop it "
     "(--fp8-format e4m3 --fp8-recipe mxfp8 is model.quant_recipe_name mxfp8), or drop the fp8/fp4 flags to train "
     "in bf16":
-        """fp8_quantizer_factory fp8_margin fp8_interval fp8_amax_history_len
-        fp8_amax_compute_algo no_fp8_wgrad fp8_output_proj first_last_layers_bf16
-        num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp4_format fp4_recipe fp4_quantizer_factory
+        """fp8_quantizer_factory no_fp8_wgrad fp8_output_proj fp4_format fp4_recipe fp4_quantizer_factory
         te_precision_config_file moe_router_padding_for_quantization moe_router_padding_for_fp8
         exp_avg_dtype exp_avg_sq_dtype moe_dispatch_fwd_dtype moe_combine_bwd_dtype""",
     "this multi-token prediction (MTP) variant is not implemented (--mtp-num-layers and "

@@ -127,38 +127,6 @@ for _dest in ("grad_reduce_in_bf16", "o2_gradient"):  # Megatron's flag and Mind
             ctx.set("parallel.reduce_dtype", "bf16")
 
 
-@handles("fp8", "model.quant_recipe_name mxfp8 (with --fp8-recipe mxfp8)")
-def _fp8_format(ctx, value):
-    """--fp8-format (dest fp8). Only MXFP8 with E4M3 everywhere has an equivalent here (torchao's recipe: E4M3
-    activations, weights and gradients, E8M0 scales per 32); Transformer Engine's other scalings and hybrid's
-    E5M2 gradients do not."""
-    if value is None:
-        return
-    recipe = ctx.get("fp8_recipe")
-    if recipe != "mxfp8":
-        ctx.decline("fp8", f"--fp8-recipe {recipe}: Transformer Engine's {recipe} FP8 scaling is not available "
-                           "(it would change the numerics) — use --fp8-recipe mxfp8, or drop the fp8 flags to train "
-                           "in bf16")
-    elif value != "e4m3":
-        ctx.decline("fp8", f"--fp8-format {value}: E5M2 gradients are not available; MXFP8 here is E4M3 for "
-                           "activations, weights and gradients — use --fp8-format e4m3")
-    else:
-        ctx.set("model.quant_recipe_name", "mxfp8")
-        ctx.set("model.enable_fsdp_low_precision_all_gather", bool(ctx.get("fp8_param_gather")))
-
-
-@handles("fp8_recipe", "model.quant_recipe_name (with --fp8-format)")
-def _fp8_recipe(ctx, value):
-    if ctx.get("fp8") is None and "fp8_recipe" in ctx.active:
-        ctx.record("fp8_recipe", "no_effect", "Megatron reads it only with --fp8-format")
-
-
-@handles("fp8_param_gather", "model.enable_fsdp_low_precision_all_gather (with --fp8-format)")
-def _fp8_param_gather(ctx, value):
-    if value and ctx.get("fp8") is None:
-        ctx.record("fp8_param_gather", "no_effect", "without --fp8-format parameters are gathered in bf16")
-
-
 @handles("distributed_backend", "parallel.distributed_backend (nccl/hccl: by device)")
 def _backend(ctx, value):
     # Megatron's 'nccl' means "the accelerator's backend" (MindSpeed patches it to hccl); gloo is explicit.
@@ -339,4 +307,5 @@ from megatron_compat.translate import tokenizer_data  # noqa: E402,F401
 from megatron_compat.translate import mup  # noqa: E402,F401
 from megatron_compat.translate import batch_optim  # noqa: E402,F401
 from megatron_compat.translate import memory_layout  # noqa: E402,F401
+from megatron_compat.translate import fp8  # noqa: E402,F401
 

@@ -59,10 +59,10 @@ def _loss(model, batch, scale):
 
 
 def _reference():
-    from fsdp2_backend.models.registry import model_spec
+    from fsdp2_backend.parallel.apply import _model_switches
 
     model, config = _model(_config(1))
-    model_spec("qwen3_next").configure(model, config, "cpu")
+    _model_switches(model, config, "cpu")  # the model id's switches, as the engine applies them
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses = []
     for step in range(STEPS):
