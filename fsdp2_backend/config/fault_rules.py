@@ -126,7 +126,8 @@ def _check_model_shape(config: Config, facts: ModelFacts, errors: List[str]) -> 
                           f"\"model_type\" (e.g. \"qwen3\")")
         attention_free = values.get("model_type") in ("mamba", "mamba2", "mamba3")  # SSMs: no attention heads
         missing = [key for key in REQUIRED_CONFIG_KEYS if key not in values
-                   and not (attention_free and key == "num_attention_heads")]
+                   and not (attention_free and key == "num_attention_heads")
+                   and not (key == "num_hidden_layers" and "num_layers" in values)]  # LongCat-Flash: 2 per layer
         if missing:
             errors.append(f"{path}: no {', '.join(missing)} — transformers would fill in the defaults of "
                           f"{values.get('model_type') or 'its model type'} (another model's sizes); add "

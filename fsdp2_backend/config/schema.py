@@ -15,7 +15,7 @@ from fsdp2_backend.config.fields import help_field
 from fsdp2_backend.config.schema_training import TrainingArguments
 
 MODEL_IDS = ("gpt_oss", "qwen3", "qwen3_moe", "qwen3_next", "step35", "mamba3", "minimax_m27", "deepseek_v3",
-             "mixtral", "qwen2_moe")
+             "mixtral", "qwen2_moe", "deepseek_v4", "glm52", "longcat_flash_ngram")
 DTYPES = ("bf16", "fp16", "fp32")
 
 
@@ -26,7 +26,8 @@ class ModelArguments:
     model_name_or_path: Optional[str] = help_field(None, "Local path of the model (HF directory). Required, unless "
                                                "`architecture` describes a model to build from scratch.")
     model_id: Optional[Literal["gpt_oss", "qwen3", "qwen3_moe", "qwen3_next", "step35", "mamba3",
-                               "minimax_m27", "deepseek_v3", "mixtral", "qwen2_moe"]] = help_field(
+                               "minimax_m27", "deepseek_v3", "mixtral", "qwen2_moe", "deepseek_v4", "glm52",
+                               "longcat_flash_ngram"]] = help_field(
         None, "Model id of this project's own model implementation; unset runs the native transformers forward.")
     init_model_with_meta_device: bool = help_field(False, "Build the model on the meta device, shard, then load or "
                                                "initialise it (saves memory at start-up).")
@@ -196,7 +197,9 @@ class ParallelArguments:
     ep_size: int = help_field(1, "Expert parallel size (MoE).")
     ep_fsdp_size: int = help_field(1, "FSDP size inside the expert-parallel group.")
     cp_size: int = help_field(1, "Context parallel size.")
-    cp_type: Literal["ulysses", "ring"] = help_field("ulysses", "Context parallel algorithm.")
+    cp_type: Literal["ulysses", "ring", "kvallgather"] = help_field(
+        "ulysses", "Context parallel algorithm. kvallgather (MindSpeed: each rank keeps its queries and sees every "
+                   "key/value) is the same exact attention as ring and runs as ring.")
     fsdp_modules: List[str] = help_field(["model.layers.{}", "model.embed_tokens", "lm_head"],
                                      "Modules wrapped by FSDP (globs); must not be empty.")
     ignored_modules: Optional[List[str]] = help_field(None, "Modules FSDP leaves alone.")
@@ -222,6 +225,21 @@ class ParallelArguments:
                                                 "(pinned) host memory until backward (Megatron "
                                                 "--cpu-offloading-num-layers); 0: none, -1: every layer. Not with "
                                                 "recompute.")
+    # MindSpeed-LLM c77308a1 fields (config/mindspeed_head_rules.py says what each does here)
+    hook_modules: List[str] = help_field(["model.layers.{*}"], "(MindSpeed) Modules its custom FSDP implementation "
+                                         "hooks; no effect here (torch's FSDP2 is the implementation).")
+    fsdp_implementation: Literal["native", "custom"] = help_field(
+        "native", "(MindSpeed) native: torch's FSDP2; custom (MindSpeed's own Ascend FSDP) runs as native here, with "
+                  "the same results.")
+    enable_chunk_batch: bool = help_field(False, "(MindSpeed ChunkMBS) Run each chunk_mbs_modules module on slices of "
+                                          "chunk_mbs samples under one FSDP unshard (less activation memory).")
+    chunk_mbs: int = help_field(1, "(MindSpeed ChunkMBS) Samples per slice.")
+    chunk_mbs_batch_dim: int = help_field(0, "(MindSpeed ChunkMBS) The batch dimension of the sliced inputs.")
+    chunk_mbs_modules: List[str] = help_field(["model.layers.{*}"], "(MindSpeed ChunkMBS) Modules run slice by slice.")
+    chunk_mbs_arg_indexs: List[int] = help_field([0], "(MindSpeed ChunkMBS) Positional arguments that are sliced.")
+    chunk_mbs_kwarg_names: List[str] = help_field(
+        ["position_embeddings", "position_ids", "attention_mask", "input_ids"],
+        "(MindSpeed ChunkMBS) Keyword arguments that are sliced (those holding the batch dimension).")
     # Megatron extensions
     sequence_parallel: bool = help_field(False, "(Megatron) Sequence parallel for norms under tensor parallel.")
     distributed_backend: Optional[Literal["nccl", "gloo", "hccl"]] = help_field(
@@ -271,6 +289,19 @@ class OptimizationArguments:
     gdn_chunk_size: int = help_field(64, "Gated DeltaNet chunk size.")
     use_triton_rmsnormgated: bool = help_field(False, "Triton gated RMSNorm kernel.")
     fix_router: bool = help_field(False, "Fixed balanced expert assignment (performance tuning only; changes results).")
+    # MindSpeed-LLM c77308a1 fields (config/mindspeed_head_rules.py says what each does here)
+    use_sparse_flash_attn: bool = help_field(False, "(MindSpeed) NPU sparse flash attention for DSA models; this "
+                                             "backend computes DSA attention with torch ops.")
+    use_fused_lightning_indexer: bool = help_field(False, "(MindSpeed) NPU lightning-indexer kernel (DSA top-k).")
+    use_fused_lightning_indexer_loss: bool = help_field(False, "(MindSpeed) NPU fused indexer KL-loss kernel (DSA).")
+    use_ascend_mhc: bool = help_field(False, "(MindSpeed) Ascend fused DeepSeek-V4 mHC pre/post operators.")
+    use_triton_swiglu_limit: bool = help_field(False, "(MindSpeed) Triton-Ascend SwiGLU-with-limit kernel "
+                                               "(DeepSeek-V4).")
+    pre_tokens: int = help_field(1048576, "(MindSpeed) Tokens before a query that NPU flash attention attends to.")
+    next_tokens: int = help_field(0, "(MindSpeed) Tokens after a query that NPU flash attention attends to (0: "
+                                  "causal).")
+    indexer_loss_coeff: Optional[float] = help_field(None, "(MindSpeed GLM-5.2 YAML) No effect: MindSpeed reads "
+                                                     "training.indexer_loss_coeff.")
 
 
 GROUPS: Dict[str, type] = {
@@ -300,7 +331,6 @@ class Config:
         """{group: {field: value}} for every field, in declaration order."""
         return {name: {f.name: getattr(getattr(self, name), f.name) for f in fields(GROUPS[name])}
                 for name in GROUPS}
-
 
 
 def dataset_entries(dataset) -> List[str]:

@@ -15,7 +15,8 @@ class TrainingArguments:
 
     output_dir: Optional[str] = help_field(None, "Output directory (checkpoints, logs, exports). Required unless "
                                              "save_checkpoints is false.")
-    optimizer: Literal["adamw", "muon"] = help_field("adamw", "Optimizer.")
+    optimizer: Literal["adamw", "muon", "fused_adamw"] = help_field(
+        "adamw", "Optimizer. fused_adamw: AdamW with torch's fused kernel (same update) where the device has one.")
     o2_optimizer: bool = help_field(False, "(MindSpeed) Keep the AdamW moments in bf16 (--o2-optimizer; bf16 training).")
     muon_momentum: float = help_field(0.95, "Muon momentum (Megatron --muon-momentum).")
     muon_scale_mode: Optional[Literal["spectral", "unit_rms_norm", "shape_scaling"]] = help_field(
@@ -65,6 +66,14 @@ class TrainingArguments:
                                          "(Megatron's 'throughput per GPU (TFLOP/s/GPU)'; Megatron --log-throughput).")
     log_cpu_memory: bool = help_field(False, "(MindSpeed) Show this process's CPU memory (current and peak RSS) in the "
                                          "log line.")
+    deterministic: bool = help_field(True, "(MindSpeed) Deterministic algorithms (torch.use_deterministic_algorithms, "
+                                       "cuDNN deterministic, HCCL_DETERMINISTIC); Megatron --deterministic-mode.")
+    indexer_loss_coeff: float = help_field(1.0, "(MindSpeed) Weight of the DSA lightning indexer's KL loss "
+                                           "(glm52, deepseek_v4).")
+    router_aux_loss_coef: Optional[float] = help_field(
+        None, "(MindSpeed) Weight of the MoE model's own load-balancing loss (its config's router_aux_loss_coef; "
+              "0: none); unset: the model config's.")
+    mtp_loss_scaling_factor: Optional[float] = help_field(None, "(MindSpeed) Alias of model.mtp_loss_scaling_factor.")
     # Megatron extensions
     save_checkpoints: bool = help_field(True, "(Megatron) False: no checkpoints and no export (a script "
                                           "without --save).")

@@ -17,6 +17,8 @@ def normalize_cp_type(name: str) -> str:
     """The engine's cp_type ("ulysses" or "ring"); Megatron's --context-parallel-algo names end at the front end."""
     if name in CP_TYPES:
         return name
+    if name == "kvallgather":  # MindSpeed's: each rank's queries over every key/value — ring's exact attention
+        return "ring"
     raise UsageError(f"parallel.cp_type: unknown value {name!r} — use one of {', '.join(CP_TYPES)}")
 
 

@@ -21,6 +21,7 @@ from fsdp2_backend.config.optimizer_rules import optimizer_errors
 from fsdp2_backend.config.fault_rules import canonical_config, canonical_key, check_run_inputs
 from fsdp2_backend.config.layout_rules import check_model_layout
 from fsdp2_backend.config.model_facts import ModelFacts, model_facts
+from fsdp2_backend.config.mindspeed_head_rules import head_field_errors, head_field_notices, normalise_head_fields
 from fsdp2_backend.config.mup_rules import mup_errors
 from fsdp2_backend.config.quant_rules import check_quantization, quant_notices
 from fsdp2_backend.config.router_rules import (ROUTER_MODEL_TYPES, check_router_model, megatron_router_set,
@@ -312,6 +313,7 @@ def validate_with_notices(config: Config, world_size: int = 1) -> Tuple[Config, 
     _check_seed_rules(config, errors)
     _check_optimizer_schedule(config, errors)
     errors.extend(optimizer_errors(config))
+    errors.extend(head_field_errors(config))  # MindSpeed c77308a1's fields (mindspeed_head_rules)
     _check_monitoring(config, errors)
     _check_not_yet(config, errors)
     _check_sizes(config, world_size, errors)
@@ -348,6 +350,7 @@ def _notices(config: Config) -> List[str]:
                        "attention (and recurrent state) stays within each document — Megatron attends across them "
                        "without --reset-attention-mask")
     notices += sft_notices(config)
+    notices += head_field_notices(config)
     notices += quant_notices(config)
     t = config.training
     if not (t.tensorboard_dir or t.wandb_project):  # Megatron's scalar extras need somewhere to go
@@ -380,4 +383,4 @@ def normalise(config: Config, world_size: int, facts: ModelFacts = None) -> Conf
         dp = parallel_layout(config.parallel, world_size).dp
         training = replace(training, gradient_accumulation_steps=training.global_batch_size
                            // (training.per_device_train_batch_size * dp))
-    return normalise_sft(replace(config, model=model, data=data, training=training))
+    return normalise_head_fields(normalise_sft(replace(config, model=model, data=data, training=training)))

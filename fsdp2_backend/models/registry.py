@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable, List, Mapping, Optional
 
+from fsdp2_backend.models.newer_ids import newer_specs
 from fsdp2_backend.usage_errors import UsageError
 
 if TYPE_CHECKING:  # torch stays out of this module's imports: config validation reads the model ids
@@ -114,6 +115,7 @@ _SPECS: Mapping[str, ModelSpec] = MappingProxyType({
     # (models/moe/family_swap.py; the family is the config's model_type)
     **{family: _module_spec("moe.family_swap", "build", configure=_configure_qwen3_moe)
        for family in ("deepseek_v3", "mixtral", "qwen2_moe")},
+    **newer_specs(ModelSpec),  # deepseek_v4, glm52, longcat_flash_ngram (models/newer_ids.py)
 })
 
 

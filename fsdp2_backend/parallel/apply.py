@@ -1,6 +1,6 @@
 """The one place where a built model is made ready to train in parallel, in one fixed order:
 
-    quantize → kernel swaps → model switches → TP → EP → CP → recompute → FSDP → gradient policy
+    quantize → kernel swaps → model switches → TP → EP → CP → recompute → ChunkMBS → FSDP → gradient policy
 
 Each stage is one function in its own module (`kernel_swaps`, the model's registry `configure`,
 `tensor_parallel`, `expert_parallel`, `context_parallel`, `recompute`, `fsdp`), skipped when its size is 1 or
@@ -103,6 +103,10 @@ def apply_parallelism(model: nn.Module, config: Config, ctx: ParallelContext) ->
         from fsdp2_backend.parallel.offload import apply_activation_offload
 
         apply_activation_offload(model, parallel.activation_offload_layers, ctx.device.type)
+    if parallel.enable_chunk_batch:  # MindSpeed's ChunkMBS: slices run inside one FSDP unshard (chunk_batch.py)
+        from fsdp2_backend.parallel.chunk_batch import apply_chunk_batch
+
+        apply_chunk_batch(model, parallel)
     model = apply_fsdp(model, parallel, ctx.fsdp_mesh, extra_ignored=fsdp_ignored)
     if quantized:
         from fsdp2_backend.parallel.quantize import finish_after_fsdp

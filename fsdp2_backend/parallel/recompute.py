@@ -13,7 +13,7 @@ from typing import List, Sequence
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fsdp2_backend.parallel.plans import require_matches
+from fsdp2_backend.parallel.plans import lenient_matches
 
 
 def _checkpointed(forward, *args, **kwargs):
@@ -22,7 +22,9 @@ def _checkpointed(forward, *args, **kwargs):
 
 def apply_recompute(model: nn.Module, patterns: Sequence[str]) -> List[str]:
     """Recomputes every module matching `patterns` in backward; returns the names of those modules."""
-    matched = require_matches(model, patterns, "parallel.recompute_modules")
+    # lenient (one warning per pattern that matches nothing) as the other plan fields MindSpeed's YAMLs share
+    # across models: its DeepSeek-V4 YAML names MTP layers (`mtp.layers.{*}.layer`) a model without MTP lacks
+    matched = lenient_matches(model, patterns, "parallel.recompute_modules")
     for _, module in matched:
         module.forward = functools.partial(_checkpointed, module.forward)
     return [name for name, _ in matched]

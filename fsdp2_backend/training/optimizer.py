@@ -167,7 +167,7 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, weight_
                     apply_wd_to_qk_layernorm: bool = False, o2: bool = False,
                     megatron_muon: Optional[Dict[str, Any]] = None, mup_width_mult: Optional[float] = None,
                     min_lr: float = 0.0) -> CombinedOptimizer:
-    """AdamW (`name="adamw"`) or Muon + AdamW (`name="muon"`) over `model`'s trainable parameters.
+    """AdamW (`name="adamw"`; "fused_adamw": torch's fused kernel) or Muon + AdamW (`name="muon"`) over `model`'s trainable parameters.
 
     Build it after FSDP sharding (the optimizers hold the DTensor parameters). From TrainingArguments:
     `build_optimizer(model, name=t.optimizer, lr=t.lr, weight_decay=t.weight_decay,
@@ -190,8 +190,9 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, weight_
         hidden = set(hidden_matrix_names(model))
         group_options.update(mup={id(p) for n, p in named if n in hidden}, mup_override=dict(
             max_lr=lr / mup_width_mult, min_lr=min_lr / mup_width_mult, eps=eps / mup_width_mult))
-    if name == "adamw":
-        return CombinedOptimizer([_adamw(named, lr, weight_decay, betas, eps, group_options, o2)])
+    if name in ("adamw", "fused_adamw"):
+        fused = name == "fused_adamw" and _fused_adamw_available(named)
+        return CombinedOptimizer([_adamw(named, lr, weight_decay, betas, eps, group_options, o2, fused)])
     if name != "muon":
         raise UsageError(f"optimizer: unknown optimizer {name!r} — use adamw or muon")
     muon_names = set(muon_param_names(model))
@@ -211,11 +212,32 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, weight_
     return CombinedOptimizer(optimizers)
 
 
-def _adamw(named, lr, weight_decay, betas, eps, group_options, o2=False) -> torch.optim.AdamW:
+def _fused_adamw_available(named) -> bool:
+    """MindSpeed's `optimizer: fused_adamw`: torch's fused AdamW kernel (the same update) where the parameters'
+    device has one; elsewhere the standard AdamW, said once."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    devices = {p.device.type for _, p in named}
+    missing = sorted(devices - set(_get_fused_kernels_supported_devices()))
+    if missing:
+        from fsdp2_backend.distributed.console import print_rank0
+
+        print_rank0(f"training.optimizer: fused_adamw has no fused kernel on {', '.join(missing)} here — the "
+                    f"standard AdamW runs (the same update)")
+    return not missing
+
+
+def _adamw(named, lr, weight_decay, betas, eps, group_options, o2=False, fused=False) -> torch.optim.AdamW:
     if o2:
         from fsdp2_backend.training.o2_adamw import BF16StateAdamW
 
         return BF16StateAdamW(adamw_param_groups(named, **group_options), lr=lr, weight_decay=weight_decay,
                               betas=betas, eps=eps)
-    return torch.optim.AdamW(adamw_param_groups(named, **group_options), lr=lr, weight_decay=weight_decay,
-                             betas=betas, eps=eps)
+    groups = adamw_param_groups(named, **group_options)
+    if fused:  # the fused kernel takes one tensor kind per call: FSDP's DTensors apart from ignored plain tensors
+        from torch.distributed.tensor import DTensor
+
+        groups = [{**group, "params": [p for p in group["params"] if isinstance(p, DTensor) == dtensor]}
+                  for group in groups for dtensor in (True, False)]
+        groups = [group for group in groups if group["params"]]
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, fused=fused or None)

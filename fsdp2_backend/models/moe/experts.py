@@ -44,7 +44,10 @@ class GroupedExperts(nn.Module):
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert outputs for slot rows `x` grouped by this rank's experts (`counts` rows each), unweighted."""
-        gemm = self.gemm or (lambda rows, weight, n: grouped_linear(rows, weight, n, self.use_grouped_gemm))
+        # weights in the rows' dtype: experts FSDP leaves alone (parallel.ignored_modules, MindSpeed's LongCat YAML)
+        # keep their fp32 parameters under a bf16 compute dtype
+        gemm = self.gemm or (lambda rows, weight, n: grouped_linear(rows, weight.to(rows.dtype), n,
+                                                                    self.use_grouped_gemm))
         gate_up = gemm(x, local_tensor(self.gate_up_proj), counts)
         gate, up = gate_up.chunk(2, dim=-1)
         return gemm(self.activation(gate, up), local_tensor(self.down_proj), counts)

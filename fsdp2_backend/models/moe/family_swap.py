@@ -1,4 +1,4 @@
-"""The `deepseek_v3`, `mixtral` and `qwen2_moe` model ids: transformers' model of that family with stacked
+"""The `deepseek_v3`, `mixtral`, `qwen2_moe` and `glm52` (transformers' `glm_moe_dsa`) model ids: transformers' model of that family with stacked
 experts and this project's router (Megatron's router options), by one swap applied to every sparse block.
 
 As `models/qwen3_moe.py` does for Qwen3-MoE, each family's model is transformers' own causal LM (attention,
@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 from transformers.models.mixtral import modeling_mixtral as mx
 from transformers.models.qwen2_moe import modeling_qwen2_moe as q2
 
@@ -105,6 +106,10 @@ class DeepseekV3Router(_FamilyRouter, ds.DeepseekV3TopkRouter):
         return self.e_score_correction_bias if self.settings.score_function in ("sigmoid", "sqrtsoftplus") else None
 
 
+class GlmMoeDsaRouter(DeepseekV3Router, glm.GlmMoeDsaTopkRouter):
+    """GLM-5.2's routing (`glm52` model id): DeepSeek-V3's (sigmoid, correction bias, groups, scaling)."""
+
+
 # -- blocks: transformers' computation, the router given (batch, seq, hidden) ----------------------------------------
 class MixtralGroupedBlock(mx.MixtralSparseMoeBlock):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -133,6 +138,10 @@ class DeepseekV3GroupedBlock(ds.DeepseekV3MoE):
         return out + self.shared_experts(hidden_states)
 
 
+class GlmMoeDsaGroupedBlock(glm.GlmMoeDsaMoE):
+    forward = DeepseekV3GroupedBlock.forward
+
+
 @dataclass(frozen=True)
 class Family:
     """One transformers MoE family: its classes and the project's replacements."""
@@ -152,6 +161,9 @@ FAMILIES: Mapping[str, Family] = {
                         Qwen2MoeGroupedBlock, Qwen2MoeRouter, lambda c: c.num_experts),
     "deepseek_v3": Family(ds.DeepseekV3ForCausalLM, ds.DeepseekV3MoE, ds.DeepseekV3Experts,
                           DeepseekV3GroupedBlock, DeepseekV3Router, lambda c: c.n_routed_experts),
+    # GLM-5.2 (model id glm52): DeepSeek-V3's MoE under DeepSeek sparse attention (transformers' indexer, no grad)
+    "glm_moe_dsa": Family(glm.GlmMoeDsaForCausalLM, glm.GlmMoeDsaMoE, glm.GlmMoeDsaExperts, GlmMoeDsaGroupedBlock,
+                          GlmMoeDsaRouter, lambda c: c.n_routed_experts),
 }
 
 
@@ -210,7 +222,7 @@ GROUPED_CLASSES: Dict[str, type] = {model_type: _grouped_class(model_type) for m
 
 
 def build(hf_config) -> nn.Module:
-    """The registry builder for `hf_config.model_type` (deepseek_v3, mixtral, qwen2_moe)."""
+    """The registry builder for `hf_config.model_type` (deepseek_v3, mixtral, qwen2_moe, glm_moe_dsa)."""
     return GROUPED_CLASSES[hf_config.model_type](hf_config)
 
 

@@ -1,0 +1,43 @@
+"""The specs of the model ids MindSpeed-LLM added after the seed's reference (c77308a1): `deepseek_v4`
+(models/deepseek_v4.py), `glm52` (transformers' glm_moe_dsa through models/moe/family_swap.py) and
+`longcat_flash_ngram` (models/longcat_ngram.py). Imports no torch: each function imports its module on first use.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Dict
+
+
+def _call(module: str, name: str) -> Callable:
+    def call(*args):
+        return getattr(importlib.import_module(f"fsdp2_backend.models.{module}"), name)(*args)
+    return call
+
+
+def _configure(module: str, name: str) -> Callable:
+    function = _call(module, name)
+    return lambda model, config, *device_type: function(model, config)  # (model, config[, device type])
+
+
+def _spec(spec_class, module: str, build: str, configure: Callable, **extra):
+    return spec_class(build=_call(module, build), checkpoint_keys=_call(module, "checkpoint_keys"),
+                      from_checkpoint=_call(module, "param_from_checkpoint"), configure=configure, **extra)
+
+
+def _configure_family(model, config, *device_type) -> None:
+    from fsdp2_backend.models.qwen3_moe import configure_moe
+
+    configure_moe(model, moe_grouped_gemm=config.optimization.moe_grouped_gemm,
+                  fix_router=config.optimization.fix_router, model_args=config.model)
+
+
+def newer_specs(spec_class) -> Dict[str, object]:
+    """{model id: spec} (`spec_class`: the registry's ModelSpec)."""
+    return {
+        "deepseek_v4": _spec(spec_class, "deepseek_v4", "build_deepseek_v4",
+                             _configure("deepseek_v4", "configure_deepseek_v4")),
+        "glm52": _spec(spec_class, "moe.family_swap", "build", _configure_family),
+        "longcat_flash_ngram": _spec(spec_class, "longcat_ngram", "build_longcat_ngram",
+                                     _configure("longcat_ngram", "configure_longcat"),
+                                     register_hf=_call("longcat_ngram", "register_with_transformers")),
+    }
