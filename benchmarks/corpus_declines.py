@@ -3,7 +3,8 @@
 Each line of a corpus JSON ({"source:path": [argv...]}) goes through the same parse → translate → validate as
 `--dry-run` (in-process: `fsdp2_backend.launch.parse_command_line` at the smallest world its layout fits). Prints
 lines translated / declined and the decline reasons ranked by how many lines they stop (a line counts once per
-flag, or per validation field, that it names).
+flag, or per validation field, that it names), training lines only: a line of Megatron's inference scripts is
+declined as such and counted apart.
 
     python benchmarks/corpus_declines.py [CORPUS.json] [--lines]
 (default corpus: tests/data/launch_corpus.json, a copy of shared/megatron/launch_corpus.json).
@@ -17,6 +18,9 @@ from fsdp2_backend.launch import parse_command_line
 from fsdp2_backend.usage_errors import UsageError
 
 DEFAULT = Path(__file__).resolve().parents[1] / "tests" / "data" / "launch_corpus.json"
+
+
+_INFERENCE = "an argument of Megatron's inference/generation scripts"
 
 
 def _reason_key(message: str) -> str:
@@ -44,6 +48,11 @@ def main(argv):
     declined = {k: v for k, v in results.items() if v is not None}
     ok = len(results) - len(declined)
     print(f"translated: {ok} / {len(results)} ({100.0 * ok / len(results):.0f}%), declined: {len(declined)}")
+    inference = {k for k, msgs in declined.items() if all(_INFERENCE in m for m in msgs)}
+    training = len(results) - len(inference)
+    print(f"training lines (without the {len(inference)} inference-script lines, declined as such): {ok} / "
+          f"{training} ({100.0 * ok / training:.1f}%)")
+    declined = {k: v for k, v in declined.items() if k not in inference}
     counts = collections.Counter(key for msgs in declined.values() for key in {_reason_key(m) for m in msgs})
     for reason, n in counts.most_common():
         print(f"  {n:3d}  {reason}")
