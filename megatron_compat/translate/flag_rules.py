@@ -50,7 +50,9 @@ _NO_EFFECT: Dict[str, str] = {
         mtp_mem_efficient_logits kv_head_repeat_before_uly_alltoall spec batch_invariant_mode
         batch_invariant_backend jit_compile topk_softmax_in_fp32 router_gating_in_fp32
         moe_revert_type_after_topk sparse_mode pre_tockens next_tockens loss_compute_mode flash_decode
-        te_rng_tracker inference_rng_tracker moe_pad_experts_for_cuda_graph_inference enable_experimental""",
+        te_rng_tracker inference_rng_tracker moe_pad_experts_for_cuda_graph_inference enable_experimental
+        apply_rope_no_in_complex fp8_reuse_quantized_weight no_use_gmm_fp8 te_gmm_mode use_triton_swiglu_limit
+        no_use_sparse_c8_indexer""",
     "a communication-overlap or scheduling setting of Megatron's own schedules; FSDP2 overlaps its own way":
         """moe_allgather_overlap_comm mla_up_proj_tp_overlap enable_overlap_ag_with_matmul
         enable_overlap_matmul_with_rs enable_backward_overlap_ag_with_matmul hccl_group_buffer moe_zerc
@@ -98,6 +100,7 @@ _NO_EFFECT: Dict[str, str] = {
         no_pin_cpu_grads no_pin_cpu_params swap_optimizer swap_attention swap_modules reuse_fp32_param
         moe_zero_memory moe_zero_memory_num_layers adaptive_recompute_device_swap
         adaptive_recompute_device_size memory_fragmentation enable_share_memory distribute_saved_activations
+        swap_layer_input
         moe_layer_recompute gtp_remat_opt_in_modules recompute_in_advance moe_adaptive_recompute_activation
         moe_without_activation no_clone_scatter_output_in_embedding mhc_recompute_layer_num
         use_precision_aware_optimizer mamba_training_ssm_states_dtype reuse_grad_buf_for_mxfp8_param_ag
@@ -121,8 +124,6 @@ _NO_EFFECT: Dict[str, str] = {
         max_seqlen_per_dp_cp_rank""",
     "how Megatron places its initial weights; here they are loaded from --load or initialised from --seed":
         """no_initialization use_cpu_initialization""",
-    "selects deterministic kernels; the math is the same (run-to-run bit-exactness is not promised)":
-        """deterministic_mode""",
     "pipeline-parallel layout; pipeline stages are folded into FSDP":
         """dualpipev_dw_detach use_nanopipe_swap automated_pipeline automated_pipeline_perf save_memory_ratio
         recompute_module_list recompute_type optimized_mbs_list mbs_idx pp_schedule_list optimized_mbs_mode
@@ -145,7 +146,7 @@ _NO_EFFECT: Dict[str, str] = {
         async_ckpt_io_priority async_ckpt_use_cpu_shm no_save_tokenizer_assets
         use_mp_args_from_checkpoint_args no_use_tokenizer_model_from_checkpoint_args
         load_main_params_from_ckpt exit_on_missing_checkpoint save_retain_interval
-        enable_hf2mg_convert
+        enable_hf2mg_convert only_convert_last_checkpoint ckpt_cfg_path saver
         enable_mg2hf_convert model_type_hf hf_cfg_dir load_checkpoint_loosely verify_integrity
         no_ckpt_fully_parallel_save replication replication_jump replication_factor""",
     "a logging or monitoring extra without a counterpart here (the Megatron log line is printed as usual)":
@@ -165,7 +166,9 @@ _NO_EFFECT: Dict[str, str] = {
         no_flight_recorder_extra_dump_on_exec""",
     "a fault-tolerance, self-test or signal-handling setting; it does not change what is trained":
         """exit_signal_handler_for_dataloader exit_signal_handler_for_training check_for_large_grads result_rejected_tracker_filename
-        check_for_spiky_loss rerun_mode error_injection_rate error_injection_type test_mode""",
+        check_for_spiky_loss rerun_mode error_injection_rate error_injection_type test_mode
+        enable_high_availability enable_hbmfault_repair enable_worker_reboot enable_elastic_training
+        distributed_optimizer_no_replica te_comparison_with_bf16 te_comparison_with_cpu""",
     "a data-loading speed setting; the samples are the same":
         """num_dataset_builder_threads dataloader_fast_cache_load dataloader_defer_npy_index_mmap
         per_dataset_sequences_path allow_ambiguous_pad_tokens""",
@@ -192,6 +195,16 @@ _NO_EFFECT: Dict[str, str] = {
 # --- declined --------------------------------------------------------------------------------------------------
 
 _DECLINED: Dict[str, str] = {
+    "scales MLA's compressed query (--enable-mla-scale-q-lora) or key/value (--enable-mla-scale-kv-lora) by "
+    "sqrt(hidden / lora rank) before its up-projection; transformers' MLA models (DeepSeek-V3, Kimi) have no such "
+    "factor and an HF export could not carry it — drop the flag (the HF model's attention)":
+        """enable_mla_scale_q_lora enable_mla_scale_kv_lora""",
+    "quantisation-aware training, quantised gradients or quantised optimizer states are not built here and would "
+    "change the numerics — drop it (--o2-optimizer keeps bf16 moments)":
+        """qat_scheme qat_quant_block_size quant_grads quant_states indexer_qk_quant_scheme""",
+    "MindSpeed's layerwise disaggregated training (u-shaped split learning over virtual data parallel) is a "
+    "different training scheme — drop it":
+        """layerwise_disaggregated_training""",
     "this FP8/FP4 training option (Transformer Engine) is not available and would change the numerics — drop it "
     "(--fp8-format e4m3 --fp8-recipe mxfp8 is model.quant_recipe_name mxfp8), or drop the fp8/fp4 flags to train "
     "in bf16":

@@ -60,6 +60,7 @@ for _dest, _target in {
     "log_memory_to_tensorboard": "training.log_memory_to_tensorboard",
     "log_validation_ppl_to_tensorboard": "training.log_validation_ppl_to_tensorboard",
     "log_timers_to_tensorboard": "training.log_timers_to_tensorboard", "log_progress": "training.log_progress",
+    "deterministic_mode": "training.deterministic",  # Megatron's default off; MindSpeed YAMLs' default on
 }.items():
     _direct(_dest, _target)
 
