@@ -9,7 +9,8 @@
    MindSpeed builds. Each case runs in its own subprocess; its peak memory above the inputs (the polled peak of
    the resident set on CPU, the allocator's peak on an accelerator) is the figure. The dense case at 32k needs ~10 GiB
    on CPU: it runs only with --allow-large (the mask alone is S² x 2 bytes, printed always).
-Run: python benchmarks/bench_sft_data.py [--samples 50000] [--cutoffs 8192,32768] [--allow-large]
+Run: python -m benchmarks.bench_sft_data [--samples 50000] [--workers 1,2] [--rounds 3]
+         [--llamafactory-python /root/bench-lf/bin/python] [--cutoffs 8192,32768] [--allow-large]
 """
 from __future__ import annotations
 
@@ -23,30 +24,93 @@ import time
 
 
 
-def preprocessing(samples: int, cutoff: int, workers: int) -> dict:
-    from fsdp2_backend.config import Config, DataArguments, TrainingArguments
-    from fsdp2_backend.data.sft.pipeline import prepare_datasets
+def _clocks():
+    """(process CPU seconds of this process and its finished children, wall seconds)."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system, time.perf_counter()
+
+
+def _since(mark):
+    cpu, wall = _clocks()
+    return cpu - mark[0], wall - mark[1]
+
+
+def preprocessing_inputs(samples: int) -> str:
+    """A folder holding the alpaca jsonl (and LLaMA-Factory's dataset_info.json for it) and the tokenizer."""
     from tests.sft_assets import alpaca_rows, qwen3_like_tokenizer, write_jsonl
 
     root = tempfile.mkdtemp(prefix="bench_sft_")
-    tokenizer = qwen3_like_tokenizer(os.path.join(root, "tok"), vocab_size=2000)
-    rows = alpaca_rows(samples)
-    path = write_jsonl(os.path.join(root, "alpaca.jsonl"), rows)
+    qwen3_like_tokenizer(os.path.join(root, "tok"), vocab_size=2000)
+    write_jsonl(os.path.join(root, "alpaca.jsonl"), alpaca_rows(samples))
+    with open(os.path.join(root, "dataset_info.json"), "w") as f:
+        json.dump({"alpaca_bench": {"file_name": "alpaca.jsonl"}}, f)
+    return root
+
+
+def tokenizer_only(root: str) -> dict:
+    """The bare batched tokenizer on the same texts: the floor of any pipeline."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(root, "tok"))
+    with open(os.path.join(root, "alpaca.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
     texts = [r["instruction"] + "\n" + r["input"] + r["output"] for r in rows]
-    import datasets  # noqa: F401  (imported before the clock starts)
-    start = time.perf_counter()
+    mark = _clocks()
     tokenizer(texts, add_special_tokens=False)
-    encode_s = time.perf_counter() - start
-    config = Config(data=DataArguments(dataset={"file_name": path}, template="qwen3", cutoff_len=cutoff,
-                                       packing=True, preprocessing_num_workers=workers, overwrite_cache=True),
+    cpu, wall = _since(mark)
+    return {"samples": len(texts), "cpu": cpu, "wall": wall}
+
+
+def preprocessing(root: str, cutoff: int, workers: int) -> dict:
+    from transformers import AutoTokenizer
+
+    from fsdp2_backend.config import Config, DataArguments, TrainingArguments
+    from fsdp2_backend.data.sft.pipeline import prepare_datasets
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(root, "tok"))
+    import datasets  # noqa: F401  (imported before the clock starts)
+    config = Config(data=DataArguments(dataset={"file_name": os.path.join(root, "alpaca.jsonl")}, template="qwen3",
+                                       cutoff_len=cutoff, packing=True, preprocessing_num_workers=workers,
+                                       overwrite_cache=True),
                     training=TrainingArguments(stage="sft", max_steps=1))
-    start = time.perf_counter()
+    mark = _clocks()
     train = prepare_datasets(config, tokenizer)["train"]
-    tokens = sum(sum(lens) for lens in train["doc_lens"])
-    seconds = time.perf_counter() - start
-    return {"samples": samples, "rows": len(train), "tokens": tokens, "seconds": seconds,
-            "samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds,
-            "tokenizer_only_samples_per_s": samples / encode_s, "ratio_vs_tokenizer": encode_s / seconds}
+    cpu, wall = _since(mark)
+    return {"rows": len(train), "tokens": sum(sum(lens) for lens in train["doc_lens"]), "cpu": cpu, "wall": wall}
+
+
+def llamafactory_preprocessing(root: str, cutoff: int, workers: int) -> dict:
+    """LLaMA-Factory's own SFT preprocessing (get_dataset: load, align, template qwen3, packing) of the same
+    file; runs in the interpreter given by --llamafactory-python (its own environment)."""
+    os.environ.setdefault("DISABLE_VERSION_CHECK", "1")  # it pins older transformers; the data path runs as is
+    from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
+    from llamafactory.hparams import DataArguments, ModelArguments
+    from transformers import AutoTokenizer, Seq2SeqTrainingArguments
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(root, "tok"))
+    model_args = ModelArguments(model_name_or_path=os.path.join(root, "tok"))
+    data_args = DataArguments(template="qwen3", dataset="alpaca_bench", dataset_dir=root, cutoff_len=cutoff,
+                              packing=True, preprocessing_num_workers=workers if workers > 1 else None,
+                              overwrite_cache=True)
+    training_args = Seq2SeqTrainingArguments(output_dir=os.path.join(root, "lf_out"), do_train=True,
+                                             report_to=[])
+    template = get_template_and_fix_tokenizer(tokenizer, data_args)
+    mark = _clocks()
+    train = get_dataset(template, model_args, data_args, training_args, "sft", tokenizer)["train_dataset"]
+    cpu, wall = _since(mark)
+    return {"rows": len(train), "cpu": cpu, "wall": wall}
+
+
+def _preprocessing_child(kind: str, root: str, cutoff: int, workers: int, python: str = sys.executable) -> dict:
+    """One measurement in a fresh process (no warm caches, imports outside the clock)."""
+    out = subprocess.run([python, __file__, "--preprocess", kind, root, str(cutoff), str(workers)],
+                         capture_output=True, text=True, timeout=3600, cwd=os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__))), env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                                               "PYTHONPATH": os.path.dirname(os.path.dirname(
+                                                                   os.path.abspath(__file__)))})
+    if out.returncode:
+        return {"error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _doc_positions(seq: int):
@@ -131,28 +195,69 @@ def _subprocess(kind: str, seq: int, device: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def preprocessing_figures(args) -> None:
+    """Rounds alternate the bare tokenizer, ours and LLaMA-Factory, each in a fresh process; medians of CPU
+    seconds (the process and its worker processes: the steadier figure on a shared machine) and of wall seconds."""
+    import statistics
+
+    root = preprocessing_inputs(args.samples)
+    print(f"preprocessing {args.samples} alpaca samples (qwen3 template, packing into {args.cutoff}), median of "
+          f"{args.rounds} alternating rounds, each in a fresh process; samples/s by CPU time [by wall time]:")
+    for workers in (int(w) for w in args.workers.split(",")):
+        runs = {"tokenizer": [], "ours": [], "llamafactory": []}
+        for _ in range(args.rounds):
+            runs["tokenizer"].append(_preprocessing_child("tokenizer", root, args.cutoff, 1))
+            runs["ours"].append(_preprocessing_child("ours", root, args.cutoff, workers))
+            if args.llamafactory_python:
+                runs["llamafactory"].append(_preprocessing_child("llamafactory", root, args.cutoff, workers,
+                                                                 args.llamafactory_python))
+        rates = {}
+        for kind, results in runs.items():
+            errors = [r["error"] for r in results if "error" in r]
+            if errors or not results:
+                rates[kind] = None
+                if errors:
+                    print(f"  {kind}: failed: {errors[0]}")
+                continue
+            rates[kind] = tuple(args.samples / statistics.median(r[clock] for r in results) for clock in ("cpu", "wall"))
+        line = f"  {workers} worker(s): bare batched tokenizer {rates['tokenizer'][0]:7.0f} [{rates['tokenizer'][1]:7.0f}]"
+        line += f"; ours {rates['ours'][0]:7.0f} [{rates['ours'][1]:7.0f}] = {rates['ours'][0] / rates['tokenizer'][0]:.2f}x "
+        line += f"[{rates['ours'][1] / rates['tokenizer'][1]:.2f}x] the tokenizer"
+        if rates["llamafactory"]:
+            lf = rates["llamafactory"]
+            line += (f"; LLaMA-Factory {lf[0]:7.0f} [{lf[1]:7.0f}], ours / LLaMA-Factory {rates['ours'][0] / lf[0]:.2f}x "
+                     f"[{rates['ours'][1] / lf[1]:.2f}x]")
+        print(line, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=50000)
     parser.add_argument("--cutoff", type=int, default=4096, help="cutoff_len of the preprocessing figure")
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--workers", default="1,2", help="preprocessing_num_workers values, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per figure (median)")
+    parser.add_argument("--llamafactory-python", default=None,
+                        help="a Python with LLaMA-Factory installed (its own venv): its preprocessing of the same "
+                             "data and template is measured in the same rounds")
     parser.add_argument("--cutoffs", default="8192,32768")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--allow-large", action="store_true")
     parser.add_argument("--skip-preprocessing", action="store_true")
     parser.add_argument("--case", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--preprocess", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
         print(json.dumps(attention_case(args.case[0], int(args.case[1]), args.case[2])))
         return
+    if args.preprocess:
+        kind, root, cutoff, workers = args.preprocess
+        run = {"tokenizer": lambda: tokenizer_only(root), "ours": lambda: preprocessing(root, int(cutoff), int(workers)),
+               "llamafactory": lambda: llamafactory_preprocessing(root, int(cutoff), int(workers))}[kind]
+        print(json.dumps(run()))
+        return
     if not args.skip_preprocessing:
-        p = preprocessing(args.samples, args.cutoff, args.workers)
-        print(f"preprocessing {p['samples']} alpaca samples (qwen3 template, packing into {args.cutoff}, "
-              f"{args.workers} worker): {p['seconds']:.1f} s, {p['samples_per_s']:.0f} samples/s, "
-              f"{p['tokens_per_s']:.0f} tokens/s, {p['rows']} packed rows of {p['tokens']} tokens; tokenizer "
-              f"alone {p['tokenizer_only_samples_per_s']:.0f} samples/s (pipeline/tokenizer speed "
-              f"{p['ratio_vs_tokenizer']:.2f})")
-    for seq in (int(s) for s in args.cutoffs.split(",")):
+        preprocessing_figures(args)
+    for seq in (int(s) for s in args.cutoffs.split(",") if s):
         neat = _subprocess("neat", seq, args.device)
         line = f"attention S={seq}: mask alone {seq * seq * 2 / 2**20:.0f} MiB (bf16); neat packing peak "
         line += f"{neat.get('peak_bytes', 0) / 2**20:.0f} MiB ({neat.get('docs')} docs, {neat.get('seconds', 0):.2f} s)"

@@ -116,6 +116,7 @@ class SupervisedProcessor:
         self.cutoff_len = data_args.cutoff_len - (1 if packing else 0)
         self.packing, self.full_len = packing, data_args.cutoff_len
         self.train_on_prompt, self.mask_history = data_args.train_on_prompt, data_args.mask_history
+        self.eos_id = hf_tokenizer.eos_token_id  # looked up once: transformers' property costs ~30 us a call
 
     def __call__(self, batch: Dict[str, list]) -> Dict[str, list]:
         size = len(next(iter(batch.values()))) if batch else 0
@@ -125,8 +126,8 @@ class SupervisedProcessor:
         for pairs in encode_conversations(self.hf, conversations):
             ids, labels = encode_supervised(pairs, self.cutoff_len, train_on_prompt=self.train_on_prompt,
                                             mask_history=self.mask_history, efficient_eos=self.template.efficient_eos,
-                                            eos_id=self.hf.eos_token_id)
-            if ids and any(label != IGNORE_INDEX for label in labels):
+                                            eos_id=self.eos_id)
+            if ids and labels.count(IGNORE_INDEX) != len(labels):  # something to learn (count: C speed)
                 ids_out.append(ids)
                 labels_out.append(labels)
         if self.packing:

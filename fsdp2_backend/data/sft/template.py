@@ -267,10 +267,24 @@ def encode_turns(hf, turns: Sequence[Turn]) -> List[Tuple[List[int], List[int]]]
     return encode_conversations(hf, [turns])[0]
 
 
+def batch_ids(hf, texts: List[str]) -> List[List[int]]:
+    """`hf(texts, add_special_tokens=False)["input_ids"]`, straight from the fast tokenizer's Rust backend when the
+    call would reach it unchanged (no truncation or padding set on it, transformers' special-token splitting
+    as set): the same ids without transformers' per-text conversion (attention masks, offsets), which cost as much
+    as the tokenization itself."""
+    backend = getattr(hf, "_tokenizer", None)
+    fast = getattr(backend, "encode_batch_fast", None)
+    if (fast is not None and getattr(hf, "is_fast", False) and backend.truncation is None
+            and backend.padding is None
+            and backend.encode_special_tokens == bool(getattr(hf, "split_special_tokens", False))):
+        return [encoding.ids for encoding in fast(texts, add_special_tokens=False)]
+    return hf(texts, add_special_tokens=False)["input_ids"]
+
+
 def encode_conversations(hf, conversations: Sequence[Sequence[Turn]]) -> List[List[Tuple[List[int], List[int]]]]:
     """`encode_turns` of many conversations with one batched tokenizer call (the fast tokenizer's threads)."""
     pieces = [piece for turns in conversations for turn in turns for side in turn for piece in side]
-    ids = iter(hf(pieces, add_special_tokens=False)["input_ids"] if pieces else [])
+    ids = iter(batch_ids(hf, pieces) if pieces else [])
     out = []
     for turns in conversations:
         encoded = []
