@@ -65,6 +65,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def megatron_reader(resume):
+    """The reader of a Megatron-LM resume point (plain state the Checkpointer applies: training/
+    megatron_continuation), or None for any other start."""
+    if not resume.megatron:
+        return None
+    import functools
+
+    from megatron_compat.checkpoint.resume import read_megatron_state
+
+    return functools.partial(read_megatron_state, resume.checkpoint)
+
+
 def effective_model_args(config: Config, resume) -> Any:
     """The model arguments the model is built from: a resumed run whose config names no HF directory builds it
     from the checkpoint's own config (and tokenizer, unless one is given); the weights come from the load."""
@@ -261,7 +273,8 @@ def build(config: Config) -> TrainJob:
         loss_scaler = LossScaler.for_dtype(config.parallel.param_dtype)
         checkpointer = Checkpointer(config, resume, model=model, optimizer=optimizer, scheduler=scheduler,
                                     state=state, loss_scaler=loss_scaler, tokenizer=tokenizer,
-                                    model_config=getattr(model, "config", hf_config), guard=guard)
+                                    model_config=getattr(model, "config", hf_config), guard=guard,
+                                    megatron_reader=megatron_reader(resume))
         checkpointer.load()
         data = build_data(train_iters)
         if data.train_loader is None:

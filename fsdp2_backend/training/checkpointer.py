@@ -16,7 +16,7 @@ HF export (`save_hf_weights`) is written to OUTPUT_DIR/hf. Format and commit pro
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fsdp2_backend.training.checkpoint import CheckpointManager, load_checkpoint
 from fsdp2_backend.checkpoint_dirs import ResumePoint
@@ -29,8 +29,12 @@ class Checkpointer:
     """Loads and saves one run's states; construct it on every rank."""
 
     def __init__(self, config, resume: ResumePoint, *, model, optimizer=None, scheduler=None, state: Any = None,
-                 loss_scaler: Any = None, tokenizer: Any = None, model_config: Any = None, guard: Any = None):
+                 loss_scaler: Any = None, tokenizer: Any = None, model_config: Any = None, guard: Any = None,
+                 megatron_reader: Optional[Callable[..., Any]] = None):
         self.config, self.resume = config, resume
+        # A Megatron-LM resume point's reader (megatron_compat.checkpoint.resume.read_megatron_state, bound to the
+        # checkpoint by the build): training applies what it reads and never imports megatron_compat.
+        self.megatron_reader = megatron_reader
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.state, self.loss_scaler = state, loss_scaler
         self.hf_tokenizer = getattr(tokenizer, "hf", None)  # the run's tokenizer type; None: not saveable as HF
@@ -60,12 +64,18 @@ class Checkpointer:
         if self.resume.checkpoint is None:
             return
         training = self.config.training
-        if self.resume.megatron:  # a Megatron-LM checkpoint: what maps of it (megatron_resume)
-            from megatron_compat.checkpoint.resume import load_megatron_checkpoint
+        if self.resume.megatron:  # a Megatron-LM checkpoint: what maps of it, read as plain state, applied here
+            import torch.distributed as dist
 
-            load_megatron_checkpoint(self.resume.checkpoint, self.model, self.optimizer, self.scheduler, self.state,
-                                     self.loss_scaler, no_load_optim=training.no_load_optim,
-                                     no_load_rng=training.no_load_rng, finetune=self.resume.finetune)
+            from fsdp2_backend.training.megatron_continuation import apply_megatron_state
+
+            if self.megatron_reader is None:
+                raise RuntimeError(f"{self.resume.checkpoint}: a Megatron-LM checkpoint, and no reader for it was "
+                                   f"given to the Checkpointer (build.py binds one)")
+            state = self.megatron_reader(load_optim=self.optimizer is not None and not training.no_load_optim,
+                                         load_rng=not training.no_load_rng, finetune=self.resume.finetune,
+                                         rank=dist.get_rank() if dist.is_initialized() else 0)
+            apply_megatron_state(state, self.model, self.optimizer, self.scheduler, self.state, self.loss_scaler)
             return
         # the train state (a TrainState: load_state_dict) is restored in place
         load_checkpoint(self.resume.checkpoint, self.model, self.optimizer, self.scheduler, self.state,

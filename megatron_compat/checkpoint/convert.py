@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 import torch
 
-from fsdp2_backend.training.checkpoint_io import LATEST_FILE  # the same marker name as Megatron-LM's
+from fsdp2_backend.checkpoint_dirs import LATEST_FILE  # the same marker name as Megatron-LM's
 from megatron_compat.checkpoint.dcp_format import is_plain_dcp, read_dcp_checkpoint
 from megatron_compat.checkpoint.safe_pickle import dcp_load, dcp_metadata, load_torch_file
 from megatron_compat.checkpoint.moe import is_moe, moe_config, moe_layer_to_hf, normalize_experts

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from fsdp2_backend.checkpoint_dirs import META_FILE
 from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.checkpoint.safe_pickle import dcp_load, dcp_metadata
 
@@ -37,8 +38,7 @@ from megatron_compat.checkpoint.safe_pickle import dcp_load, dcp_metadata
 def is_plain_dcp(it_dir: Path) -> bool:
     """A DCP directory without torch_dist's metadata.json (nor this project's own checkpoint_meta.json, which
     makes one of its own checkpoints): Megatron-LM's torch_dcp (or fsdp_dtensor) format."""
-    return (it_dir / ".metadata").is_file() and not any((it_dir / n).is_file() for n in ("metadata.json",
-                                                                                         "checkpoint_meta.json"))
+    return (it_dir / ".metadata").is_file() and not any((it_dir / n).is_file() for n in ("metadata.json", META_FILE))
 
 
 def _rebuild(flat: dict, paths: dict) -> dict:

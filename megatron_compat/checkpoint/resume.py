@@ -1,5 +1,7 @@
-"""Resumes a Megatron-LM run from its checkpoint (``--load MEGATRON_DIR``): the model, the Adam moments and step,
-the learning-rate schedule, the iteration and consumed samples, the fp16 loss scale and the RNG.
+"""Reads a Megatron-LM run's checkpoint for continuing it (``--load MEGATRON_DIR``) into plain state: the model
+and the Adam moments and step (full tensors in HF names), the learning-rate schedule, the iteration and consumed
+samples, the fp16 loss scale and the RNG (`read_megatron_state` → `MegatronState`). Nothing here touches the run:
+``fsdp2_backend/training/megatron_continuation.py`` applies the state (the build hands it this reader).
 
 What maps onto what (megatron-core 0.16.1 ``dist_checkpointing`` / ``optimizer``, Megatron-LM
 ``megatron/training/checkpointing.py``):
@@ -44,12 +46,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
-import random
 import re
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from megatron_compat.checkpoint import convert as mc
@@ -272,12 +272,33 @@ def _legacy_param_names(model: dict, groups: list[dict], where: Path) -> dict[in
     return names
 
 
-# -------------------------------------------------------------------------------------------------- loading
-def load_megatron_checkpoint(it_dir: Path, model, optimizer=None, scheduler=None, train_state=None,
-                             loss_scaler=None, *, no_load_optim: bool = False, no_load_rng: bool = False,
-                             finetune: bool = False) -> None:
-    """Restores what maps from the Megatron-LM checkpoint ``it_dir`` into the built, parallelised run (collective:
-    every rank reads the checkpoint and sets its shards)."""
+# -------------------------------------------------------------------------------------------------- reading
+@dataclasses.dataclass
+class MegatronState:
+    """What a Megatron-LM checkpoint holds, in this project's terms: full tensors in the HF names of ``config``;
+    ``moments`` ({exp_avg / exp_avg_sq: {HF name: tensor}}), ``step``, ``scheduler`` (opt_param_scheduler's state)
+    and ``grad_scaler`` (our loss scaler's keys) None unless the optimizer state is read; ``rng`` this rank's
+    generator states, None when not read. Applied by fsdp2_backend/training/megatron_continuation.py."""
+
+    where: Path
+    fmt: str
+    config: Any
+    weights: dict
+    moments: Optional[dict]
+    step: Optional[int]
+    scheduler: Optional[dict]
+    grad_scaler: Optional[dict]
+    iteration: int
+    consumed_train_samples: int
+    consumed_valid_samples: int
+    rng: Optional[dict]
+    finetune: bool
+
+
+def read_megatron_state(it_dir: Path, *, load_optim: bool = True, load_rng: bool = True, finetune: bool = False,
+                        rank: int = 0) -> MegatronState:
+    """Reads what maps from the Megatron-LM checkpoint ``it_dir`` (every rank reads it whole; ``rank`` picks the RNG
+    entry under --data-parallel-random-init). --finetune: weights only, iteration 0."""
     it_dir = Path(it_dir)
     fmt = mc.checkpoint_format(it_dir)
     fields, args = megatron_architecture(str(it_dir))
@@ -293,68 +314,30 @@ def load_megatron_checkpoint(it_dir: Path, model, optimizer=None, scheduler=None
         common = files[0]
         weights = mc._merge_tensor_parallel([{k: v for k, v in f["model"].items() if isinstance(v, torch.Tensor)
                                               and "_extra_state" not in k} for f in files])
-    load_optim = optimizer is not None and not (no_load_optim or finetune)
-    moments, step = None, None
+    load_optim = load_optim and not finetune
+    moments, step, scheduler, grad_scaler = None, None, None, None
     if load_optim:
         moments, step = (_torch_dist_optimizer(it_dir, common, weights) if fmt == "torch_dist"
                          else _legacy_optimizer(it_dir, files))
         if moments["param"]:  # the fp32 main weights of a mixed-precision run: the exact ones
             weights = {**weights, **moments["param"]}
-    hf_weights = mc.to_hf_state_dict(weights, config)
-    _set_states(model, optimizer if load_optim else None, hf_weights, config, moments, step)
-
-    if load_optim:
-        saved_scheduler = common.get("opt_param_scheduler", common.get("lr_scheduler"))
-        if scheduler is not None and saved_scheduler is not None:
-            scheduler.load_state_dict(saved_scheduler)
+        moments = {kind: mc.to_hf_state_dict(moments[kind], config) for kind in ("exp_avg", "exp_avg_sq")}
+        scheduler = common.get("opt_param_scheduler", common.get("lr_scheduler"))
         scaler = (_find(common.get("optimizer"), "grad_scaler") or [None])[0]
-        if loss_scaler is not None and loss_scaler.dynamic and isinstance(scaler, dict):
-            loss_scaler.load_state_dict({"scale": float(scaler["scale"]), "good_steps": int(scaler["growth_tracker"]),
-                                         "hysteresis_left": int(scaler["hysteresis_tracker"])})
-    iteration = 0 if finetune else int(common.get("iteration", 0) or 0)
-    if train_state is not None and not finetune:
-        train_state.iteration = iteration
-        train_state.consumed_train_samples = int(getattr(args, "consumed_train_samples", 0) or 0)
-        train_state.consumed_valid_samples = int(getattr(args, "consumed_valid_samples", 0) or 0)
-    if not (no_load_rng or finetune):
-        _restore_rng(it_dir, common, fmt, args)
-    print_rank0(f"  successfully loaded checkpoint from {it_dir.parent} at iteration {iteration}"
-                + (" (weights only: --finetune)" if finetune else ""))
+        if isinstance(scaler, dict):
+            grad_scaler = {"scale": float(scaler["scale"]), "good_steps": int(scaler["growth_tracker"]),
+                           "hysteresis_left": int(scaler["hysteresis_tracker"])}
+    return MegatronState(
+        where=it_dir, fmt=fmt, config=config, weights=mc.to_hf_state_dict(weights, config), moments=moments,
+        step=step, scheduler=scheduler, grad_scaler=grad_scaler,
+        iteration=0 if finetune else int(common.get("iteration", 0) or 0),
+        consumed_train_samples=0 if finetune else int(getattr(args, "consumed_train_samples", 0) or 0),
+        consumed_valid_samples=0 if finetune else int(getattr(args, "consumed_valid_samples", 0) or 0),
+        rng=_rng_entry(it_dir, common, fmt, args, rank) if load_rng and not finetune else None, finetune=finetune)
 
 
-def _set_states(model, optimizer, hf_weights: dict, config, moments: Optional[dict], step: Optional[int]) -> None:
-    """Full (unsharded) tensors in HF names into the model and, with ``moments``, the optimizer: torch's
-    ``set_state_dict`` shards them onto whatever FSDP / TP layout the run has."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                         set_state_dict)
-
-    expected = set(model.state_dict())
-    if config.tie_word_embeddings and "lm_head.weight" in expected:
-        hf_weights["lm_head.weight"] = hf_weights["model.embed_tokens.weight"]
-    missing, extra = sorted(expected - set(hf_weights)), sorted(set(hf_weights) - expected)
-    if missing or extra:
-        raise UsageError(f"the Megatron-LM checkpoint does not fill this model: missing {missing[:3]}, unexpected "
-                         f"{extra[:3]} — drop the model flags that add layers (e.g. --mtp-num-layers)")
-    full = StateDictOptions(full_state_dict=True)
-    if optimizer is None:
-        set_model_state_dict(model, hf_weights, options=full)
-        return
-    hf_moments = {kind: mc.to_hf_state_dict(moments[kind], config) for kind in ("exp_avg", "exp_avg_sq")}
-    # The structure (FQN keys, our param groups); its state dicts are the optimizer's own: build new ones.
-    _, current = get_state_dict(model, optimizer)
-    optim_sd = {"state": {}, "param_groups": [dict(group) for group in current["param_groups"]]}
-    for fqn in current["state"]:
-        if fqn not in hf_moments["exp_avg"]:
-            raise UsageError(f"the Megatron-LM checkpoint has no Adam state for {fqn} — resume with --no-load-optim")
-        own = current["state"][fqn]  # our optimizer's dtypes (fp32, or bf16 states under --o2-optimizer)
-        optim_sd["state"][fqn] = {
-            "step": torch.tensor(float(step), dtype=own["step"].dtype if torch.is_tensor(own.get("step"))
-                                 else torch.float32),
-            **{kind: hf_moments[kind][fqn].to(own[kind].dtype if kind in own else torch.float32) for kind in hf_moments}}
-    set_state_dict(model, optimizer, model_state_dict=hf_weights, optim_state_dict=optim_sd, options=full)
-
-
-def _restore_rng(it_dir: Path, common: dict, fmt: str, args: Any) -> None:
+def _rng_entry(it_dir: Path, common: dict, fmt: str, args: Any, rank: int) -> Optional[dict]:
+    """This rank's RNG states (the first entry, or the rank's own with --data-parallel-random-init)."""
     entries = common.get("rng_state")
     if fmt == "torch_dist":
         found = _torch_dist_tensors(it_dir, lambda k: k.startswith("rng_state"))
@@ -364,13 +347,5 @@ def _restore_rng(it_dir: Path, common: dict, fmt: str, args: Any) -> None:
         entries = entries[0]  # a ShardedObject read back as the list of its one shard
     if not entries:
         print_rank0(f"  {it_dir}: no RNG state in the checkpoint — the seeded generators are kept")
-        return
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    state = entries[rank] if getattr(args, "data_parallel_random_init", False) and rank < len(entries) else entries[0]
-    random.setstate(state["random_rng_state"])
-    np.random.set_state(state["np_rng_state"])
-    torch.set_rng_state(state["torch_rng_state"])
-    if torch.cuda.is_available() and torch.cuda.is_initialized() and "cuda_rng_state" in state:
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
+        return None
+    return entries[rank] if getattr(args, "data_parallel_random_init", False) and rank < len(entries) else entries[0]

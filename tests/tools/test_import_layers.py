@@ -45,9 +45,6 @@ RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
 
 # (importing module, imported module): why it may look up. Few, each with its way out.
 EXCEPTIONS: Dict[Tuple[str, str], str] = {
-    ("megatron_compat.checkpoint.convert", "fsdp2_backend.training.checkpoint_io"):
-        "the Megatron checkpoint reader takes LATEST_FILE from training/ (fsdp2_backend.checkpoint_dirs has it); "
-        "megatron_compat/checkpoint/ is being moved by its own change",
     ("megatron_compat.checkpoint.convert", "fsdp2_backend.training.hf_export"):
         "convert_megatron writes its HF directory with training's HF writer (lazily); the writer belongs with "
         "the formats, or the conversion in the cli",
