@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from fsdp2_backend.usage_errors import UsageError
+from fsdp2_backend.usage_errors import RunStopped, UsageError
 from fsdp2_backend import checkpoint_dirs as dirs
 from fsdp2_backend.training import hf_shards
 from megatron_compat.data.utils import barrier, rank_zero_first
@@ -103,11 +103,20 @@ def _write_hf_dir(model: torch.nn.Module, out_dir: Path, write_mine: Callable[[P
     except Exception as exc:
         error = exc
     try:
-        barrier(error, "HF export")
+        # what each rank wrote, or why it failed ("" when not for lack of space or permission): a full disk met
+        # by any writer is the one line every rank stops with, rank 0 (the one that prints) included
+        failures: List[Optional[str]] = [None if error is None else str(export_stopped(error, out_dir) or "")]
         if world > 1:
             gathered: List[Any] = [None] * world
-            dist.all_gather_object(gathered, written)
-            written = [entry for part in gathered for entry in part]
+            dist.all_gather_object(gathered, (written, failures[0]))
+            written = [entry for part, _ in gathered for entry in part]
+            failures = [why for _, why in gathered]
+        if error is not None:
+            raise error
+        if any(why is not None for why in failures):
+            storage = next((why for why in failures if why), None)
+            raise (RunStopped(storage) if storage else
+                   UsageError("HF export failed on another rank — see that rank's error"))
         rank_zero_first(lambda: _commit(model, tmp, out_dir, written, tokenizer), others=False,
                         what="HF export")
     except BaseException as exc:
