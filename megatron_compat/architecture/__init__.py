@@ -156,8 +156,9 @@ def _ffn(a: Arch) -> Optional[int]:
 VOCAB_SIZE_TOKENIZERS = (None, "NullTokenizer", "TikTokenizer", "NullMultimodalTokenizer")
 
 
-def _vocab(a: Arch) -> Optional[int]:
-    """The vocabulary the flags give; the engine pads it (make-vocab-size-divisible-by × tp) in one place."""
+def flag_vocab(a: Arch) -> Optional[int]:
+    """The vocabulary the flags give (None: the tokenizer's); the engine pads it (make-vocab-size-divisible-by × tp)
+    in one place. Every family reads it here (hybrid, mamba too)."""
     if a.get("padded_vocab_size"):
         return a.get("padded_vocab_size")
     if a.get("tokenizer_type") not in VOCAB_SIZE_TOKENIZERS:
@@ -198,7 +199,7 @@ def _dense_keys(a: Arch, family: str) -> None:
     put("untie_embeddings_and_output_weights", "tie_word_embeddings",
         not g("untie_embeddings_and_output_weights"))
     vocab_dest = "padded_vocab_size" if g("padded_vocab_size") else "vocab_size"
-    vocab = _vocab(a)
+    vocab = flag_vocab(a)
     if vocab is not None:
         put(vocab_dest, "vocab_size", vocab)
     for dest in ("swiglu", "squared_relu", "openai_gelu", "gelu_tanh", "geglu"):

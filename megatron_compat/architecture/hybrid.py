@@ -161,8 +161,11 @@ def apply(a) -> Dict[str, Any]:
     a.put("attention_dropout", "attention_dropout", g("attention_dropout"))
     a.put("init_method_std", "initializer_range", g("init_method_std"))
     a.put("untie_embeddings_and_output_weights", "tie_word_embeddings", not g("untie_embeddings_and_output_weights"))
-    vocab = g("padded_vocab_size") or g("vocab_size")
-    a.put("padded_vocab_size" if g("padded_vocab_size") else "vocab_size", "vocab_size", vocab)
+    from megatron_compat.architecture import flag_vocab  # (imported here: the package imports this module)
+
+    vocab = flag_vocab(a)
+    if vocab is not None:
+        a.put("padded_vocab_size" if g("padded_vocab_size") else "vocab_size", "vocab_size", vocab)
     eps_dest = "norm_epsilon" if "norm_epsilon" in a.active else "layernorm_epsilon"
     eps = g(eps_dest)
     if eps is not None and eps != MEGATRON_MIXER_NORM_EPS:

@@ -83,8 +83,11 @@ def apply(a) -> Dict[str, Any]:
     a.put("init_method_std", "initializer_range", g("init_method_std"))
     a.put("untie_embeddings_and_output_weights", "tie_word_embeddings", not g("untie_embeddings_and_output_weights"))
     a.put("add_bias_linear", "use_bias", bool(g("add_bias_linear")))
-    vocab = g("padded_vocab_size") or g("vocab_size")
-    a.put("padded_vocab_size" if g("padded_vocab_size") else "vocab_size", "vocab_size", vocab)
+    from megatron_compat.architecture import flag_vocab  # (imported here: the package imports this module)
+
+    vocab = flag_vocab(a)
+    if vocab is not None:
+        a.put("padded_vocab_size" if g("padded_vocab_size") else "vocab_size", "vocab_size", vocab)
     for dest, why in NO_EFFECT.items():
         if dest not in a.recorded:
             a.note(dest, "no_effect", why)
