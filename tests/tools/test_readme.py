@@ -20,7 +20,7 @@ README = REPO / "README.md"
 # README's placeholders.
 OTHER_FLAGS = {"--nproc_per_node", "--dry-run", "--check", "--prompt", "--dtype", "--flag", "--group.field"}
 OTHER_FLAGS |= {"--help", "--help-flags", "--help-config"}  # pretrain_fsdp2.py's own (fsdp2_backend/launch.py)
-OTHER_FLAGS |= {"--hf-config"}  # tools/convert_checkpoint.py's own (Megatron-LM checkpoints)
+OTHER_FLAGS |= {"--hf-config", "--max-shard-size"}  # tools/convert_checkpoint.py's own
 
 
 def readme() -> str:
@@ -51,7 +51,9 @@ def test_readme_links_the_generated_docs_and_holds_no_copy_of_them():
 
 def test_readme_flags_exist():
     known = set(OTHER_FLAGS)
-    for parser in (megatron_parser(), preprocess_parser()):
+    from torch.distributed.run import get_args_parser  # torchrun's own (the multi-node launch)
+
+    for parser in (megatron_parser(), preprocess_parser(), get_args_parser()):
         known.update(o for action in parser._actions for o in action.option_strings)
     known.update(f"--{group}.{name}" for group, name, *_ in field_help())
     used = set(re.findall(r"(?<![\w-])--[a-z][\w.-]*[a-z_]", readme()))
