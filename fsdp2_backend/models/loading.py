@@ -14,6 +14,7 @@ the sharding.
 """
 from __future__ import annotations
 
+import json
 import os
 from contextlib import ExitStack
 from pathlib import Path
@@ -36,7 +37,8 @@ def load_hf_config(model_args: ModelArguments):
     from transformers import AutoConfig
 
     arch = dict(model_args.architecture or {})
-    register_model_types()  # this project's own HF model types (e.g. "mamba3"), so their directories load
+    if not _known_to_transformers(model_args.model_name_or_path, arch.get("model_type")):
+        register_model_types()  # this project's own HF model types (e.g. "mamba3"), so their directories load
     if model_args.model_name_or_path:
         path = model_args.model_name_or_path
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
@@ -49,6 +51,10 @@ def load_hf_config(model_args: ModelArguments):
                                                    cache_dir=model_args.cache_dir, revision=model_args.model_revision,
                                                    token=model_args.hf_hub_token)
         except (OSError, ValueError) as exc:
+            if "custom code" in str(exc) and not model_args.trust_remote_code:  # config.json's auto_map
+                raise UsageError(f"model.model_name_or_path (--load): {os.path.join(path, 'config.json')} names "
+                                 f"custom modelling code (auto_map), which runs only with model.trust_remote_code "
+                                 f"(--trust-remote-code) — set it only for a directory you trust") from None
             raise UsageError(f"model.model_name_or_path (--load): cannot read an HF config from {path} "
                              f"({str(exc).splitlines()[0]}) — point it at a local Hugging Face model directory")
         _check_architecture(hf_config, arch)
@@ -57,6 +63,23 @@ def load_hf_config(model_args: ModelArguments):
         raise UsageError("model.model_name_or_path (--load): not set and no architecture given — give an HF "
                          "model directory or the Megatron architecture flags")
     return _config_from_architecture(arch)
+
+
+def _known_to_transformers(path: Optional[str], model_type: Optional[str]) -> bool:
+    """Whether the run's model type (config.json's in `path`, else the architecture's) is one transformers has: then
+    registering this project's own types is not needed (importing their modules cost ~1 s of start-up)."""
+    config_file = os.path.join(path, "config.json") if path else None
+    if config_file and os.path.isfile(config_file):
+        try:
+            with open(config_file, encoding="utf-8") as f:
+                model_type = json.load(f).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            return False
+    if not model_type:
+        return False
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return model_type in CONFIG_MAPPING
 
 
 def _config_from_architecture(arch: Dict) -> object:

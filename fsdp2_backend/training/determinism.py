@@ -20,7 +20,9 @@ def set_deterministic(enabled: bool) -> None:
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         os.environ.setdefault("HCCL_DETERMINISTIC", "true")
-    torch.use_deterministic_algorithms(enabled, warn_only=True)
+    if enabled or torch.are_deterministic_algorithms_enabled():
+        # the call imports torch._inductor (0.5-1 s of start-up): not made when off and already off (torch's default)
+        torch.use_deterministic_algorithms(enabled, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.deterministic = enabled
     if enabled:
