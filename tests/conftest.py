@@ -10,8 +10,16 @@ A test is `e2e` when its code (or a helper it names) starts the entry point or a
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 
 import pytest
+
+# One intra-op thread per process, here and in every process a test starts (mp.spawn ranks, torchrun, tools inherit
+# the variable): the models are tiny, so a second OpenMP thread buys nothing, and on the 2-core CI machine two ranks
+# x two spinning threads oversubscribe it — measured on the qwen3_next reference loop, 8 steps took 18 s of CPU
+# with 2 threads against 0.3 s with 1.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 KINDS = ("unit", "distributed", "e2e")
 _E2E_WORDS = ("run_pretrain", "subprocess", "torch.distributed.run", "run_cli", "dry_run(", "train(")
@@ -19,6 +27,8 @@ _DISTRIBUTED_WORDS = ("run_distributed", "mp.spawn")
 
 
 def pytest_configure(config):
+    if "torch" in sys.modules:  # imported before this file (a plugin): the variable came too late for it
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     for kind, text in zip(KINDS, ("in-process test", "2-rank gloo test", "entry point / tool run as a subprocess")):
         config.addinivalue_line("markers", f"{kind}: {text}")
 
