@@ -16,7 +16,7 @@
 """
 from __future__ import annotations
 
-from megatron_compat.translate.handlers import handles
+from megatron_compat.translate.handler_table import handles
 
 _FLOAT8_CONVERTER = "quantize.linear.float8"  # = fsdp2_backend.config.quant_names.FLOAT8_LINEAR_CONVERTER
 _DELAYED_ONLY = ("fp8_margin", "fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo")
