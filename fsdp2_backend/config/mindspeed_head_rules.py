@@ -65,6 +65,10 @@ def head_field_errors(config) -> List[str]:
     if dsa and model_id not in DSA_MODEL_IDS:
         errors.append(f"optimization.{dsa[0]}: for DSA models only (model_id {' / '.join(DSA_MODEL_IDS)}; "
                       f"MindSpeed's rule), got model_id {m.model_id} — drop it")
+    if model_id in DSA_MODEL_IDS and p.cp_size > 1:
+        errors.append(f"parallel.cp_size: context parallel is not built for model_id {model_id} — its DeepSeek "
+                      f"sparse attention picks each query's keys over the whole sequence (MindSpeed's kvallgather "
+                      f"is its own DSA kernel path) — use cp_size 1")
     for name in ("use_ascend_mhc", "use_triton_swiglu_limit"):
         if getattr(o, name) and model_id != "deepseek_v4":
             errors.append(f"optimization.{name}: for model_id deepseek_v4 only (MindSpeed's rule), got model_id "
