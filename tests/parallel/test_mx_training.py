@@ -10,6 +10,7 @@
   differs from it; `quant_ignored_modules` (lm_head, the MoE router) stay high precision.
 """
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,7 +138,9 @@ def _export_holds_unquantised_weights(export_dir):
     from transformers import AutoModelForCausalLM
 
     full = torch.load(f"{export_dir}.full.pt")
-    exported = load_file(f"{export_dir}/model.safetensors")
+    exported = {}  # every rank wrote a shard of whole layers (model-0000i-of-0000N.safetensors)
+    for shard in sorted(Path(export_dir).glob("*.safetensors")):
+        exported.update(load_file(shard))
     q = exported["model.layers.0.self_attn.q_proj.weight"]
     assert q.dtype == torch.float32
     assert torch.equal(q, full["model.layers.0.self_attn.q_proj.weight"])
