@@ -132,6 +132,9 @@ class Step35ForCausalLM(Step3p7PreTrainedModel, GenerationMixin):
 
     config_class = Step3p7TextConfig
     config: Step3p7TextConfig
+    # transformers' "may this class take config._experts_implementation?" (models/moe/grouped_causal_lm.py): a
+    # Step-3.5 config asks for grouped_mm (transformers >= 5.25), which our own experts serve
+    _can_set_experts_implementation_cached_value = True
     base_model_prefix = "model"
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _no_split_modules = ["Step3p7DecoderLayer"]
