@@ -65,6 +65,12 @@ def head_field_errors(config) -> List[str]:
     if dsa and model_id not in DSA_MODEL_IDS:
         errors.append(f"optimization.{dsa[0]}: for DSA models only (model_id {' / '.join(DSA_MODEL_IDS)}; "
                       f"MindSpeed's rule), got model_id {m.model_id} — drop it")
+    from fsdp2_backend.config.router_rules import megatron_router_set
+
+    if model_id in ("deepseek_v4", "longcat_flash_ngram") and megatron_router_set(m):
+        errors.append(f"model.moe_router_*: model_id {model_id} routes with transformers' own routers (DeepSeek-V4's "
+                      f"hash and sqrt-softplus routers, LongCat's zero-expert router); Megatron's router options are "
+                      f"not applied to them — drop the options")
     if model_id in DSA_MODEL_IDS and p.cp_size > 1:
         errors.append(f"parallel.cp_size: context parallel is not built for model_id {model_id} — its DeepSeek "
                       f"sparse attention picks each query's keys over the whole sequence (MindSpeed's kvallgather "
@@ -85,6 +91,9 @@ def head_field_notices(config) -> List[str]:
                        "torch's FSDP2 shards the same fsdp_modules, with the same results")
     if p.hook_modules != ParallelArguments().hook_modules:
         notices.append("parallel.hook_modules: no effect — only MindSpeed's custom FSDP implementation reads it")
+    if p.ep_dispatcher == "mc2" and p.ep_size == 1:  # MindSpeed's DeepSeek-V4 example: mc2 with EP off
+        notices.append("parallel.ep_dispatcher: mc2 (an Ascend MC2 kernel) has no effect with ep_size 1 — no tokens "
+                       "are dispatched")
     if p.cp_type == "kvallgather":
         notices.append("parallel.cp_type: kvallgather runs as ring here — the same exact attention (each rank's "
                        "queries over every key/value), exchanged in a ring")

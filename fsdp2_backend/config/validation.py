@@ -251,7 +251,7 @@ def _check_not_yet(config: Config, errors: List[str]) -> None:
     check_sft(config, errors)  # stage sft / data_manager_type lf (sft_rules)
     check_quantization(config, errors)  # quant_recipe_name and its fields (quant_rules)
     errors.extend(fim_errors(config))  # data.fim_* (fim_rules)
-    if config.parallel.ep_dispatcher == "mc2":
+    if config.parallel.ep_dispatcher == "mc2" and config.parallel.ep_size > 1:  # ep 1: no dispatch (notices)
         errors.append("parallel.ep_dispatcher: mc2 needs Ascend NPUs (torch_npu MC2 kernels) — use eager or fused")
 
 

@@ -100,7 +100,7 @@ def test_valid_pretraining_config_passes():
     ({"training": {"stage": "sft"}}, "training.stage: sft reads the fine-tuning data path — set "
                                      "data.data_manager_type: lf"),
     ({"model": {"quant_recipe_name": "mxfp8", "quant_converters": ["x"]}}, "model.quant_converters: unknown"),
-    ({"parallel": {"ep_dispatcher": "mc2"}}, "parallel.ep_dispatcher: mc2 needs Ascend NPUs"),
+    ({"parallel": {"ep_dispatcher": "mc2", "ep_size": 2}}, "parallel.ep_dispatcher: mc2 needs Ascend NPUs"),
     ({"training": {"decoupled_min_lr": 1e-5}}, "training.decoupled_min_lr: only used with training.decoupled_lr"),
     ({"training": {"decoupled_lr": -1.0}}, "training.decoupled_lr: must be >= 0"),
     ({"training": {"start_weight_decay": 0.0}}, "training.start_weight_decay: only used with weight_decay_incr_style"),

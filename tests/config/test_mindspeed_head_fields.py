@@ -89,3 +89,14 @@ def test_chunk_batch_refuses_megatron_load_balancing_losses(model_dir, tmp_path)
                                   "model": {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.01}})])
     assert any(e.startswith("parallel.enable_chunk_batch: Megatron's load-balancing losses")
                for e in head_field_errors(config))
+
+
+def test_transformers_routed_ids_refuse_megatrons_router_options():
+    from fsdp2_backend.config.mindspeed_head_rules import head_field_errors
+
+    for model_id in ("deepseek_v4", "longcat_flash_ngram"):
+        config = build_config([("t", {"model": {"model_id": model_id, "moe_router_score_function": "sigmoid"}})])
+        assert any(e.startswith(f"model.moe_router_*: model_id {model_id} routes with transformers' own routers")
+                   for e in head_field_errors(config))
+    config = build_config([("t", {"model": {"model_id": "glm52", "moe_router_score_function": "sigmoid"}})])
+    assert not head_field_errors(config)  # glm52 carries the project's router

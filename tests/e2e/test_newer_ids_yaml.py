@@ -54,8 +54,7 @@ def _model_args(assets, model_id, out):
             "--training.output_dir", str(out), "--data.cutoff_len", "32", "--training.max_steps", "2",
             "--training.save_steps", "0", "--training.lr", "1e-3", "--training.warmup_ratio", "0",
             "--training.per_device_train_batch_size", "2", "--training.dataloader_num_workers", "0",
-            "--parallel.ep_size", "1", "--parallel.ep_fsdp_size", "1",
-            "--parallel.ep_dispatcher", "eager"]  # the DeepSeek-V4 example's mc2 is an NPU kernel: off
+            "--parallel.ep_size", "1", "--parallel.ep_fsdp_size", "1"]
 
 
 def _train(assets, model_id, out, ranks, *extra):
@@ -120,11 +119,13 @@ def test_every_yaml_validates_at_world_size_two(assets, yaml_name, tmp_path):
             (True, 1, "fused_adamw", 0.001, False)
         assert any("fsdp_implementation: custom" in line for line in lines), lines
         assert any("hook_modules: no effect" in line for line in lines), lines
+        assert any("ep_dispatcher: mc2 (an Ascend MC2 kernel) has no effect with ep_size 1" in line
+                   for line in lines), lines
 
 
 def test_glm52_expert_parallel_two_equals_one_rank(assets, one_rank, tmp_path):
     ep2, log = _train(assets, "glm52", tmp_path / "ep2", 2, "--parallel.ep_size", "2", "--parallel.ep_fsdp_size",
-                      "1")
+                      "1", "--parallel.ep_dispatcher", "eager")
     one = one_rank("glm52")
     for it in (1, 2):
         assert ep2[it] == pytest.approx(one[it], rel=2e-4), (it, one, ep2)
