@@ -292,6 +292,16 @@ def checkpoint_hf_dir(checkpoint: str | os.PathLike) -> Path:
     return Path(checkpoint) / dirs.HF_META_DIR
 
 
+def _guarded_reading(checkpoint: Path) -> dict:
+    """DCP's reader and planner reading .metadata and the pickled entries (the optimizer's param groups) through the
+    allow-list foreign checkpoints go through (megatron_compat/checkpoint/safe_pickle.py): a checkpoint directory
+    from elsewhere runs no code."""
+    from megatron_compat.checkpoint.safe_pickle import OWN, SafeFileSystemReader, SafeLoadPlanner
+
+    return {"storage_reader": SafeFileSystemReader(str(checkpoint), kind=OWN),
+            "planner": SafeLoadPlanner(checkpoint, kind=OWN)}
+
+
 def load_checkpoint(checkpoint: str | os.PathLike, model: torch.nn.Module,
                     optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None,
                     train_state: Any = None, *, no_load_optim: bool = False, no_load_rng: bool = False,
@@ -317,11 +327,11 @@ def load_checkpoint(checkpoint: str | os.PathLike, model: torch.nn.Module,
     if load_optim:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
-        dcp.load(state, checkpoint_id=str(checkpoint))
+        dcp.load(state, **_guarded_reading(checkpoint))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     else:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(checkpoint))
+        dcp.load(state, **_guarded_reading(checkpoint))
         set_model_state_dict(model, state["model"])
 
     if scheduler is not None and not (no_load_optim or finetune):

@@ -43,8 +43,12 @@ class ForeignPickleRefused(UsageError):
     """A foreign pickle holds a global outside the allow-list."""
 
 
-def refusal(where: Any, name: str) -> ForeignPickleRefused:
-    return ForeignPickleRefused(f"{where}: holds a pickled {name}, which is not part of a Megatron checkpoint — "
+MEGATRON = "a Megatron checkpoint"
+OWN = "a checkpoint of this project"  # this project's own DCP checkpoints read through the same door
+
+
+def refusal(where: Any, name: str, kind: str = MEGATRON) -> ForeignPickleRefused:
+    return ForeignPickleRefused(f"{where}: holds a pickled {name}, which is not part of {kind} — "
                                f"refusing to load it (loading it could run code)")
 
 
@@ -98,7 +102,8 @@ def _open(source: Union[str, os.PathLike, BinaryIO]):
 _UNSUPPORTED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)|<(?:class|function|built-in function) '?([\w.]+)")
 
 
-def load_torch_file(source: Union[str, os.PathLike, BinaryIO], where: Any = None, mmap: bool = False) -> Any:
+def load_torch_file(source: Union[str, os.PathLike, BinaryIO], where: Any = None, mmap: bool = False,
+                    kind: str = MEGATRON) -> Any:
     """``torch.load`` of a foreign ``torch.save`` file (path or seekable file object) through the allow-list;
     ``where`` names it in the refusal (default: the path)."""
     where = source if where is None else where
@@ -118,7 +123,7 @@ def load_torch_file(source: Union[str, os.PathLike, BinaryIO], where: Any = None
         elif name.startswith(_STANDIN_PREFIXES):
             wanted.append((_standin(name), name))
         else:
-            raise refusal(where, name)
+            raise refusal(where, name, kind)
     try:
         with torch.serialization.safe_globals(wanted):
             if isinstance(source, (str, os.PathLike)):
@@ -128,7 +133,7 @@ def load_torch_file(source: Union[str, os.PathLike, BinaryIO], where: Any = None
     except pickle.UnpicklingError as exc:  # torch's restricted unpickler refused something the listing missed
         found = _UNSUPPORTED_GLOBAL.search(str(exc))
         raise refusal(where, (found.group(1) or found.group(2)) if found else "object torch's weights-only loader "
-                      "refuses") from None
+                      "refuses", kind) from None
 
 
 class _Rewound:
@@ -178,9 +183,9 @@ class RestrictedUnpickler(pickle.Unpickler):
     """A plain pickle's unpickler resolving only the allow-list (``find_class`` is where every global of a pickle
     is looked up: GLOBAL, STACK_GLOBAL, INST, OBJ)."""
 
-    def __init__(self, file, where: Any):
+    def __init__(self, file, where: Any, kind: str = MEGATRON):
         super().__init__(file)
-        self.where = where
+        self.where, self.kind = where, kind
         self.allowed = {**_dcp_classes(), "torch.Size": torch.Size, "collections.OrderedDict": collections.OrderedDict,
                         "torch.serialization._get_layout": torch.serialization._get_layout,
                         "_codecs.encode": __import__("_codecs").encode, **_path_classes(),
@@ -195,10 +200,10 @@ class RestrictedUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if full.startswith(_STANDIN_PREFIXES):
             return _standin(full)
-        raise refusal(self.where, full)
+        raise refusal(self.where, full, self.kind)
 
     def persistent_load(self, pid):
-        raise refusal(self.where, f"persistent reference {pid!r}")
+        raise refusal(self.where, f"persistent reference {pid!r}", self.kind)
 
 
 def load_plain_pickle(path: Union[str, os.PathLike], where: Any = None) -> Any:
@@ -214,26 +219,35 @@ def _reader_classes():
     class SafeFileSystemReader(FileSystemReader):
         """torch's FileSystemReader, reading ``.metadata`` through the restricted unpickler."""
 
+        def __init__(self, path, *args, kind: str = MEGATRON, **kwargs):
+            super().__init__(path, *args, **kwargs)
+            self.kind = kind
+
         def read_metadata(self, *args, **kwargs):
             path = self._get_metadata_path(kwargs.get("rank"))
             with self.fs.create_stream(path, "rb") as f:
-                metadata = RestrictedUnpickler(f, Path(str(path))).load()
+                metadata = RestrictedUnpickler(f, Path(str(path)), self.kind).load()
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
     class SafeLoadPlanner(DefaultLoadPlanner):
-        """DefaultLoadPlanner whose byte entries (pickled objects) load through the allow-list; for flat state
-        dicts (every key a DCP key, as the readers here build them)."""
+        """DefaultLoadPlanner whose byte entries (pickled objects) load through the allow-list."""
 
-        def __init__(self, where: Any, **kwargs):
+        def __init__(self, where: Any, kind: str = MEGATRON, **kwargs):
             super().__init__(**kwargs)
-            self.where = where
+            self.where, self.kind = where, kind
 
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
             fqn = read_item.dest_index.fqn
-            self.original_state_dict[fqn] = load_torch_file(value, where=f"{self.where} (its entry {fqn})")
+            loaded = load_torch_file(value, where=f"{self.where} (its entry {fqn})", kind=self.kind)
+            if self.flatten_state_dict:  # as torch's own load_bytes places it in the nested state dict
+                from torch.distributed.checkpoint._traverse import set_element
+
+                set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            else:
+                self.original_state_dict[fqn] = loaded
 
     return SafeFileSystemReader, SafeLoadPlanner
 
@@ -262,5 +276,5 @@ def dcp_metadata(it_dir: Path):
     return SafeFileSystemReader(str(it_dir)).read_metadata()
 
 
-__all__ = ["ForeignPickleRefused", "MegatronStandIn", "load_torch_file", "load_plain_pickle", "RestrictedUnpickler",
+__all__ = ["MEGATRON", "OWN", "ForeignPickleRefused", "MegatronStandIn", "load_torch_file", "load_plain_pickle", "RestrictedUnpickler",
            "SafeFileSystemReader", "SafeLoadPlanner", "dcp_load", "dcp_metadata"]

@@ -144,3 +144,27 @@ def test_each_reader_refuses_in_process_and_genuine_files_still_read(poisoned):
     assert isinstance(common["args"].attention_backend, MegatronStandIn)
     assert type(common["args"].model_type).__module__ == "megatron.core.enums"
     assert common["args"].num_query_groups == 2
+
+
+def test_hf_directories_wanting_custom_code_are_refused_naming_the_file(tmp_path):
+    """An HF model or tokenizer directory whose auto_map names code shipped with it: without --trust-remote-code
+    the code never runs and the one line names the file that asked for it."""
+    from fsdp2_backend.config.schema import ModelArguments
+    from fsdp2_backend.models.loading import load_hf_config
+    from fsdp2_backend.usage_errors import UsageError
+    from megatron_compat.data.tokenizer import HuggingFaceTokenizer
+
+    marker = tmp_path / "code_ran"
+    model_dir, tok_dir = tmp_path / "model", tmp_path / "tok"
+    for folder in (model_dir, tok_dir):
+        folder.mkdir()
+        (folder / "custom.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (model_dir / "config.json").write_text('{"model_type": "custom_thing", "auto_map": {"AutoConfig": '
+                                           '"custom.CustomConfig"}}')
+    (tok_dir / "tokenizer_config.json").write_text('{"tokenizer_class": "CustomTok", "auto_map": {"AutoTokenizer": '
+                                                   '["custom.CustomTok", null]}}')
+    with pytest.raises(UsageError, match=f"{model_dir}/config.json names custom modelling code"):
+        load_hf_config(ModelArguments(model_name_or_path=str(model_dir)))
+    with pytest.raises(UsageError, match=f"{tok_dir}/tokenizer_config.json .or its config.json. names custom"):
+        HuggingFaceTokenizer(str(tok_dir))
+    assert not marker.exists()
