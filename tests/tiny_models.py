@@ -45,6 +45,14 @@ def _family(name):
     return build
 
 
+def _newer(name):
+    def build():
+        from tests.models.test_newer_model_ids import tiny_config
+        return tiny_config(name)
+    return build
+
+
 TINY_CONFIGS = {"qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "qwen3_next": _qwen3_next, "mamba3": _mamba3,
                 "gpt_oss": _gpt_oss, "minimax_m27": _minimax, "step35": _step35,
-                **{name: _family(name) for name in ("deepseek_v3", "mixtral", "qwen2_moe")}}
+                **{name: _family(name) for name in ("deepseek_v3", "mixtral", "qwen2_moe")},
+                **{name: _newer(name) for name in ("deepseek_v4", "glm52", "longcat_flash_ngram")}}
