@@ -266,12 +266,14 @@ def convert_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike
 
 
 def _model_tensors(checkpoint: Path) -> Dict[str, tuple]:
-    """The checkpoint's model tensors: name → (global shape, dtype), from the DCP metadata."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """The checkpoint's model tensors: name → (global shape, dtype), from the DCP metadata (read through the
+    allow-list: a checkpoint directory from elsewhere runs no code)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from megatron_compat.checkpoint.safe_pickle import OWN, SafeFileSystemReader
+
     out = {}
-    for key, meta in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.items():
+    for key, meta in SafeFileSystemReader(str(checkpoint), kind=OWN).read_metadata().state_dict_metadata.items():
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
             out[key[len("model."):]] = (tuple(meta.size), meta.properties.dtype)
     return out
@@ -279,10 +281,13 @@ def _model_tensors(checkpoint: Path) -> Dict[str, tuple]:
 
 def _read_model_tensors(checkpoint: Path, wanted: Mapping[str, tuple]) -> Dict[str, torch.Tensor]:
     """The full tensors ``wanted`` (name → shape, dtype) of the checkpoint's model, read in this process only."""
-    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint import load
+
+    from megatron_compat.checkpoint.safe_pickle import OWN, SafeFileSystemReader, SafeLoadPlanner
 
     state = {"model": {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in wanted.items()}}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process.*")
-        load(state, storage_reader=FileSystemReader(str(checkpoint)), no_dist=True)
+        load(state, storage_reader=SafeFileSystemReader(str(checkpoint), kind=OWN),
+             planner=SafeLoadPlanner(checkpoint, kind=OWN), no_dist=True)
     return state["model"]
