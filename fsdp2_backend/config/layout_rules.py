@@ -8,7 +8,8 @@
   qwen3_next's Gated DeltaNet layers: parallel/context_parallel/linear_attention.py; model_id gpt_oss's and
   step35's sliding-window layers: parallel/context_parallel/attention.py);
 - sequence parallel: the sequence divisible by tp;
-- expert parallel: an MoE model whose experts divide by ep, and no tp with it;
+- expert parallel: an MoE model whose experts divide by ep; with tp the sequence divisible by tp (the MoE blocks
+  run on sequence shards: parallel/moe_tensor_parallel.py);
 - model_id mamba3: no tp, no cp (declined with the reason).
 - model_id minimax_m27: no tp (q/k RMSNorm over all heads; declined with the reason).
 - gpt_oss (model id or model type): no tp (per-head sinks not in the tp plan; declined with the reason).
@@ -107,9 +108,10 @@ def check_model_layout(config: Config, facts: ModelFacts, world_size: int, error
                       f"divisible by tp_size {p.tp_size} — use a multiple of {p.tp_size} or drop sequence "
                       f"parallel")
     if p.ep_size > 1 or p.ep_fsdp_size > 1:
-        if p.tp_size > 1:
-            errors.append("parallel.ep_size / ep_fsdp_size: expert parallelism together with tensor parallelism "
-                          "(--expert-tensor-parallel-size) is not supported yet — use tp_size 1 with EP")
+        if p.tp_size > 1 and not p.sequence_parallel and d.cutoff_len % p.tp_size:
+            # the MoE blocks run on each tp rank's sequence shard (parallel/moe_tensor_parallel.py)
+            errors.append(f"parallel.ep_size: with tp_size {p.tp_size} the MoE layers split the sequence "
+                          f"{d.cutoff_len} (data.cutoff_len) over the tp ranks — use a multiple of {p.tp_size}")
         if facts.source and not facts.num_experts:
             errors.append(f"parallel.ep_size: the model ({facts.model_type or 'from ' + facts.source}) has no "
                           f"experts — expert parallelism needs an MoE model; use ep_size 1")

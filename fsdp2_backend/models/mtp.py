@@ -134,7 +134,15 @@ class _AttachLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        return grad_output, grad_output.new_full(ctx.loss_shape, ctx.scale, dtype=torch.float32), None
+        # a plain tensor even when the logits are distributed (tensor parallel): the loss is a plain one
+        return grad_output, torch.full(ctx.loss_shape, ctx.scale, dtype=torch.float32,
+                                       device=grad_output.device), None
+
+
+def _plain(logits: Tensor) -> Tensor:
+    """Logits as a plain tensor: under tensor parallel the head (called past its hooks) returns a distributed
+    tensor, whose whole value every rank holds after `full_tensor()`."""
+    return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
 
 
 def mtp_forward(model: nn.Module, batch: Dict[str, Tensor], num_layers: int,
@@ -148,13 +156,19 @@ def mtp_forward(model: nn.Module, batch: Dict[str, Tensor], num_layers: int,
     captured: Dict[str, object] = {}
     sums: List[Tensor] = []
     counts: List[Tensor] = []
-    plain_embed, plain_head = embed.forward, head.forward
-    own_embed, own_head = embed.__dict__.get("forward"), head.__dict__.get("forward")
+    plain_head = head.forward
+    own_head = head.__dict__.get("forward")
+    rows = batch["input_ids"].size(0)
 
-    def embed_all(ids: Tensor) -> Tensor:
-        full = plain_embed(torch.cat([ids, *mtp_ids], dim=0))
-        captured["embedded"] = full[ids.size(0):].chunk(num_layers, dim=0)
-        return full[:ids.size(0)].clone()  # not a view: FSDP2's pre-backward hook must stay on the output
+    # The embedding's call embeds the main ids and the rolled ones at once: the ids are joined before every other
+    # hook (FSDP's, tensor parallel's input conversion) and split after all of them (tensor parallel's output
+    # layout), so the MTP layers get their embeddings in the same layout as the decoder layers' inputs.
+    def join_ids(_module, args, kwargs):
+        return (torch.cat([args[0], *mtp_ids], dim=0),) + tuple(args[1:]), kwargs
+
+    def split_embeddings(_module, _args, full):
+        captured["embedded"] = full[rows:].chunk(num_layers, dim=0)
+        return full[:rows].clone()  # not a view: FSDP2's pre-backward hook must stay on the output
 
     def capture_kwargs(module, args, kwargs):
         kw = dict(kwargs)
@@ -168,7 +182,7 @@ def mtp_forward(model: nn.Module, batch: Dict[str, Tensor], num_layers: int,
         for k, layer in enumerate(model.mtp.layers, start=1):
             normed, raw = layer(state, captured["embedded"][k - 1], layer_kwargs)
             state = raw if layout.prenorm_hidden else normed
-            mtp_logits = plain_head(normed)
+            mtp_logits = _plain(plain_head(normed))
             losses = F.cross_entropy(mtp_logits.reshape(-1, mtp_logits.size(-1)).float(),
                                      batch[f"mtp_labels_{k}"].reshape(-1), reduction="none")
             mask = batch[f"mtp_loss_mask_{k}"].reshape(-1).float()
@@ -176,12 +190,14 @@ def mtp_forward(model: nn.Module, batch: Dict[str, Tensor], num_layers: int,
             counts.append(mask.sum())
         return _AttachLoss.apply(logits, extra_backward_loss(sums, counts), loss_scale)
 
-    embed.forward, head.forward = embed_all, head_with_mtp
+    head.forward = head_with_mtp
     from fsdp2_backend.models.mtp_layouts import mtp_layout
 
     layout = mtp_layout(model.config)
     source = _decoder_layers(model)[layout.layer_index(model.config)]
-    handles = [source.register_forward_pre_hook(capture_kwargs, with_kwargs=True)]
+    handles = [source.register_forward_pre_hook(capture_kwargs, with_kwargs=True),
+               embed.register_forward_pre_hook(join_ids, with_kwargs=True, prepend=True),
+               embed.register_forward_hook(split_embeddings)]
     if layout.prenorm_hidden:  # the checkpoint's model feeds depth 1 the hidden states before the final norm
         handles.append(model.get_decoder().norm.register_forward_pre_hook(
             lambda module, args: captured.__setitem__("before_norm", args[0])))
@@ -190,11 +206,10 @@ def mtp_forward(model: nn.Module, batch: Dict[str, Tensor], num_layers: int,
     finally:
         for handle in handles:
             handle.remove()
-        for module, own in ((embed, own_embed), (head, own_head)):
-            if own is None:
-                del module.forward
-            else:
-                module.forward = own
+        if own_head is None:
+            del head.forward
+        else:
+            head.forward = own_head
     return out, [s.detach() for s in sums], [c.detach() for c in counts]
 
 

@@ -30,10 +30,14 @@ from fsdp2_backend.parallel.router_groups import set_router_groups
 def _tensor_parallel(model: nn.Module, config: Config, ctx: ParallelContext) -> Set[nn.Parameter]:
     from fsdp2_backend.parallel.tensor_parallel import apply_tensor_parallel
 
+    from fsdp2_backend.parallel.moe_tensor_parallel import token_local_blocks
+
     parallel = config.parallel
     experts = parallel.ep_modules if parallel.ep_size > 1 or parallel.ep_fsdp_size > 1 else ()
+    # with EP the MoE blocks run on each rank's own tokens, experts not tensor-parallel (Megatron's etp 1)
     apply_tensor_parallel(model, ctx.tp_mesh, colwise=parallel.tp_colwise, rowwise=parallel.tp_rowwise,
-                          sequence_parallel=parallel.sequence_parallel, exclude=experts)
+                          sequence_parallel=parallel.sequence_parallel, exclude=experts,
+                          token_local=token_local_blocks(model, experts))
     return set()  # TP parameters are DTensors on the tp mesh; FSDP shards them further over its own mesh
 
 
@@ -89,7 +93,8 @@ def apply_parallelism(model: nn.Module, config: Config, ctx: ParallelContext) ->
 
         enable_packed_attention(model)
     _model_switches(model, config, ctx.device.type)
-    set_router_groups(model, ctx)  # the groups the MoE routers' load-balancing losses reduce over
+    set_router_groups(model, ctx, tokens_split_over_tp=parallel.tp_size > 1 and (
+        parallel.ep_size > 1 or parallel.ep_fsdp_size > 1))  # the groups the MoE routers' load-balancing losses reduce over
     fsdp_ignored: Set[nn.Parameter] = set()
     if parallel.tp_size > 1:
         fsdp_ignored |= _tensor_parallel(model, config, ctx)

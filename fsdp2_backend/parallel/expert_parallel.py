@@ -34,7 +34,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.models.moe.experts import GroupedExperts
 from fsdp2_backend.parallel.moe_dispatch import make_dispatcher
-from fsdp2_backend.parallel.plans import lenient_matches, require_matches
+from fsdp2_backend.parallel.plans import lenient_matches, match_modules
 
 
 def shard_by_dim_1(param: nn.Parameter) -> Shard:
@@ -94,7 +94,8 @@ def apply_expert_fsdp(model: nn.Module, mesh: DeviceMesh, patterns: Iterable[str
     gradient reduction is set with every other unit's (`parallel.apply.set_gradient_policy`).
     """
     units = []
-    for _, module in require_matches(model, list(patterns), field):
+    # lenient like ep_modules: MindSpeed's DeepSeek-V4 YAML also names MTP experts a model without MTP lacks
+    for _, module in lenient_matches(model, list(patterns), field):
         fully_shard(module, mesh=mesh, shard_placement_fn=shard_placement_fn,
                     reshard_after_forward=reshard_after_forward, mp_policy=mp_policy or MixedPrecisionPolicy())
         units.append(module)
@@ -114,13 +115,10 @@ def apply_expert_parallel(model: nn.Module, config, ctx) -> Set[nn.Parameter]:
     from fsdp2_backend.parallel.fsdp import mixed_precision_policy
 
     parallel = config.parallel
-    if parallel.tp_size > 1:
-        raise UsageError("parallel.ep_size / ep_fsdp_size: expert parallelism together with tensor parallelism "
-                         "(--expert-tensor-parallel-size) is not supported yet — use tp_size 1 with EP")
     ep_names = [name for name, _ in expert_modules(model, parallel.ep_modules, "parallel.ep_modules")]
     if parallel.ep_size > 1:
         expert_params = {p for name in ep_names for p in model.get_submodule(name).parameters()}
-        mixed = [name for name, module in require_matches(model, parallel.ep_fsdp_modules, "parallel.ep_fsdp_modules")
+        mixed = [name for name, module in match_modules(model, parallel.ep_fsdp_modules)  # warned below if unmatched
                  if any(p not in expert_params for p in module.parameters())]
         if mixed:
             raise UsageError(f"parallel.ep_fsdp_modules: {', '.join(mixed[:3])} hold non-expert parameters, which "

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.distributed.dtensor import local_tensor
+from fsdp2_backend.parallel.moe_tensor_parallel import inside, make_token_local
 from fsdp2_backend.parallel.plans import match_modules, matches
 from fsdp2_backend.config.tp_cp_checks import tensor_parallel_problems
 
@@ -39,6 +40,9 @@ HEAD_NORM_GLOBS = ("*.q_norm", "*.k_norm")
 # Norms on the residual stream, which sequence parallel splits along the sequence.
 SEQUENCE_NORM_GLOBS = ("*.input_layernorm", "*.post_attention_layernorm", "*.pre_feedforward_layernorm",
                        "*.post_feedforward_layernorm", "model.norm", "norm")
+# MTP depths (models/mtp.py): their norms and eh_proj act token by token on the residual stream.
+MTP_TOKEN_WISE_GLOBS = ("mtp.layers.{*}.enorm", "mtp.layers.{*}.hnorm", "mtp.layers.{*}.final_layernorm",
+                        "mtp.layers.{*}.eh_proj")
 # Attributes some HF attention modules keep with their head counts; divided by tp when present.
 _HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads")
 _SEQ, _HEADS = Shard(1), Shard(2)  # activations are [batch, seq, hidden] / [batch, seq, heads, head_dim]
@@ -131,11 +135,12 @@ def _gather_sequence_into_blocks(model: nn.Module, mesh: DeviceMesh, colwise: Se
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, colwise: Sequence[str] = DEFAULT_COLWISE,
                           rowwise: Sequence[str] = DEFAULT_ROWWISE, sequence_parallel: bool = False,
-                          exclude: Sequence[str] = ()) -> nn.Module:
+                          exclude: Sequence[str] = (), token_local: Sequence[str] = ()) -> nn.Module:
     """Shards an HF decoder model over the 1-D `tp_mesh` in place and returns it.
 
     Call before context parallel, recompute and FSDP. `exclude`: globs of modules to leave untouched (e.g. MoE
-    experts that expert parallel shards next). Raises UsageError for head counts or layer sizes tp does not divide.
+    experts that expert parallel shards next). `token_local`: names of MoE blocks that run on each rank's own
+    tokens with whole weights (`moe_tensor_parallel`, expert tensor-parallel size 1). Raises UsageError for head counts or layer sizes tp does not divide.
     """
     tp = tp_mesh.size()
     config = model.config
@@ -145,8 +150,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, colwise: Sequen
         problems.append("sequence_parallel (--sequence-parallel): not supported with eager attention — use sdpa")
     if problems:
         raise UsageError(problems)
-    col_names = plan_modules(model, colwise, "tp_colwise", exclude)
-    row_names = plan_modules(model, rowwise, "tp_rowwise", exclude)
+    col_names = [n for n in plan_modules(model, colwise, "tp_colwise", exclude) if not inside(n, token_local)]
+    row_names = [n for n in plan_modules(model, rowwise, "tp_rowwise", exclude) if not inside(n, token_local)]
     both = sorted(set(col_names) & set(row_names))
     if both:
         raise UsageError(f"tp_colwise / tp_rowwise: {', '.join(both)} match both — make the globs disjoint")
@@ -166,10 +171,32 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, colwise: Sequen
             for attribute in _HEAD_COUNT_ATTRIBUTES:
                 if isinstance(getattr(module, attribute, None), int):
                     setattr(module, attribute, getattr(module, attribute) // tp)
+    make_token_local(model, tp_mesh, token_local, exclude, sequence_parallel, {})
     _replicate_the_rest(model, tp_mesh, sequence_parallel, exclude)
+    _mtp_layer_edges(model, tp_mesh, sequence_parallel)
     if sequence_parallel:
         model.register_forward_pre_hook(_full_position_ids, with_kwargs=True)
     return model
+
+
+def _mtp_layer_edges(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """MTP depths (models/mtp.py) are called by the lm head with its (distributed) input: each depth takes its
+    hidden states into the residual stream's layout (this rank's sequence shard under sequence parallel, else the
+    whole sequence) and hands back its outputs as distributed tensors, which the head's weight multiplies."""
+    residual = _SEQ if sequence_parallel else Replicate()
+
+    def before(_module, args):
+        hidden = args[0]
+        if isinstance(hidden, DTensor):
+            hidden = hidden.redistribute(mesh, [residual]).to_local()
+        return (hidden,) + tuple(args[1:])
+
+    def after(_module, _args, out):
+        return tuple(DTensor.from_local(t, mesh, [residual], run_check=False) for t in out)
+
+    for _, layer in match_modules(model, ["mtp.layers.{*}"]):
+        layer.register_forward_pre_hook(before)
+        layer.register_forward_hook(after)
 
 
 def _full_position_ids(_model, args, kwargs):
@@ -195,7 +222,7 @@ def _replicate_the_rest(model: nn.Module, mesh: DeviceMesh, sequence_parallel: b
                               input_desired=Replicate() if sequence_parallel else None)
         elif matches(name, HEAD_NORM_GLOBS):
             _replicate_module(module, mesh, memo, _HEADS)
-        elif sequence_parallel and matches(name, SEQUENCE_NORM_GLOBS):
+        elif sequence_parallel and matches(name, SEQUENCE_NORM_GLOBS + MTP_TOKEN_WISE_GLOBS):
             _replicate_module(module, mesh, memo, _SEQ)
         elif sequence_parallel:
             raise UsageError(f"sequence_parallel (--sequence-parallel): does not know how {name} "

@@ -60,7 +60,6 @@ def test_line_translates_or_is_declined_with_reasons(key):
 
 
 VALIDATION_DECLINES = ("training.global_batch_size", "model.mtp_num_layers: not available with parallel.",
-                       "parallel.ep_size / ep_fsdp_size: expert parallelism together with tensor parallelism",
                        "parallel.tp_size: model_type nemotron_h",  # examples/mamba/train.sh at tp 4
                        "model.quant_recipe_name: tensorwise FP8 scales over a tensor that tensor parallel")
 

@@ -18,10 +18,7 @@ DATA = json.loads((Path(__file__).resolve().parents[1] / "data" / "mindspeed_llm
 LINES = DATA["lines"]
 
 # Scripts whose layout the engine declines at validation, and the one reason that may stop them.
-LAYOUT_DECLINES = {
-    "examples/mcore/qwen3_moe/pretrain_qwen3_480b_4k_A3_ptd.sh":
-        "parallel.ep_size / ep_fsdp_size: expert parallelism together with tensor parallelism",
-}
+LAYOUT_DECLINES = {}
 
 # flag → (config group, field, type): the script's value must arrive there unchanged.
 CHECKED = {"--tensor-model-parallel-size": ("parallel", "tp_size", int),

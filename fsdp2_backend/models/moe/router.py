@@ -151,6 +151,7 @@ class TopKRouter(nn.Module):
         self.fixed = False
         self.token_group: Optional[dist.ProcessGroup] = None
         self.sequence_group: Optional[dist.ProcessGroup] = None
+        self.tp_split = 1  # of sequence_group's ranks, how many split the sequence for tp, not cp (x cp scaling)
         self.pending_loss: Optional[torch.Tensor] = None
         self.logged: Dict[str, torch.Tensor] = {}
         self.apply_settings(settings)
@@ -198,7 +199,8 @@ class TopKRouter(nn.Module):
         training = self.training and torch.is_grad_enabled()
         self.pending_loss = None
         if training and s.megatron_losses and s.z_loss_coeff:
-            self._add_loss("z_loss", z_loss(logits, s.z_loss_coeff), s.z_loss_coeff)
+            # a mean over this rank's tokens: tp ranks' gradients are summed, so 1/tp makes it the whole mean
+            self._add_loss("z_loss", z_loss(logits, s.z_loss_coeff), s.z_loss_coeff, scale=1 / self.tp_split)
         bias = getattr(self, "expert_bias", None) if s.expert_bias else None
         if selection_bias is not None:
             bias = selection_bias.to(logits.dtype)
@@ -248,7 +250,7 @@ class TopKRouter(nn.Module):
                     self.ga_steps += 1
                 loss = switch_load_balancing_loss(scores, self.global_tokens_per_expert / self.ga_steps,
                                                   tokens * log_scale, s.top_k, s.num_experts, coeff)
-            self._add_loss(LOSS_NAMES[kind], loss, coeff, scale=cp, log_scale=log_scale)
+            self._add_loss(LOSS_NAMES[kind], loss, coeff, scale=cp // self.tp_split, log_scale=log_scale)
 
     def _add_loss(self, name: str, weighted: torch.Tensor, coeff: float, scale: int = 1,
                   log_scale: int = 1) -> None:
