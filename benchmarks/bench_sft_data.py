@@ -1,9 +1,15 @@
 """SFT data path figures: preprocessing throughput with packing, and the attention memory of neat packing.
 
 1. Preprocessing (`prepare_datasets`: read jsonl → alpaca → qwen3 template → labels → greedy-knapsack packing) of
-   an N-sample alpaca set (default 50 000, drawn from local text) with a Qwen3-like tokenizer: samples/s and
-   tokens/s, and the ratio to the tokenizer's own batch encoding of the same texts (the floor of any pipeline),
-   measured in the same run.
+   an N-sample alpaca set (default 50 000, drawn from local text) with a Qwen3-like tokenizer, per
+   `preprocessing_num_workers` (--workers), next to the tokenizer's own batch encoding of the same texts (the floor
+   of any pipeline) and, with --llamafactory-python, LLaMA-Factory's own preprocessing (`get_dataset`, template
+   qwen3, packing) of the same file, all measured in the same rounds, each in a fresh process: samples/s by CPU
+   time (the process and its workers; the steadier figure on a shared machine) and by wall time. LLaMA-Factory
+   lives in an environment of its own, never the project's: e.g. `python -m venv /root/bench-lf`, a .pth file
+   naming the project venv's site-packages (the same torch / transformers / datasets), `pip install --no-deps
+   llamafactory==0.9.5 peft omegaconf`, and an empty `torchaudio` package (0.9.5 imports it at module level and
+   no build exists for torch 2.13; text SFT never calls it); DISABLE_VERSION_CHECK=1 is set for it.
 2. Attention of one packed row of S tokens (documents of 256..2048 tokens, 8 heads of 64): the packed attention
    (per-document, no mask; `models/packed_attention.py`) vs SDPA with the dense [1, 1, S, S] bf16 block mask
    MindSpeed builds. Each case runs in its own subprocess; its peak memory above the inputs (the polled peak of

@@ -130,7 +130,16 @@ def load_one(attr: DatasetAttr, data_args, seed: int, streaming: bool):
     if streaming:
         columns = list(next(iter(dataset)).keys())
     return dataset.map(_align(attr), batched=True, batch_size=data_args.preprocessing_batch_size,
-                       remove_columns=columns, **kwargs)
+                       remove_columns=columns, features=_canonical_features(), **kwargs)
+
+
+def _canonical_features():
+    """The canonical columns' arrow types, given so that datasets writes them without inferring the nested
+    messages' types batch by batch (that inference cost as much as the conversion)."""
+    from datasets import Features, List, Value
+
+    return Features({"messages": List({"role": Value("string"), "content": Value("string")}),
+                     "system": Value("string"), "tools": Value("string")})
 
 
 def interleave_probs(data_args, count: int) -> Optional[List[float]]:
