@@ -115,9 +115,6 @@ def apply_expert_parallel(model: nn.Module, config, ctx) -> Set[nn.Parameter]:
     from fsdp2_backend.parallel.fsdp import mixed_precision_policy
 
     parallel = config.parallel
-    if parallel.tp_size > 1:
-        raise UsageError("parallel.ep_size / ep_fsdp_size: expert parallelism together with tensor parallelism "
-                         "(--expert-tensor-parallel-size) is not supported yet — use tp_size 1 with EP")
     ep_names = [name for name, _ in expert_modules(model, parallel.ep_modules, "parallel.ep_modules")]
     if parallel.ep_size > 1:
         expert_params = {p for name in ep_names for p in model.get_submodule(name).parameters()}
