@@ -26,6 +26,7 @@ OPENAI_COLUMNS = {"messages": "messages", "system": "system", "tools": "tools"}
 OPENAI_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
                "observation_tag": "tool", "function_tag": "function_call", "system_tag": "system"}
 FORMATS = ("alpaca", "sharegpt", "openai")
+DEFAULT_COLUMNS = {"alpaca": ALPACA_COLUMNS, "sharegpt": SHAREGPT_COLUMNS, "openai": OPENAI_COLUMNS}
 
 
 @dataclass
@@ -41,8 +42,7 @@ class DatasetAttr:
     num_samples: Optional[int] = None
 
     def column(self, key: str) -> Optional[str]:
-        defaults = {"alpaca": ALPACA_COLUMNS, "sharegpt": SHAREGPT_COLUMNS, "openai": OPENAI_COLUMNS}
-        return self.columns.get(key, defaults[self.formatting].get(key))
+        return self.columns.get(key, DEFAULT_COLUMNS[self.formatting].get(key))
 
     def tag(self, key: str) -> str:
         return self.tags.get(key, (OPENAI_TAGS if self.formatting == "openai" else SHAREGPT_TAGS)[key])
