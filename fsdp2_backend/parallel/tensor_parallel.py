@@ -40,6 +40,11 @@ HEAD_NORM_GLOBS = ("*.q_norm", "*.k_norm")
 # Norms on the residual stream, which sequence parallel splits along the sequence.
 SEQUENCE_NORM_GLOBS = ("*.input_layernorm", "*.post_attention_layernorm", "*.pre_feedforward_layernorm",
                        "*.post_feedforward_layernorm", "model.norm", "norm")
+# Multi-latent attention (DeepSeek-V3 style, transformers' names): the up-projections to heads are column-parallel
+# (with the default plan's q_proj and o_proj); the latent down-projections and their norms stay whole (replicated)
+# inside the attention block, whose input is whole there (sequence parallel gathers it at the block's entry).
+MLA_COLWISE = ("*.q_b_proj", "*.kv_b_proj")
+MLA_LATENT_GLOBS = ("*.q_a_proj", "*.q_a_layernorm", "*.kv_a_proj_with_mqa", "*.kv_a_layernorm")
 # MTP depths (models/mtp.py): their norms and eh_proj act token by token on the residual stream.
 MTP_TOKEN_WISE_GLOBS = ("mtp.layers.{*}.enorm", "mtp.layers.{*}.hnorm", "mtp.layers.{*}.final_layernorm",
                         "mtp.layers.{*}.eh_proj")
@@ -150,6 +155,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, colwise: Sequen
         problems.append("sequence_parallel (--sequence-parallel): not supported with eager attention — use sdpa")
     if problems:
         raise UsageError(problems)
+    if match_modules(model, ["*.kv_b_proj"]):  # multi-latent attention: its head projections join the plan
+        colwise = list(colwise) + [glob for glob in MLA_COLWISE if glob not in colwise]
     col_names = [n for n in plan_modules(model, colwise, "tp_colwise", exclude) if not inside(n, token_local)]
     row_names = [n for n in plan_modules(model, rowwise, "tp_rowwise", exclude) if not inside(n, token_local)]
     both = sorted(set(col_names) & set(row_names))
@@ -220,6 +227,8 @@ def _replicate_the_rest(model: nn.Module, mesh: DeviceMesh, sequence_parallel: b
         elif module is lm_head:
             _replicate_module(module, mesh, memo, _SEQ if sequence_parallel else Replicate(),
                               input_desired=Replicate() if sequence_parallel else None)
+        elif matches(name, MLA_LATENT_GLOBS):
+            _replicate_module(module, mesh, memo, Replicate())
         elif matches(name, HEAD_NORM_GLOBS):
             _replicate_module(module, mesh, memo, _HEADS)
         elif sequence_parallel and matches(name, SEQUENCE_NORM_GLOBS + MTP_TOKEN_WISE_GLOBS):

@@ -330,6 +330,9 @@ def finish_router_step(model: nn.Module, num_microbatches: int, group: Optional[
         return {}
     values = torch.stack([sum(r.logged[n] for r in found if n in r.logged) for n in names]).float()
     values /= len(found) * num_microbatches
+    split = next((r for r in found if r.tp_split > 1), None)
+    if split is not None:  # tp ranks routed different tokens (parallel/moe_tensor_parallel.py): average over them too
+        group = split.token_group
     if distributed and group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(values, group=group)
         values /= dist.get_world_size(group)
