@@ -13,7 +13,23 @@ from typing import List, Sequence
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fsdp2_backend.parallel.plans import lenient_matches
+from fsdp2_backend.parallel.plans import lenient_matches, unmatched_patterns
+
+# Megatron's `shared_experts` recompute module: transformers names it `shared_expert` (Qwen2-MoE, Qwen3-Next) or
+# `shared_experts` (DeepSeek-V3, GLM): a pattern naming the spelling the model lacks selects the one it has.
+_SPELLINGS = {"shared_expert": "shared_experts", "shared_experts": "shared_expert"}
+
+
+def _respelled(model: nn.Module, patterns: Sequence[str]) -> List[str]:
+    out = []
+    for pattern in patterns:
+        head, dot, last = pattern.rpartition(".")
+        if last in _SPELLINGS and unmatched_patterns(model, [pattern]):
+            other = head + dot + _SPELLINGS[last]
+            if not unmatched_patterns(model, [other]):
+                pattern = other
+        out.append(pattern)
+    return out
 
 
 def _checkpointed(forward, *args, **kwargs):
@@ -24,7 +40,7 @@ def apply_recompute(model: nn.Module, patterns: Sequence[str]) -> List[str]:
     """Recomputes every module matching `patterns` in backward; returns the names of those modules."""
     # lenient (one warning per pattern that matches nothing) as the other plan fields MindSpeed's YAMLs share
     # across models: its DeepSeek-V4 YAML names MTP layers (`mtp.layers.{*}.layer`) a model without MTP lacks
-    matched = lenient_matches(model, patterns, "parallel.recompute_modules")
+    matched = lenient_matches(model, _respelled(model, patterns), "parallel.recompute_modules")
     for _, module in matched:
         module.forward = functools.partial(_checkpointed, module.forward)
     return [name for name, _ in matched]

@@ -12,6 +12,7 @@ from megatron_compat.translate.handler_table import handles
 # --- recomputation --------------------------------------------------------------------------------------------
 _SELECTIVE = {"core_attn": ["model.layers.{*}.self_attn"], "mla_up_proj": ["model.layers.{*}.self_attn"],
               "mlp": ["model.layers.{*}.mlp"], "moe": ["model.layers.{*}.mlp"],
+              # `shared_expert` or, in DeepSeek-style models, `shared_experts`: the engine takes the one the model has
               "moe_act": ["model.layers.{*}.mlp.experts"], "shared_experts": ["model.layers.{*}.mlp.shared_expert"],
               "layernorm": ["model.layers.{*}.input_layernorm", "model.layers.{*}.post_attention_layernorm"]}
 
