@@ -50,6 +50,15 @@ def _source(item) -> str:
     return text
 
 
+def pytest_unconfigure(config):
+    # The forkserver tests.helpers.run_distributed forks its ranks from: stopped and waited for, so that it goes
+    # with the session and its CPU time is counted with the session's.
+    if "multiprocessing.forkserver" in sys.modules:
+        stop = getattr(sys.modules["multiprocessing.forkserver"]._forkserver, "_stop", None)
+        if stop is not None:
+            stop()
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(item.get_closest_marker(kind) for kind in KINDS):

@@ -29,9 +29,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn_entry(rank, world_size, port, fn, args):
+def _spawn_entry(rank, world_size, port, fn, args, environ=None):
     import torch.distributed as dist
 
+    if environ is not None:  # the forkserver's copy is from when it started: take the caller's current one
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -53,10 +56,22 @@ def run_distributed(fn, world_size: int, *args) -> None:
     """Runs `fn(rank, world_size, *args)` in `world_size` gloo processes; re-raises a failure.
 
     `fn` must be a module-level function (it is pickled). Results travel through files the caller names.
+    The ranks are forked from a forkserver that imported torch, transformers and the engine once per test session
+    (a fresh interpreter per rank imported them again for every launch: about 6 s of CPU a rank).
     """
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    mp.spawn(_spawn_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+    multiprocessing.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    mp.start_processes(_spawn_entry, args=(world_size, free_port(), fn, args, dict(os.environ)),
+                       nprocs=world_size, join=True, start_method="forkserver")
+
+
+# Imported once by the forkserver (it forks the ranks); a module that fails to import there is only skipped.
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "transformers",
+                       "fsdp2_backend.parallel.apply", "fsdp2_backend.build", "fsdp2_backend.training.trainer",
+                       "tests.helpers"]
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
