@@ -27,7 +27,8 @@ demo: install-run
 	HF_HUB_OFFLINE=1 bash examples/demo.sh
 
 bench: install
-	@for b in benchmarks/bench_*.py; do echo "== $$b"; HF_HUB_OFFLINE=1 $(PYTHON) $$b || exit 1; done
+	@for b in benchmarks/bench_*.py; do m=$$(basename $$b .py); echo "== $$m"; \
+		HF_HUB_OFFLINE=1 $(PYTHON) -m benchmarks.$$m || exit 1; done
 
 # Regenerates the lock from a fresh environment with the newest releases the ranges allow. Run it on purpose,
 # then run `make test` and commit constraints-cpu.txt with the note of what changed.
