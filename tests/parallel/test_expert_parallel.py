@@ -234,5 +234,3 @@ def test_layouts_that_would_reduce_wrongly_are_refused():
 
     with pytest.raises(UsageError, match=r"parallel.ep_fsdp_modules: model.layers.0.mlp, .* hold non-expert"):
         apply(ep_size=2, ep_fsdp_modules=["model.layers.{*}.mlp"])
-    with pytest.raises(UsageError, match="together with tensor parallelism"):
-        apply(ep_size=2, tp_size=2)
