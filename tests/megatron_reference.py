@@ -67,7 +67,7 @@ def assert_same_samples(reference, ours, indices=None) -> None:
 
 def megatron_lm_args(*argv: str, **derived):
     """The args namespace Megatron-LM saves in its checkpoints for the flags ``argv``: every dest with its default
-    (``../shared/megatron/megatron_lm_arguments.json``, Megatron-LM's own parser dump), the flags parsed by an
+    (``megatron_lm_arguments.json``, Megatron-LM's own parser dump, shipped verbatim in megatron_compat/parse/), the flags parsed by an
     argparse built from it — so a test's saved args carry Megatron's dest names (``--norm-epsilon`` is
     ``layernorm_epsilon``), not the reader's guesses. ``derived``: what Megatron-LM's validate_args / tokenizer
     build then set (``padded_vocab_size``, ...)."""
@@ -75,8 +75,9 @@ def megatron_lm_args(*argv: str, **derived):
     import ast
     import json
 
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "megatron",
-                           "megatron_lm_arguments.json")) as f:
+    from megatron_compat.parse.arguments import MEGATRON_TABLE  # the verbatim copy the package ships
+
+    with open(MEGATRON_TABLE) as f:
         table = json.load(f)
 
     def moe_freq(text):  # Megatron-LM's moe_freq_type: an int, or a list ("[1,0,1]")
