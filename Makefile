@@ -16,15 +16,16 @@ install-run:
 install: install-run
 	$(PIP) install -q $(CONSTRAINTS) -e ".[test]"
 
+# Two pytest workers (pytest-xdist): the tests' processes run one torch thread each (tests/conftest.py).
 test: install
-	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q $(PYTEST_ARGS) tests
+	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 $(PYTEST_ARGS) tests
 
 # The in-process unit tests only (a few minutes); CI runs the whole suite.
 test-quick: install
-	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -m unit $(PYTEST_ARGS) tests
+	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q -n 2 -m unit $(PYTEST_ARGS) tests
 
 demo: install-run
-	HF_HUB_OFFLINE=1 bash examples/demo.sh
+	HF_HUB_OFFLINE=1 PYTHON=$(PYTHON) bash examples/demo.sh
 
 bench: install
 	@for b in benchmarks/bench_*.py; do m=$$(basename $$b .py); echo "== $$m"; \

@@ -27,7 +27,7 @@ setup(
     extras_require={
         # megatron-core is the reference implementation the tests compare against; never used at run time.
         # triton: the RMSNorm kernel's tests run it under the triton interpreter on CPU (~290 MB wheel).
-        "test": ["pytest", "megatron-core==0.16.1", "pyarrow", "nltk", "triton", "wandb", "tensorboard",
+        "test": ["pytest", "pytest-xdist", "megatron-core==0.16.1", "pyarrow", "nltk", "triton", "wandb", "tensorboard",
                  "matplotlib", "datasets", "torchao",
                  "accelerate",  # transformers' FP8 from_pretrained (the reference of tests/models/test_fp8_block_loading.py)
                  "psutil"],  # megatron-core's dist_checkpointing.save (tests/megatron_compat/test_megatron_import.py) needs it
