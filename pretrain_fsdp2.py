@@ -3,9 +3,17 @@
 
 See fsdp2_backend/launch.py for the command line.
 """
+import os
 import sys
 
 from fsdp2_backend.launch import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The run is over and everything it wrote is closed (checkpoints, export, logs, the process group). Leave
+    # without the interpreter's teardown: there a gloo background thread still being destroyed now and then aborts
+    # a finished rank ("terminate called without an active exception", exit -6), and torchrun then reports a run
+    # that succeeded as failed. Errors never reach here (they exit through SystemExit with their own code).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

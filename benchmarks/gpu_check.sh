@@ -9,4 +9,5 @@ for arg in "$@"; do [[ "$arg" == "--dry" ]] && DRY=1; done
 [[ "${GPU_CHECK_DRY:-0}" == "1" ]] && DRY=1
 # dry: the kernels run under the triton interpreter on CPU; the real run must not (it checks the compiled kernels)
 if [[ $DRY == 1 ]]; then export TRITON_INTERPRET=1; else unset TRITON_INTERPRET; fi
-exec env HF_HUB_OFFLINE=1 timeout 470 python benchmarks/gpu_check.py "$@"
+# PYTHON: the environment to run in (`make install` put the project there); plain `python` otherwise
+exec env HF_HUB_OFFLINE=1 timeout 470 "${PYTHON:-python}" benchmarks/gpu_check.py "$@"

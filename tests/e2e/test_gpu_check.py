@@ -1,14 +1,17 @@
 """benchmarks/gpu_check.sh --dry: the accelerator check's every step on CPU at tiny shapes (the real run needs a
 GPU)."""
+import os
 import re
 import subprocess
+import sys
 
 from tests.helpers import REPO
 
 
 def test_gpu_check_dry_mode_prints_both_sides():
+    env = {**os.environ, "PYTHON": sys.executable}  # the tests' environment, activated or not
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry"], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     for kernel in ("rmsnorm", "rmsnorm_gated", "gated_delta_rule", "causal_conv1d"):  # under the interpreter
         assert f"kernel {kernel} float32: triton on the triton interpreter (cpu) matches" in proc.stdout
