@@ -23,8 +23,9 @@ from megatron_compat.architecture import mamba as architecture_mamba
 from megatron_compat.architecture import minimax as architecture_minimax
 from megatron_compat.architecture import mla as architecture_mla
 from megatron_compat.architecture.router import ROUTER_FAMILIES, hf_router_keys, megatron_router, pai_aux_loss
-from megatron_compat.architecture.flags import (ARCHITECTURE_DESTS, FAMILY_DESTS, HF_DEFINED_DESTS, HF_REASONS,
-                                                MLA_ONLY, MOE_ONLY)
+from megatron_compat.architecture.dispositions import check_buildable as _check_buildable
+from megatron_compat.architecture.dispositions import rotary as _rotary
+from megatron_compat.architecture.dispositions import settle as _settle
 
 _MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss", "minimax_m2")
 _MIXTRAL_NAMES = ("mixtral", "gpt_oss", "minimax_m2")  # num_local_experts, intermediate_size = expert width
@@ -92,54 +93,6 @@ def _family(a: Arch) -> str:
     if g("add_qkv_bias") and not g("add_bias_linear"):
         return "qwen2"
     return "llama"
-
-
-def _rotary(a: Arch) -> bool:
-    return a.get("position_embedding_type") == "rope" or bool(a.get("use_rotary_position_embeddings"))
-
-
-def _check_buildable(a: Arch, family: str) -> None:
-    """From scratch, the flags must describe the chosen HF model type exactly; decline what differs."""
-    g = a.get
-    rope = _rotary(a) or (family == "gpt_oss" and g("position_embedding_type") == "yarn")
-    gated = g("swiglu") or g("geglu") or (family == "gpt_oss" and g("quick_geglu"))  # gpt_oss: its own checks
-    if family == "gpt2":
-        if g("normalization") != "LayerNorm":
-            a.decline("normalization", "RMSNorm with learned absolute positions has no HF model type to build — "
-                                       "use --position-embedding-type rope with --swiglu (a Llama-style model)")
-        if not g("add_bias_linear"):
-            a.decline("add_bias_linear", "a GPT-2-style model without linear biases has no HF model type to "
-                                         "build — drop --disable-bias-linear or use a Llama-style model")
-        if g("group_query_attention"):
-            a.decline("group_query_attention", "GPT-2-style models have no grouped-query attention — use "
-                                               "--position-embedding-type rope --swiglu --normalization RMSNorm")
-        if g("squared_relu"):
-            a.decline("squared_relu", "no buildable HF model type uses squared ReLU — give --load with an HF "
-                                      "directory of that model")
-        if g("qk_layernorm"):
-            a.decline("qk_layernorm", "GPT-2-style models have no QK layernorm — use --position-embedding-type "
-                                      "rope --swiglu --normalization RMSNorm (a Qwen3-style model)")
-        return
-    if family == "qwen2_moe" and not g("add_qkv_bias"):
-        a.decline("moe_shared_expert_intermediate_size", "Qwen2-MoE-style models (shared experts) have q/k/v "
-                  "biases — add --add-qkv-bias, or give --load with an HF directory")
-    if not rope:
-        a.decline("position_embedding_type", f"a {family}-style model needs rotary embeddings — use "
-                                             "--position-embedding-type rope, or give --load with an HF directory")
-    if g("normalization") != "RMSNorm":
-        a.decline("normalization", f"a {family}-style model uses RMSNorm — use --normalization RMSNorm, or give "
-                                   "--load with an HF directory")
-    if not gated:
-        a.decline("swiglu", f"a {family}-style model has a gated MLP — add --swiglu, or give --load with an HF "
-                            "directory")
-    if g("hidden_dropout"):
-        a.decline("hidden_dropout", f"HF {family} models have no hidden dropout — set --hidden-dropout 0")
-    if g("add_bias_linear") and family not in ("llama", "gpt_oss"):
-        a.decline("add_bias_linear", f"HF {family} models have no biases on every linear layer (Megatron's "
-                                     "default) — add --disable-bias-linear")
-    if g("add_qkv_bias") and not g("add_bias_linear") and family not in ("qwen2", "qwen2_moe", "gpt_oss"):
-        a.decline("add_qkv_bias", f"HF {family} models put attention biases on q/k/v and o together — drop "
-                                  "--add-qkv-bias, or give --load with an HF directory")
 
 
 def _ffn(a: Arch) -> Optional[int]:
@@ -419,29 +372,3 @@ def loaded_model_type(ns) -> Optional[str]:
         except (OSError, ValueError, AttributeError):
             continue
     return None
-
-
-def _settle(a: Arch, family: str) -> None:
-    """Every active architecture flag not yet given a disposition gets the honest one."""
-    for dest in sorted(set(a.active) - a.recorded):
-        if dest in HF_DEFINED_DESTS:
-            if a.from_scratch:
-                a.decline(dest, "this architecture feature cannot be built from flags — give --load with an HF "
-                                "directory of that model")
-            else:
-                a.note(dest, "no_effect", "defined by the HF model in --load")
-        elif dest not in ARCHITECTURE_DESTS or dest in a.declined:
-            continue
-        elif dest in MOE_ONLY and not a.get("num_experts"):
-            a.note(dest, "no_effect", "read only by MoE models (--num-experts)")
-        elif dest in MLA_ONLY and family != "deepseek_v3":
-            a.note(dest, "no_effect", "read only with --multi-latent-attention")
-        elif not a.from_scratch:
-            a.note(dest, "no_effect", HF_REASONS.get(dest, "defined by the HF model in --load"))
-        elif dest in FAMILY_DESTS:
-            a.note(dest, "mapped", f"model.architecture.model_type ({family})")
-        elif dest == "hidden_dropout" and not a.get(dest):
-            a.note(dest, "no_effect", f"HF {family} models have no hidden dropout, as asked")
-        else:
-            a.decline(dest, f"not representable in an HF {family} model — drop it, or give --load with an HF "
-                            "directory of that model")

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 from fsdp2_backend.usage_errors import UsageError
 from megatron_compat import architecture
+from megatron_compat.architecture.flags import ARCHITECTURE_DESTS
 from megatron_compat.parse import shell_words
 from megatron_compat.translate import flag_rules
 from megatron_compat.parse.arguments import defaults, megatron_groups, option_strings, parse_megatron, takes_value
@@ -211,7 +212,7 @@ def translate_report(argv: Sequence[str], world_size: int = 1, model_given: bool
     if arch and not (ctx.get("use_checkpoint_args") and loads_checkpoint(ctx)):  # the checkpoint's model wins
         ctx.set("model.architecture", arch)
         given = [ctx.flag_names[d] for d in sorted(active, key=ctx.order.__getitem__)
-                 if d in architecture.ARCHITECTURE_DESTS]
+                 if d in ARCHITECTURE_DESTS]
         ctx.sources["model.architecture"] = ", ".join(given) or "(Megatron default)"
     _static(ctx, megatron_groups())
     report = _report(ctx)
