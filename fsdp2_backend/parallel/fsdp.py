@@ -10,6 +10,8 @@
 - The default `fsdp_modules` names Llama-style paths (`model.layers.{}`); a model whose decoder blocks live elsewhere
   (GPT-2's `transformer.h.N`) gets its blocks — transformers' `_no_split_modules` classes — as units instead, said
   once (`_family_default`), rather than one root unit holding every layer.
+- The output layer (`get_output_embeddings()`, when it is a unit) is not resharded after forward: its backward
+  follows at once, so resharding would only add an all-gather per micro-batch.
 - Explicit prefetch: each unit all-gathers the next `num_to_forward_prefetch` units in forward and the
   previous `num_to_backward_prefetch` units in backward.
 """
@@ -117,8 +119,12 @@ def apply_fsdp(model: nn.Module, parallel: ParallelArguments, mesh: DeviceMesh,
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor",
                                 category=UserWarning)
     # Innermost first: fully_shard on a parent after its children leaves the children's parameters to them.
+    # The output layer runs last in forward and first in backward: resharding it after forward only to gather it
+    # again at once costs one all-gather per micro-batch for no memory (torchtitan keeps its last unit likewise).
+    output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for module in sorted(units, key=lambda m: -_depth(model, m)):
-        fully_shard(module, reshard_after_forward=parallel.reshard_after_forward, **common)
+        reshard = parallel.reshard_after_forward and module is not output_layer
+        fully_shard(module, reshard_after_forward=reshard, **common)
     # The root's parameters are needed again at once for backward: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **common)
     _set_prefetch([m for m in units if isinstance(m, FSDPModule)], parallel.num_to_forward_prefetch,

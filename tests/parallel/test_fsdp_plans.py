@@ -81,6 +81,10 @@ def test_fsdp_units_prefetch_ignored_modules_and_placement(ctx):
     embed = model.model.embed_tokens
     prefetch = embed._get_fsdp_state()._states_to_forward_prefetch
     assert [s._fsdp_param_group.modules for s in prefetch] == [(model.model.layers[0],), (model.model.layers[1],)]
+    # the output layer stays gathered from its forward to its backward (that follows at once); the others reshard
+    resharded = {n: m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+                 for n, m in model.named_modules() if isinstance(m, FSDPModule) and n}
+    assert resharded == {"model.embed_tokens": True, "model.layers.0": True, "model.layers.1": True, "lm_head": False}
     _loss_and_grads(model)  # and it trains
 
 
