@@ -5,9 +5,7 @@ gives one process's losses (lm loss + factor x MTP loss) over 3 steps."""
 import torch
 
 from tests.helpers import run_distributed
-from tests.parallel.test_mtp_tensor_parallel import _loss
-
-STEPS, LR, FACTOR = 3, 5e-3, 0.3
+from tests.parallel.test_mtp_tensor_parallel import FACTOR, _train  # the same 3 steps, batches and loss
 
 
 def _config(size):
@@ -40,23 +38,11 @@ def _model(config):
     return model, config
 
 
-def _train(model):
-    from tests.parallel.test_mtp_tensor_parallel import _batch
-
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        losses.append(_loss(model, _batch(step)))
-        opt.step()
-    return losses
-
-
 def _ranks(rank, world_size, out_dir):
     import json
 
     from fsdp2_backend.distributed.context import ParallelContext
-    from fsdp2_backend.parallel.apply import _model_switches, apply_parallelism
+    from fsdp2_backend.parallel.apply import apply_parallelism
 
     model, config = _model(_config(2))
     model = apply_parallelism(model, config, ParallelContext.create(config.parallel))
