@@ -1,5 +1,5 @@
 """Megatron-LM's ``--ckpt-format torch_dcp`` checkpoints read back into the dict Megatron-LM saved (and
-Megatron-FSDP's ``fsdp_dtensor`` saves recognised, to be declined with the reason).
+Megatron-FSDP's ``fsdp_dtensor`` saves, put in the same form).
 
 Layout facts (Megatron-LM ``megatron/training/checkpointing.py``: ``generate_state_dict``, ``save_checkpoint``'s
 ``CheckpointType.GLOBAL`` branch, ``_get_checkpoint_format``):
@@ -16,9 +16,9 @@ Layout facts (Megatron-LM ``megatron/training/checkpointing.py``: ``generate_sta
   path in the dict (strings for dict keys — an int key such as a parameter index comes back as its string —
   ints for list positions).
 - ``fsdp_dtensor`` (Megatron-FSDP, ``--use-megatron-fsdp``) writes the same kind of files after
-  ``preprocess_fsdp_dtensor_state_dict`` (SwiGLU halves, experts and uneven DTensors re-laid, the optimizer as
-  Megatron-FSDP's sharded state): told apart by the saved args (``ckpt_format`` / ``use_megatron_fsdp``), as
-  Megatron-LM itself does.
+  ``preprocess_fsdp_dtensor_state_dict``: told apart by the saved args (``ckpt_format`` / ``use_megatron_fsdp``),
+  as Megatron-LM itself does, and put back into the legacy form here (`fsdp_dtensor`: wrapper prefixes, SwiGLU
+  halves; its optimizer state is read by `fsdp_dtensor.optimizer_state`).
 
 Every pickled leaf and ``.metadata`` are read through `safe_pickle`'s allow-list.
 """
@@ -32,6 +32,7 @@ import torch
 
 from fsdp2_backend.checkpoint_dirs import META_FILE
 from fsdp2_backend.usage_errors import UsageError
+from megatron_compat.checkpoint.fsdp_dtensor import is_fsdp_dtensor, join_halves, model_state, rng_entries
 from megatron_compat.checkpoint.safe_pickle import dcp_load, dcp_metadata
 
 
@@ -96,36 +97,34 @@ def model_shapes(it_dir: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = dcp_metadata(it_dir)
-    return {key[len("model."):]: torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
-            for key, meta in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata) and "_extra_state" not in key}
+    shapes = {key[len("model."):]: torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
+              for key, meta in metadata.state_dict_metadata.items()
+              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata) and "_extra_state" not in key}
+    return join_halves(shapes, it_dir) if is_fsdp_dtensor(read_dcp_common(it_dir).get("args")) else shapes
 
 
 def read_dcp_common(it_dir: Path) -> dict:
-    """Everything but the model and optimizer tensors (args, iteration, scheduler, RNG), fsdp_dtensor declined."""
+    """Everything but the model and optimizer tensors (args, iteration, scheduler, RNG)."""
     saved = read_dcp_entries(it_dir, lambda key: not key.startswith(("model.", "optimizer.")))
-    _decline_fsdp_dtensor(it_dir, saved.get("args"))
+    if is_fsdp_dtensor(saved.get("args")) and "rng_state" in saved:
+        saved["rng_state"] = rng_entries(saved["rng_state"])
     return saved
 
 
 def read_dcp_checkpoint(it_dir: Path, with_optimizer: bool = True) -> dict:
-    """The dict a torch_dcp save holds (``model``: {name: tensor}, per layer), fsdp_dtensor declined."""
+    """The dict a torch_dcp save holds (``model``: {name: tensor}, per layer); an fsdp_dtensor save's model and RNG
+    in the same form (its ``optimizer`` as saved: `fsdp_dtensor.optimizer_state`)."""
     saved = read_dcp_entries(it_dir, lambda key: with_optimizer or not key.startswith("optimizer."))
-    _decline_fsdp_dtensor(it_dir, saved.get("args"))
+    fsdp = is_fsdp_dtensor(saved.get("args"))
+    if fsdp and "rng_state" in saved:
+        saved["rng_state"] = rng_entries(saved["rng_state"])
     model = saved.get("model")
     if not isinstance(model, dict) or not model:
         raise UsageError(f"{it_dir}: a DCP checkpoint without Megatron-LM's 'model' entries (model0, model1, ...: a "
                          f"virtual-pipeline save is not read) — re-save it with --ckpt-format torch_dist")
-    saved["model"] = {k: v for k, v in model.items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+    saved["model"] = model_state(model) if fsdp else {k: v for k, v in model.items()
+                                                      if isinstance(v, torch.Tensor) and "_extra_state" not in k}
     return saved
-
-
-def _decline_fsdp_dtensor(it_dir: Path, args: Any) -> None:
-    if getattr(args, "ckpt_format", None) == "fsdp_dtensor" or getattr(args, "use_megatron_fsdp", False):
-        raise UsageError(f"{it_dir}: a Megatron-FSDP checkpoint (--ckpt-format fsdp_dtensor) — its re-laid SwiGLU / "
-                         f"expert tensors and Megatron-FSDP optimizer state are not mapped; re-save it with "
-                         f"Megatron-LM's --ckpt-format torch_dist (or convert it with Megatron-LM's "
-                         f"tools/checkpoint) and load that")
 
 
 __all__ = ["is_plain_dcp", "read_dcp_entries", "model_shapes", "read_dcp_common", "read_dcp_checkpoint"]

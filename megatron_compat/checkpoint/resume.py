@@ -22,7 +22,8 @@ What maps onto what (megatron-core 0.16.1 ``dist_checkpointing`` / ``optimizer``
   ``torch``: ``model_optim_rng.pt['optimizer']`` is the torch optimizer's state dict; its parameter indices are
   matched to names by Megatron's param-group rule (groups by ``wd_mult``; 1-D and ``.bias`` parameters take no
   weight decay; parameters in model order), each shape checked; legacy ``distrib_optim.pt`` is declined.
-  ``torch_dcp`` holds the legacy dict in DCP files (`dcp_format`): read as one legacy rank.
+  ``torch_dcp`` holds the legacy dict in DCP files (`dcp_format`): read as one legacy rank. Megatron-FSDP's
+  ``fsdp_dtensor`` (DCP files too) keeps its Adam state per parameter name, read by `fsdp_dtensor`.
   Everything is then set through torch's ``set_state_dict`` with full tensors, so any FSDP / TP layout loads it.
 - ``opt_param_scheduler`` loads into our ``ParamScheduler`` (same keys, counted in samples), with Megatron's
   ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler`` semantics
@@ -54,6 +55,7 @@ import torch
 
 from megatron_compat.checkpoint import convert as mc
 from megatron_compat.checkpoint.dcp_format import model_shapes, read_dcp_checkpoint, read_dcp_common
+from megatron_compat.checkpoint.fsdp_dtensor import is_fsdp_dtensor, optimizer_state as fsdp_optimizer_state
 from megatron_compat.checkpoint.safe_pickle import dcp_load, dcp_metadata, load_torch_file
 from fsdp2_backend.distributed.console import print_rank0
 from fsdp2_backend.usage_errors import UsageError
@@ -317,8 +319,12 @@ def read_megatron_state(it_dir: Path, *, load_optim: bool = True, load_rng: bool
     load_optim = load_optim and not finetune
     moments, step, scheduler, grad_scaler = None, None, None, None
     if load_optim:
-        moments, step = (_torch_dist_optimizer(it_dir, common, weights) if fmt == "torch_dist"
-                         else _legacy_optimizer(it_dir, files))
+        if fmt == "torch_dist":
+            moments, step = _torch_dist_optimizer(it_dir, common, weights)
+        elif fmt == "torch_dcp" and is_fsdp_dtensor(args):  # Megatron-FSDP: state per parameter name
+            moments, step = fsdp_optimizer_state(common.get("optimizer"), it_dir)
+        else:
+            moments, step = _legacy_optimizer(it_dir, files)
         if moments["param"]:  # the fp32 main weights of a mixed-precision run: the exact ones
             weights = {**weights, **moments["param"]}
         moments = {kind: mc.to_hf_state_dict(moments[kind], config) for kind in ("exp_avg", "exp_avg_sq")}

@@ -223,15 +223,3 @@ def test_a_tensor_parallel_checkpoint_converts_with_equal_logits(tmp_path):
         _, got = _hf_logits(tmp_path / f"hf_{fmt}", reference["tokens"])
         torch.testing.assert_close(got, reference["logits"], rtol=0, atol=1e-5, msg=fmt)
 
-
-def test_a_megatron_fsdp_checkpoint_is_declined_with_the_reason(megatron, tmp_path):
-    """Megatron-FSDP's fsdp_dtensor saves are DCP files like torch_dcp ones, told apart by the saved args (as
-    Megatron-LM tells them): their re-laid tensors are not mapped — one line, not a wrong model."""
-    from fsdp2_backend.usage_errors import UsageError
-    from megatron_compat.checkpoint.convert import convert_megatron_checkpoint
-
-    model, args = _megatron_gpt(True, False, seed=4)
-    args.ckpt_format, args.use_megatron_fsdp = "fsdp_dtensor", True
-    _save(model, args, tmp_path / "mg", "torch_dcp")
-    with pytest.raises(UsageError, match="Megatron-FSDP checkpoint .--ckpt-format fsdp_dtensor."):
-        convert_megatron_checkpoint(tmp_path / "mg", tmp_path / "hf")

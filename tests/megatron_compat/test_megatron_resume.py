@@ -8,7 +8,8 @@ megatron-core's GPTDataset read in Megatron's sampler order. It saves the checkp
 (`dist_checkpointing.save` of the model / optimizer sharded state dicts, the scheduler, args with the consumed
 samples and a ShardedObject RNG state; or the legacy `mp_rank_00/model_optim_rng.pt`; or `--ckpt-format torch_dcp`'s
 DCP save of the legacy dict, which Megatron-LM writes with torch.distributed.checkpoint and megatron-core has no
-writer for: built here as Megatron-LM's save_checkpoint builds it) and then goes on for two
+writer for: built here as Megatron-LM's save_checkpoint builds it; or Megatron-FSDP's fsdp_dtensor layout,
+test_megatron_fsdp_dtensor's writer) and then goes on for two
 more iterations: the reference. Our engine, given only `--load` and the run's training flags, must print
 megatron-core's loss for iteration K+1 (the loaded weights), its loss for K+2 (the Adam step from the loaded
 moments, step count, learning rate, weight decay and clipping), the iteration, consumed samples and learning
@@ -137,6 +138,13 @@ def _save_like_megatron_lm(root, fmt, model, optimizer, scheduler, args, dist_ch
                                  "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata),
                                  "rng_state": ShardedObject("rng_state", [rng], (1, 1), (0, 0), replica_id=0)},
                                 str(it_dir))
+    elif fmt == "fsdp_dtensor":  # Megatron-FSDP's layout (test_megatron_fsdp_dtensor.py), from megatron-core's state
+        from tests.megatron_compat.test_megatron_fsdp_dtensor import fsdp_dtensor_save
+
+        names = {param: name for name, param in model.named_parameters()}
+        state = {names[p]: st for o in getattr(optimizer, "chained_optimizers", [optimizer])
+                 for p, st in o.optimizer.state.items()}
+        fsdp_dtensor_save(it_dir, args, model, K, state, scheduler.state_dict(), rng)
     elif fmt == "torch_dcp":  # CheckpointType.GLOBAL: torch.distributed.checkpoint.save of the legacy dict
         from torch.distributed.checkpoint import FileSystemWriter, save
 
@@ -185,7 +193,7 @@ def _reference(megatron, tmp_path_factory, fmt, distributed_optimizer):
 
 
 @pytest.mark.parametrize("fmt,distributed_optimizer,ranks", [("torch_dist", True, 2), ("torch", False, 1),
-                                                              ("torch_dcp", False, 1)])
+                                                              ("torch_dcp", False, 1), ("fsdp_dtensor", False, 1)])
 def test_resumes_a_megatron_core_run_as_megatron_core_continues_it(megatron, tmp_path_factory, fmt,
                                                                    distributed_optimizer, ranks):
     from transformers import AutoConfig
