@@ -10,8 +10,9 @@ Torch-free; called from `validation`.
 - No effect here, said once: `parallel.fsdp_implementation: custom` / `hook_modules` (MindSpeed's own Ascend FSDP;
   torch's FSDP2 gives the same results), the NPU-only fused ops (`use_sparse_flash_attn`,
   `use_fused_lightning_indexer(_loss)`, `use_ascend_mhc`, `use_triton_swiglu_limit`) and the windows only the NPU
-  indexer-loss op reads (`pre_tokens`, `next_tokens`), `training.indexer_loss_coeff` (the DSA indexer is not
-  trained here), `optimization.indexer_loss_coeff` (MindSpeed's parser skips it too).
+  indexer-loss op reads (`pre_tokens`, `next_tokens`), `training.indexer_loss_coeff` for glm52 (MindSpeed trains
+  GLM-5.2's indexer only in its NPU fused kernel; deepseek_v4's KL loss is honoured: models/dsa_indexer_loss.py),
+  `optimization.indexer_loss_coeff` (MindSpeed's parser skips it too).
 - MindSpeed's own refusals are kept: the DSA fusions name DSA models only, mHC and SwiGLU-limit DeepSeek-V4 only.
 """
 from __future__ import annotations
@@ -25,8 +26,8 @@ DSA_MODEL_IDS = ("glm52", "deepseek_v4")  # MindSpeed: dsv32 / deepseek_v4 / glm
 _NPU_ONLY = {
     "use_sparse_flash_attn": "NPU sparse flash attention (torch_npu); DSA attention runs in torch ops here",
     "use_fused_lightning_indexer": "NPU lightning-indexer kernel (torch_npu); the DSA top-k runs in torch ops here",
-    "use_fused_lightning_indexer_loss": "NPU fused indexer KL-loss kernel (torch_npu); the DSA indexer is not "
-                                        "trained here (training.indexer_loss_coeff)",
+    "use_fused_lightning_indexer_loss": "NPU fused indexer KL-loss kernel (torch_npu); deepseek_v4's indexer KL loss "
+                                        "(training.indexer_loss_coeff) runs in torch ops here",
     "use_ascend_mhc": "Ascend fused mHC operators (cann_ops_transformer); mHC runs in torch ops here",
     "use_triton_swiglu_limit": "Triton-Ascend SwiGLU-with-limit kernel (NPU); the clamped SwiGLU runs in torch ops "
                                "here",
@@ -52,6 +53,9 @@ def head_field_errors(config) -> List[str]:
     if t.optimizer == "fused_adamw" and t.o2_optimizer:
         errors.append("training.optimizer: fused_adamw and training.o2_optimizer (bf16 moments) are two different "
                       "AdamW kernels — choose one")
+    if t.indexer_loss_coeff < 0:
+        errors.append(f"training.indexer_loss_coeff: must be >= 0 (0 leaves the DSA indexer untrained), got "
+                      f"{t.indexer_loss_coeff}")
     if t.router_aux_loss_coef is not None and t.router_aux_loss_coef < 0:
         errors.append(f"training.router_aux_loss_coef: must be >= 0, got {t.router_aux_loss_coef}")
     default_mtp = ModelArguments().mtp_loss_scaling_factor
@@ -73,8 +77,9 @@ def head_field_errors(config) -> List[str]:
                       f"not applied to them — drop the options")
     if model_id in DSA_MODEL_IDS and p.cp_size > 1:
         errors.append(f"parallel.cp_size: context parallel is not built for model_id {model_id} — its DeepSeek "
-                      f"sparse attention picks each query's keys over the whole sequence (MindSpeed's kvallgather "
-                      f"is its own DSA kernel path) — use cp_size 1")
+                      f"sparse attention picks each query's keys (and compresses them, DeepSeek-V4) over the whole "
+                      f"causal prefix, which this project's ring / all-gather attention does not hand it (MindSpeed's "
+                      f"kvallgather replaces the model's attention forward for this) — use cp_size 1")
     for name in ("use_ascend_mhc", "use_triton_swiglu_limit"):
         if getattr(o, name) and model_id != "deepseek_v4":
             errors.append(f"optimization.{name}: for model_id deepseek_v4 only (MindSpeed's rule), got model_id "
@@ -111,11 +116,10 @@ def head_field_notices(config) -> List[str]:
     if o.indexer_loss_coeff is not None:
         notices.append("optimization.indexer_loss_coeff: no effect — MindSpeed reads training.indexer_loss_coeff "
                        "(its parser skips this one too); move it there")
-    if config.model.model_id in DSA_MODEL_IDS and t.indexer_loss_coeff:
-        notices.append(f"training.indexer_loss_coeff: no effect here — the DSA lightning indexer is not trained "
-                       f"(MindSpeed trains it with a KL loss against the attention, an NPU kernel; here its top-k "
-                       f"runs without gradient, as transformers' {config.model.model_id} does): its weights stay "
-                       f"as loaded")
+    if config.model.model_id == "glm52" and t.indexer_loss_coeff:
+        notices.append("training.indexer_loss_coeff: no effect for model_id glm52 — MindSpeed computes GLM-5.2's "
+                       "indexer KL loss only inside its NPU fused kernel (use_fused_lightning_indexer_loss); its torch "
+                       "path, like this one, runs the indexer without gradient: its weights stay as loaded")
     return notices
 
 

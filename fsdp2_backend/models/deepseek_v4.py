@@ -10,7 +10,8 @@ parallelism, the grouped GEMM and the expert FSDP apply to them.
 - Checkpoints: DeepSeek's own key layout (`attn.wq_a`, `ffn.experts.{e}.w1`, `head.weight`), read through
   transformers' conversion (models/hf_layout.py); the export is transformers' save of its own class.
 - MTP: transformers' class drops DeepSeek-V4's MTP layers (`mtp.*` keys are skipped on load), so does this id.
-- The indexer runs without gradient, as in transformers: MindSpeed's indexer KL loss is not computed here.
+- The indexer: with `training.indexer_loss_coeff` > 0 it is trained by MindSpeed's KL loss against the attention
+  (models/dsa_indexer_loss.py, hooked in by `configure_deepseek_v4`); else its top-k runs without gradient.
 """
 from __future__ import annotations
 
@@ -88,9 +89,14 @@ def _fixed_routing(router: nn.Module, args, output):
 
 
 def configure_deepseek_v4(model: nn.Module, config) -> None:
-    """The run's MoE switches: the grouped GEMM on every expert module, fix_router on every router."""
+    """The run's MoE switches (the grouped GEMM on every expert module, fix_router on every router) and the
+    indexer KL loss."""
     for module in model.modules():
         if isinstance(module, GroupedExperts):
             module.use_grouped_gemm = config.optimization.moe_grouped_gemm
         if config.optimization.fix_router and isinstance(module, (dv4.DeepseekV4TopKRouter, dv4.DeepseekV4HashRouter)):
             module.register_forward_hook(_fixed_routing)
+    if config.training.indexer_loss_coeff:  # MindSpeed's DSA indexer KL loss (training only)
+        from fsdp2_backend.models.dsa_indexer_loss import install_deepseek_v4
+
+        install_deepseek_v4(model, config.training.indexer_loss_coeff)

@@ -59,12 +59,13 @@ def test_npu_only_ops_and_mindspeeds_refusals(model_dir, tmp_path):
         _validate(model_dir, tmp_path, model={"model_id": "qwen3", "mtp_loss_scaling_factor": 0.2},
                   parallel={"chunk_mbs": 0, "chunk_mbs_batch_dim": -1},
                   training={"optimizer": "fused_adamw", "o2_optimizer": True, "router_aux_loss_coef": -1.0,
+                            "indexer_loss_coeff": -0.5,
                             "mtp_loss_scaling_factor": 0.3},
                   optimization={"use_sparse_flash_attn": True, "use_ascend_mhc": True, "use_triton_swiglu_limit": True})
     text = str(err.value)
     for start in ("parallel.chunk_mbs: must be at least 1", "parallel.chunk_mbs_batch_dim / chunk_mbs_arg_indexs",
                   "training.optimizer: fused_adamw and training.o2_optimizer",
-                  "training.router_aux_loss_coef: must be >= 0",
+                  "training.router_aux_loss_coef: must be >= 0", "training.indexer_loss_coeff: must be >= 0",
                   "training.mtp_loss_scaling_factor: 0.3 and model.mtp_loss_scaling_factor 0.2",
                   "optimization.use_sparse_flash_attn: for DSA models only",
                   "optimization.use_ascend_mhc: for model_id deepseek_v4 only",
@@ -79,7 +80,10 @@ def test_npu_only_ops_and_mindspeeds_refusals(model_dir, tmp_path):
     assert [n.split(":")[0] for n in notices if n.startswith("optimization.") and "NPU" in n] == [
         "optimization.use_sparse_flash_attn", "optimization.use_fused_lightning_indexer",
         "optimization.use_fused_lightning_indexer_loss"]
-    assert any(n.startswith("training.indexer_loss_coeff: no effect here") for n in notices)
+    assert any(n.startswith("training.indexer_loss_coeff: no effect for model_id glm52") for n in notices)
+    # deepseek_v4 trains its indexer (models/dsa_indexer_loss.py): no notice for the coefficient
+    config = build_config([("t", {"model": {"model_id": "deepseek_v4"}, "training": {"indexer_loss_coeff": 0.3}})])
+    assert not any(n.startswith("training.indexer_loss_coeff") for n in head_field_notices(config))
 
 
 def test_chunk_batch_refuses_megatron_load_balancing_losses(model_dir, tmp_path):

@@ -22,6 +22,8 @@ def tiny_config(model_id):
             index_head_dim=8, index_topk=4, sliding_window=4, qk_rope_head_dim=8, hc_mult=2, swiglu_limit=0.05,
             compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
             mlp_layer_types=["hash_moe", "moe"],  # one hash-routed layer, one top-k layer
+            # one compressed-sparse-attention layer (the lightning indexer and its KL loss), one heavily compressed
+            layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
             tie_word_embeddings=False)
     if model_id == "glm52":
         return GlmMoeDsaConfig(

@@ -1,0 +1,147 @@
+"""The DSA lightning indexer's KL loss (MindSpeed-LLM's `training.indexer_loss_coeff`), for the `deepseek_v4` model
+id: the indexer is trained to predict where the main attention looks.
+
+Contract (`indexer_kl_loss`), per compressed-sparse-attention (CSA) layer and micro-batch, for a batch of B
+sequences of S queries, the indexer's selected compressed keys K(b, s) (its top-k, causal entries only; -1 = none):
+- target p(j), j in K(b, s): the main attention's probabilities over the selected keys, per head
+  softmax_j(scale · q_h · c_j) (q: the attention's roped query, c: the compressed KV, both detached; no sinks, no
+  sliding-window keys), summed over the H heads and L1-normalised (MindSpeed's `compute_dsa_indexer_loss`, as
+  Megatron-LM's DSA: sum over heads, not mean — the same after normalising);
+- prediction r(j) = softmax_j(index score of j) over the same selected keys (top-k restricted, not dense);
+- loss = coeff · Σ_{b,s} KL(p || r) / (B · S): every query weighs the same (MindSpeed's mean over b and s).
+  A query with no selected key (position < compress rate − 1) contributes 0 (MindSpeed feeds such rows zeros and
+  gets a constant without gradient; the constant is not added here).
+Gradient: only through the index scores, and the indexer's inputs (hidden states, query residual) are detached
+(Megatron-LM's DSA, DeepSeek-V3.2's separate indexer optimisation; MindSpeed's GLM-5.2 detaches them too): the loss
+trains the indexer's parameters only; the rest of the model's gradients are those of the lm loss.
+
+Backward scale (`set_backward_scale`): the trainer gives the loss the gradient its micro-batch's lm loss gets
+(loss scale / (micro-batches x data-parallel ranks): Megatron's DSAIndexerLossAutoScaler scale; with one
+micro-batch this is MindSpeed's FSDP2 scale of 1 averaged over data-parallel ranks). Reported as `indexer loss`
+(MindSpeed's and Megatron's name, coefficient included): the mean over CSA layers and micro-batches, averaged over
+data-parallel ranks (`finish_indexer_step`).
+
+Model code stays plain: the loss is attached by forward hooks on transformers' modules (`install_deepseek_v4`);
+active only in training with gradients enabled and coeff > 0.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_EPS = 1e-10
+LOG_NAME = "indexer loss"
+
+
+def indexer_kl_loss(index_scores: Tensor, topk_indices: Tensor, query: Tensor, key: Tensor, scale: float,
+                    coeff: float) -> Tensor:
+    """The contract above. index_scores (B, S, T) with grad; topk_indices (B, S, k), -1 = none; query
+    (B, H, S, D); key (B, T, D) (one shared KV head)."""
+    b, h, s, _ = query.shape
+    valid = topk_indices >= 0
+    index = topk_indices.clamp(min=0).long()
+    neg = torch.finfo(torch.float32).min
+    with torch.no_grad():
+        logits = torch.einsum("bhsd,btd->bhst", query.detach().float(), key.detach().float()) * scale
+        chosen = logits.gather(-1, index.unsqueeze(1).expand(b, h, s, index.shape[-1]))
+        attn = F.softmax(chosen.masked_fill(~valid.unsqueeze(1), neg), dim=-1) * valid.unsqueeze(1)
+        target = attn.sum(dim=1)
+        target = target / target.sum(dim=-1, keepdim=True).clamp_min(_EPS)
+    log_pred = F.log_softmax(index_scores.float().gather(-1, index).masked_fill(~valid, neg), dim=-1)
+    kl = torch.where(valid, target * (torch.log(target.clamp_min(_EPS)) - log_pred), torch.zeros_like(log_pred))
+    return kl.sum() / (b * s) * coeff
+
+
+class _IndexerLossState:
+    """One CSA attention's hooks' shared state: this forward's captures, the step's logged sum and count."""
+
+    def __init__(self, coeff: float):
+        self.coeff, self.scale = coeff, 1.0
+        self.active = False
+        self.captured: Dict[str, object] = {}
+        self.logged_sum: Optional[Tensor] = None
+        self.logged_count = 0
+
+
+def _states(model: nn.Module) -> List[_IndexerLossState]:
+    return [m._dsa_indexer_loss for m in model.modules() if hasattr(m, "_dsa_indexer_loss")]
+
+
+def install_deepseek_v4(model: nn.Module, coeff: float) -> int:
+    """Hooks the loss into every CSA attention of a DeepSeek-V4 model (transformers' classes); returns how many."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dv4
+
+    from fsdp2_backend.models.mtp import _AttachLoss
+
+    installed = 0
+    for attn in model.modules():
+        if not (isinstance(attn, dv4.DeepseekV4Attention)
+                and isinstance(attn.compressor, dv4.DeepseekV4CSACompressor)) or hasattr(attn, "_dsa_indexer_loss"):
+            continue
+        state = _IndexerLossState(coeff)
+        attn._dsa_indexer_loss = state
+        indexer = attn.compressor.indexer
+
+        def start(module, args, kwargs, state=state):
+            state.active = module.training and torch.is_grad_enabled() and state.coeff > 0
+            state.captured = {"rope": kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)}
+
+        def capture(name, detach):
+            def hook(module, args, output, state=state):
+                if state.active:
+                    value = output[0] if isinstance(output, tuple) else output
+                    state.captured[name] = value.detach() if detach else value
+            return hook
+
+        def detach_inputs(module, args, state=state):  # the loss reaches the indexer's own parameters only
+            if state.active:
+                return (args[0].detach(), args[1].detach(), *args[2:])
+            return None
+
+        def finish(module, args, kwargs, output, state=state):
+            if not state.active:
+                return None
+            c = state.captured
+            state.active, state.captured = False, {}
+            cos, sin = c["rope"][module.rope_layer_type]
+            query = dv4.apply_rotary_pos_emb(c["q"], cos, sin)  # the attention's roped query (B, H, S, D)
+            loss = indexer_kl_loss(c["scores"], c["topk"], query, c["kv"].squeeze(1), module.scaling, state.coeff)
+            detached = loss.detach().float()
+            state.logged_sum = detached if state.logged_sum is None else state.logged_sum + detached
+            state.logged_count += 1
+            return (_AttachLoss.apply(output[0], loss, state.scale), *output[1:])
+
+        attn.register_forward_pre_hook(start, with_kwargs=True)
+        attn.q_b_norm.register_forward_hook(capture("q", True))
+        attn.compressor.register_forward_hook(capture("kv", True))
+        indexer.register_forward_pre_hook(detach_inputs)
+        indexer.scorer.register_forward_hook(capture("scores", False))
+        indexer.register_forward_hook(capture("topk", True))
+        attn.register_forward_hook(finish, with_kwargs=True)
+        installed += 1
+    return installed
+
+
+def set_backward_scale(model: nn.Module, scale: float) -> None:
+    """The gradient each attached indexer loss receives in backward (the trainer's, per step)."""
+    for state in _states(model):
+        state.scale = scale
+
+
+def finish_indexer_step(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> Dict[str, float]:
+    """{"indexer loss": mean over layers and micro-batches, averaged over `group`} and resets; {} without a loss."""
+    states = [s for s in _states(model) if s.logged_count]
+    if not states:
+        return {}
+    totals = torch.stack([sum(s.logged_sum for s in states),
+                          torch.tensor(float(sum(s.logged_count for s in states)),
+                                       device=states[0].logged_sum.device)])
+    for state in states:
+        state.logged_sum, state.logged_count = None, 0
+    if group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(totals, group=group)
+    return {LOG_NAME: (totals[0] / totals[1]).item()}
