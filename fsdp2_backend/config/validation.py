@@ -172,7 +172,8 @@ def _check_seed_rules(config: Config, errors: List[str]) -> None:
         errors.append(f"model.mtp_num_layers: {mtp} is not a number of MTP depths — give at least 1, or unset it")
     elif mtp:  # models/mtp.py: plain modules under FSDP2 / TP / CP / EP (their experts get the expert plan, build._with_mtp)
         for name, why in ((chunk, "optimization.chunk_loss_size (the head computes the MTP loss from full logits)"),
-                          (config.model.model_id not in (None, "qwen3", "qwen3_next", "step35", "deepseek_v3"),  # mtp_layouts.py
+                          (config.model.model_id not in (None, "qwen3", "qwen3_next", "step35", "deepseek_v3",
+                                                         "deepseek_v4"),  # mtp_layouts.py
                            f"model.model_id {config.model.model_id} (no MTP layer layout for it yet)"),
                           (config.model.model_id == "qwen3_next" and mtp != 1,  # one fc / norm pair in its layout
                            f"model.model_id qwen3_next and mtp_num_layers {mtp} (Qwen3-Next's MTP layout holds one "

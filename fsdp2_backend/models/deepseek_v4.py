@@ -9,7 +9,10 @@ parallelism, the grouped GEMM and the expert FSDP apply to them.
   frozen token→expert table): Megatron's router options are not applied to this model (config validation says so).
 - Checkpoints: DeepSeek's own key layout (`attn.wq_a`, `ffn.experts.{e}.w1`, `head.weight`), read through
   transformers' conversion (models/hf_layout.py); the export is transformers' save of its own class.
-- MTP: transformers' class drops DeepSeek-V4's MTP layers (`mtp.*` keys are skipped on load), so does this id.
+- MTP: transformers' class drops DeepSeek-V4's MTP layers; with `model.mtp_num_layers` (--mtp-num-layers) this id
+  builds them (DeepSeek's MTPBlock over the mHC streams, models/deepseek_v4_mtp.py), loads the checkpoint's `mtp.*`
+  keys, trains them with the MTP loss (mtp_loss_scaling_factor) and exports them under DeepSeek's `mtp.{k}.*` names;
+  unset, one line says the config's MTP layers are not built.
 - The indexer: with `training.indexer_loss_coeff` > 0 it is trained by MindSpeed's KL loss against the attention
   (models/dsa_indexer_loss.py, hooked in by `configure_deepseek_v4`); else its top-k runs without gradient.
 """
@@ -89,8 +92,8 @@ def _fixed_routing(router: nn.Module, args, output):
 
 
 def configure_deepseek_v4(model: nn.Module, config) -> None:
-    """The run's MoE switches (the grouped GEMM on every expert module, fix_router on every router) and the
-    indexer KL loss."""
+    """The run's MoE switches (the grouped GEMM on every expert module, fix_router on every router), the
+    indexer KL loss, and one line when the config declares MTP layers this run does not build."""
     for module in model.modules():
         if isinstance(module, GroupedExperts):
             module.use_grouped_gemm = config.optimization.moe_grouped_gemm
@@ -100,3 +103,9 @@ def configure_deepseek_v4(model: nn.Module, config) -> None:
         from fsdp2_backend.models.dsa_indexer_loss import install_deepseek_v4
 
         install_deepseek_v4(model, config.training.indexer_loss_coeff)
+    mtp = getattr(model.config, "num_nextn_predict_layers", 0) or 0
+    if mtp and not config.model.mtp_num_layers:  # with it: models/deepseek_v4_mtp.py builds and loads them
+        from fsdp2_backend.distributed.console import print_rank0
+
+        print_rank0(f"model_id deepseek_v4: the config's {mtp} MTP layers (num_nextn_predict_layers; checkpoint keys "
+                    f"mtp.*) are not built — set model.mtp_num_layers (--mtp-num-layers) to train them")

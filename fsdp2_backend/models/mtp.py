@@ -34,7 +34,8 @@ writes them back under the checkpoint's own names. Where the checkpoint's model 
 block, the checkpoint's model is followed (its weights were trained that way): Qwen3-Next's MTP layer is a
 full-attention layer with the sparse MoE and zero-centred norms, whatever the model's last layer is; Step-3.5
 feeds depth 1 the hidden states before the main final norm and depth k depth k-1's output before its norm
-(`MTPLayout.prenorm_hidden`).
+(`MTPLayout.prenorm_hidden`); DeepSeek-V4's depth is its own module over the mHC residual streams
+(models/deepseek_v4_mtp.py).
 """
 from __future__ import annotations
 
@@ -71,9 +72,11 @@ class MTPLayer(nn.Module):
 
 
 class MTPBlock(nn.Module):
-    def __init__(self, config, norm_cls: type, make_layer: Callable[[int], nn.Module], num_layers: int):
+    def __init__(self, config, norm_cls: type, make_layer: Callable[[int], nn.Module], num_layers: int,
+                 depth_class: Optional[type] = None):
         super().__init__()
-        self.layers = nn.ModuleList(MTPLayer(config, norm_cls, functools.partial(make_layer, k))
+        depth_class = depth_class or MTPLayer  # a released layout's own depth module (mtp_layouts.MTPLayout)
+        self.layers = nn.ModuleList(depth_class(config, norm_cls, functools.partial(make_layer, k))
                                     for k in range(num_layers))
 
 
@@ -89,7 +92,7 @@ def attach_mtp(model: nn.Module, num_layers: int, seed: int) -> nn.Module:
     layout = mtp_layout(model.config)
     layout.check(model.config, num_layers)
     norm_cls = type(model.get_decoder().norm)
-    block = MTPBlock(model.config, norm_cls, layout.layer_factory(model), num_layers)
+    block = MTPBlock(model.config, norm_cls, layout.layer_factory(model), num_layers, layout.depth_class)
     layout.record_depth(model.config, num_layers)
     ref = next(model.parameters())
     if ref.device.type != "meta":
@@ -198,8 +201,9 @@ def mtp_forward(model: nn.Module, batch: Dict[str, Tensor], num_layers: int,
     handles = [source.register_forward_pre_hook(capture_kwargs, with_kwargs=True),
                embed.register_forward_pre_hook(join_ids, with_kwargs=True, prepend=True),
                embed.register_forward_hook(split_embeddings)]
-    if layout.prenorm_hidden:  # the checkpoint's model feeds depth 1 the hidden states before the final norm
-        handles.append(model.get_decoder().norm.register_forward_pre_hook(
+    hidden_from = layout.hidden_source(model)  # the checkpoint's model feeds depth 1 another state than the head's
+    if hidden_from is not None:
+        handles.append(hidden_from.register_forward_pre_hook(
             lambda module, args: captured.__setitem__("before_norm", args[0])))
     try:
         out = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False)

@@ -10,6 +10,8 @@ the main layers, so the on-disk layout is the released one.
 
 Layouts (the checkpoint's model decides the facts; Megatron's semantics of `models/mtp.py` hold for all):
 - own (`qwen3`, anything without a released layout): `mtp.layers.{k}.*` as in memory — this project's export.
+- DeepSeek-V3 / Step-3.5: the MTP layers appended to `model.layers` (`TrailingLayersLayout`, `Step35Layout`);
+  DeepSeek-V4: `mtp.{k}.*` with its own depth module (mHC streams; models/deepseek_v4_mtp.py).
 - Qwen3-Next (`model_type qwen3_next`; vLLM `qwen3_next_mtp.py`, transformers' Qwen3.5 MTP code, released
   Qwen3-Next-80B-A3B keys): `mtp.pre_fc_norm_embedding` = enorm, `mtp.pre_fc_norm_hidden` = hnorm, `mtp.fc` =
   eh_proj over cat(normed embedding, normed hidden) — embedding first, as Megatron —, `mtp.layers.0.*` = the decoder
@@ -34,7 +36,7 @@ from fsdp2_backend.models.qwen3_moe import checkpoint_keys as expert_keys
 from fsdp2_backend.models.qwen3_moe import param_from_checkpoint as expert_param
 from fsdp2_backend.models.qwen3_moe import param_to_checkpoint as expert_split
 
-_OWN = re.compile(r"^mtp\.layers\.(?P<k>\d+)\.(?P<part>enorm|hnorm|eh_proj|final_layernorm|transformer_layer)\."
+_OWN = re.compile(r"^mtp\.layers\.(?P<k>\d+)\.(?P<part>enorm|hnorm|eh_proj|final_layernorm|transformer_layer|hc_head)\."
                   r"(?P<rest>.*)$")
 
 
@@ -42,6 +44,11 @@ class MTPLayout:
     """This project's own layout (`mtp.layers.{k}.*` as in memory); the base of the released ones."""
 
     prenorm_hidden = False  # Megatron: depth 1 gets the final-normed hidden states, depth k depth k-1's normed output
+    depth_class = None  # the module of one depth: None is Megatron's `mtp.MTPLayer`
+
+    def hidden_source(self, model: nn.Module) -> Optional[nn.Module]:
+        """The module whose input is depth 1's hidden state (None: the lm head's input, the final-normed states)."""
+        return model.get_decoder().norm if self.prenorm_hidden else None
 
     def check(self, config, num_layers: int) -> None:
         """Declines (UsageError) an MTP depth or checkpoint this layout cannot hold."""
@@ -49,6 +56,10 @@ class MTPLayout:
     def extra_keys(self, config, num_layers: int) -> Dict[str, str]:
         """Checkpoint keys the layout knows but our modules do not hold → the model tensor they copy."""
         return {}
+
+    def exported_copies(self, config, num_layers: int) -> Dict[str, str]:
+        """The `extra_keys` the export writes (copies of the model tensor they name)."""
+        return self.extra_keys(config, num_layers)
 
     def checkpoint_name(self, name: str, config) -> str:
         """The checkpoint name of our MTP tensor `name` (`mtp.layers.{k}....`), before any per-expert split."""
@@ -256,7 +267,13 @@ class Step35Layout(TrailingLayersLayout):
 
 def mtp_layout(config) -> MTPLayout:
     """The layout for an HF config: the released one of its model type, else this project's own."""
-    return {"qwen3_next": Qwen3NextLayout, "step3p5": Step35Layout, "deepseek_v3": TrailingLayersLayout}.get(getattr(config, "model_type", None), MTPLayout)()
+    model_type = getattr(config, "model_type", None)
+    if model_type == "deepseek_v4":  # its own module (it imports this one)
+        from fsdp2_backend.models.deepseek_v4_mtp import DeepseekV4Layout
+
+        return DeepseekV4Layout()
+    return {"qwen3_next": Qwen3NextLayout, "step3p5": Step35Layout, "deepseek_v3": TrailingLayersLayout}.get(
+        model_type, MTPLayout)()
 
 
 def _num_experts(config) -> int:
@@ -290,7 +307,7 @@ def to_checkpoint(state_dict: Mapping[str, torch.Tensor], config) -> Dict[str, t
             out.update(layout.split(layout.checkpoint_name(key, config), tensor))
         else:
             out[key] = tensor
-    for key, source in layout.extra_keys(config, len(depths)).items():
+    for key, source in layout.exported_copies(config, len(depths)).items():
         tied = state_dict.get(source, state_dict.get("model.embed_tokens.weight"))  # a tied head: the embedding
         out[key] = tied.clone()  # a copy of its own: not deduplicated as a tied weight
     return out

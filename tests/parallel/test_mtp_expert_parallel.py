@@ -1,7 +1,9 @@
-"""MTP with expert parallel: the qwen3_next model id with one MTP depth (its MTP layer is sparse: stacked experts),
-on 2 gloo ranks at EP 2 (the engine's `build._with_mtp` + `apply_parallelism`), gives one process's losses (both
-ranks' micro-batches, lm loss + factor × MTP loss) over 3 steps; the MTP layer's experts are sharded like the main
-layers. (two of the four experts per rank)."""
+"""MTP with expert parallel: the qwen3_next and deepseek_v4 model ids with one MTP depth (their MTP layers are
+sparse: stacked experts; DeepSeek-V4's runs over the mHC streams, models/deepseek_v4_mtp.py), on 2 gloo ranks at
+EP 2 (the engine's `build._with_mtp` + `apply_parallelism`), give one process's losses (both ranks' micro-batches,
+lm loss + factor × MTP loss) over 3 steps; the MTP layer's experts are sharded like the main layers (two of the four
+experts per rank)."""
+import pytest
 import torch
 
 from tests.helpers import run_distributed
@@ -10,11 +12,11 @@ from tests.models.test_qwen3_next import tiny_next_config
 STEPS, LR, SEQ, MBS, FACTOR = 3, 5e-3, 16, 2, 0.3
 
 
-def _config(ep_size):
+def _config(ep_size, model_id):
     from fsdp2_backend.config import Config
 
     config = Config()
-    config.model.model_id, config.model.mtp_num_layers, config.model.mtp_loss_scaling_factor = "qwen3_next", 1, FACTOR
+    config.model.model_id, config.model.mtp_num_layers, config.model.mtp_loss_scaling_factor = model_id, 1, FACTOR
     config.optimization.gdn_chunk_size = 8
     config.optimization.moe_grouped_gemm = True
     config.parallel.param_dtype, config.parallel.ep_size = "fp32", ep_size
@@ -26,6 +28,10 @@ def _model(config):
     from fsdp2_backend.models.registry import model_spec
 
     torch.manual_seed(0)
+    if config.model.model_id == "deepseek_v4":  # a hash-routed layer, then a top-k one; the MTP layer: top-k
+        from tests.models.test_newer_model_ids import tiny_config
+
+        return _with_mtp(model_spec("deepseek_v4").build(tiny_config("deepseek_v4")), config)
     # two layers, the last one dense: the MTP layer is still full attention with the sparse MoE (its layout)
     model = model_spec("qwen3_next").build(tiny_next_config(
         output_router_logits=False, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
@@ -33,11 +39,11 @@ def _model(config):
     return _with_mtp(model, config)
 
 
-def _batch(step, rank):
+def _batch(step, rank, vocab):
     from fsdp2_backend.models.mtp import mtp_batch
 
     g = torch.Generator().manual_seed(1000 * (step % 2) + rank)  # two batches in turn: the loss must fall
-    text = torch.randint(0, 128, (MBS, SEQ + 1), generator=g)
+    text = torch.randint(0, vocab, (MBS, SEQ + 1), generator=g)
     mask = torch.ones(MBS, SEQ)
     mask[rank, 3 + step] = 0
     return mtp_batch(dict(input_ids=text[:, :-1], labels=text[:, 1:], loss_mask=mask,
@@ -58,21 +64,21 @@ def _loss(model, batch, scale):
     return float(lm.detach() + FACTOR * sums[0] / counts[0])
 
 
-def _reference():
+def _reference(model_id):
     from fsdp2_backend.parallel.apply import _model_switches
 
-    model, config = _model(_config(1))
+    model, config = _model(_config(1, model_id))
     _model_switches(model, config, "cpu")  # the model id's switches, as the engine applies them
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses = []
     for step in range(STEPS):
         opt.zero_grad()
-        losses.append(sum(_loss(model, _batch(step, r), 0.5) for r in range(2)) / 2)
+        losses.append(sum(_loss(model, _batch(step, r, model.config.vocab_size), 0.5) for r in range(2)) / 2)
         opt.step()
     return losses
 
 
-def _ranks(rank, world_size, out_dir):
+def _ranks(rank, world_size, out_dir, model_id):
     import json
 
     import torch.distributed as dist
@@ -80,7 +86,7 @@ def _ranks(rank, world_size, out_dir):
     from fsdp2_backend.distributed.context import ParallelContext
     from fsdp2_backend.parallel.apply import apply_parallelism
 
-    model, config = _model(_config(2))
+    model, config = _model(_config(2, model_id))
     assert "mtp.layers.{*}.transformer_layer.mlp.experts" in config.parallel.ep_modules
     model = apply_parallelism(model, config, ParallelContext.create(config.parallel))
     experts = model.mtp.layers[0].transformer_layer.mlp.experts
@@ -89,7 +95,8 @@ def _ranks(rank, world_size, out_dir):
     losses = []
     for step in range(STEPS):
         opt.zero_grad()
-        total = torch.tensor(_loss(model, _batch(step, rank), 1 / world_size))  # SUMmed gradients: the 1/dp here
+        batch = _batch(step, rank, model.config.vocab_size)
+        total = torch.tensor(_loss(model, batch, 1 / world_size))  # SUMmed gradients: the 1/dp here
         opt.step()
         dist.all_reduce(total)
         losses.append(float(total) / world_size)
@@ -98,11 +105,12 @@ def _ranks(rank, world_size, out_dir):
             json.dump(losses, f)
 
 
-def test_mtp_with_ep2_equals_one_process(tmp_path):
+@pytest.mark.parametrize("model_id", ["qwen3_next", "deepseek_v4"])
+def test_mtp_with_ep2_equals_one_process(tmp_path, model_id):
     import json
 
-    run_distributed(_ranks, 2, str(tmp_path))
+    run_distributed(_ranks, 2, str(tmp_path), model_id)
     got = json.loads((tmp_path / "losses.json").read_text())
-    want = _reference()
+    want = _reference(model_id)
     assert want[-1] < want[0]  # it trains
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
