@@ -160,3 +160,64 @@ def test_deepseek_v4_mtp_layer_loads_trains_and_exports_back(v4_dir, tmp_path, c
     expected = {k.replace("attn.kv_norm.", "attn.norm."): v for k, v in mtp.items()
                 if k not in ("mtp.0.emb.tok_emb.weight", "mtp.0.head.weight")}
     assert_export_round_trip(tmp_path / "export", "mtp.", expected, state, "deepseek_v4")
+
+
+def test_second_depth_takes_the_first_depths_streams():
+    """Two depths (a config declaring two): depth 2 gets depth 1's output streams before its hc_head and norm
+    (DeepSeek's MTPBlock takes streams), the embedding of token t+2, and its own tensors; the per-depth losses
+    equal the chain computed here by hand (the decoder layers' own modules, everything around them in plain ops)."""
+    from fsdp2_backend.models.mtp import attach_mtp, mtp_batch, mtp_forward
+    from fsdp2_backend.models.registry import model_spec
+
+    config = tiny_config("deepseek_v4")
+    config.num_nextn_predict_layers = 2
+    torch.manual_seed(2)
+    model = attach_mtp(model_spec("deepseek_v4").build(config), 2, seed=4).eval()
+    with torch.no_grad():
+        for name, param in model.mtp.named_parameters():
+            param.normal_(1.0 if param.dim() == 1 and "norm" in name else 0.0, 0.3 if param.dim() == 1 else 0.15)
+    batch = _batch(config.vocab_size)
+    batch = mtp_batch(dict(input_ids=batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"],
+                           position_ids=batch["position_ids"]), 2)
+    with torch.no_grad():
+        _, sums, counts = mtp_forward(model, batch, 2, lambda s, c: sum(s) * 0)
+        seen = {}
+        hooks = [model.model.hc_head.register_forward_pre_hook(lambda m, a: seen.__setitem__("streams", a[0])),
+                 model.model.layers[-1].register_forward_pre_hook(
+                     lambda m, a, kw: seen.__setitem__("kwargs", kw), with_kwargs=True)]
+        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        for hook in hooks:
+            hook.remove()
+        kwargs = {k: v for k, v in seen["kwargs"].items() if k not in ("input_ids", "hidden_states")}
+        state, want = seen["streams"], []
+        for k, depth in enumerate(model.mtp.layers, start=1):
+            w_e, w_h = depth.eh_proj.weight.chunk(2, dim=1)
+            e = _rms(model.model.embed_tokens.weight[batch[f"mtp_input_ids_{k}"]], depth.enorm.weight)
+            x = (e @ w_e.T).unsqueeze(2) + _rms(state, depth.hnorm.weight) @ w_h.T
+            state = depth.transformer_layer(x, **kwargs)
+            flat = state.flatten(2)
+            mixes = (flat @ depth.hc_head.hc_fn.T) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-6)
+            pre = torch.sigmoid(mixes * depth.hc_head.hc_scale + depth.hc_head.hc_base) + 1e-6
+            y = _rms((pre.unsqueeze(-1) * state).sum(2), depth.final_layernorm.weight)
+            ce = F.cross_entropy((y @ model.lm_head.weight.T).flatten(0, 1), batch[f"mtp_labels_{k}"].flatten(),
+                                 reduction="none")
+            mask = batch[f"mtp_loss_mask_{k}"].flatten()
+            want.append(((ce * mask).sum() / mask.sum()).item())
+    got = [float(s / c) for s, c in zip(sums, counts)]
+    assert got == pytest.approx(want, rel=1e-5)
+    assert abs(want[0] - want[1]) > 1e-3  # two different depths
+
+
+def test_layouts_the_layout_cannot_hold_are_declined(tmp_path):
+    from fsdp2_backend.models.deepseek_v4_mtp import DeepseekV4Layout
+    from fsdp2_backend.usage_errors import UsageError
+
+    config = tiny_config("deepseek_v4")  # num_nextn_predict_layers 1
+    with pytest.raises(UsageError, match="2 MTP layers but the checkpoint has 1"):
+        DeepseekV4Layout().check(config, 2)
+    (tmp_path / "config.json").write_text(json.dumps({"compress_ratios": [4, 4, 4]}))  # a compressed MTP layer
+    config._name_or_path = str(tmp_path)
+    with pytest.raises(UsageError, match=r"compress_ratios\[2\] = 4"):
+        DeepseekV4Layout().check(config, 1)
+    (tmp_path / "config.json").write_text(json.dumps({"compress_ratios": [4, 4, 0]}))  # V4-Flash's: sliding
+    DeepseekV4Layout().check(config, 1)
