@@ -10,9 +10,8 @@ Torch-free; called from `validation`.
 - No effect here, said once: `parallel.fsdp_implementation: custom` / `hook_modules` (MindSpeed's own Ascend FSDP;
   torch's FSDP2 gives the same results), the NPU-only fused ops (`use_sparse_flash_attn`,
   `use_fused_lightning_indexer(_loss)`, `use_ascend_mhc`, `use_triton_swiglu_limit`) and the windows only the NPU
-  indexer-loss op reads (`pre_tokens`, `next_tokens`), `training.indexer_loss_coeff` for glm52 (MindSpeed trains
-  GLM-5.2's indexer only in its NPU fused kernel; deepseek_v4's KL loss is honoured: models/dsa_indexer_loss.py),
-  `optimization.indexer_loss_coeff` (MindSpeed's parser skips it too).
+  indexer-loss op reads (`pre_tokens`, `next_tokens`), `optimization.indexer_loss_coeff` (MindSpeed's parser skips
+  it too). `training.indexer_loss_coeff` is honoured: the DSA indexer's KL loss (models/dsa_indexer_loss.py).
 - MindSpeed's own refusals are kept: the DSA fusions name DSA models only, mHC and SwiGLU-limit DeepSeek-V4 only.
 """
 from __future__ import annotations
@@ -26,7 +25,7 @@ DSA_MODEL_IDS = ("glm52", "deepseek_v4")  # MindSpeed: dsv32 / deepseek_v4 / glm
 _NPU_ONLY = {
     "use_sparse_flash_attn": "NPU sparse flash attention (torch_npu); DSA attention runs in torch ops here",
     "use_fused_lightning_indexer": "NPU lightning-indexer kernel (torch_npu); the DSA top-k runs in torch ops here",
-    "use_fused_lightning_indexer_loss": "NPU fused indexer KL-loss kernel (torch_npu); deepseek_v4's indexer KL loss "
+    "use_fused_lightning_indexer_loss": "NPU fused indexer KL-loss kernel (torch_npu); the indexer KL loss "
                                         "(training.indexer_loss_coeff) runs in torch ops here",
     "use_ascend_mhc": "Ascend fused mHC operators (cann_ops_transformer); mHC runs in torch ops here",
     "use_triton_swiglu_limit": "Triton-Ascend SwiGLU-with-limit kernel (NPU); the clamped SwiGLU runs in torch ops "
@@ -116,10 +115,6 @@ def head_field_notices(config) -> List[str]:
     if o.indexer_loss_coeff is not None:
         notices.append("optimization.indexer_loss_coeff: no effect — MindSpeed reads training.indexer_loss_coeff "
                        "(its parser skips this one too); move it there")
-    if config.model.model_id == "glm52" and t.indexer_loss_coeff:
-        notices.append("training.indexer_loss_coeff: no effect for model_id glm52 — MindSpeed computes GLM-5.2's "
-                       "indexer KL loss only inside its NPU fused kernel (use_fused_lightning_indexer_loss); its torch "
-                       "path, like this one, runs the indexer without gradient: its weights stay as loaded")
     return notices
 
 

@@ -1,5 +1,5 @@
-"""The DSA lightning indexer's KL loss (MindSpeed-LLM's `training.indexer_loss_coeff`), for the `deepseek_v4` model
-id: the indexer is trained to predict where the main attention looks.
+"""The DSA lightning indexer's KL loss (MindSpeed-LLM's `training.indexer_loss_coeff`), for the `deepseek_v4` and
+`glm52` model ids: the indexer is trained to predict where the main attention looks.
 
 Contract (`indexer_kl_loss`), per compressed-sparse-attention (CSA) layer and micro-batch, for a batch of B
 sequences of S queries, the indexer's selected compressed keys K(b, s) (its top-k, causal entries only; -1 = none):
@@ -21,8 +21,12 @@ micro-batch this is MindSpeed's FSDP2 scale of 1 averaged over data-parallel ran
 (MindSpeed's and Megatron's name, coefficient included): the mean over CSA layers and micro-batches, averaged over
 data-parallel ranks (`finish_indexer_step`).
 
-Model code stays plain: the loss is attached by forward hooks on transformers' modules (`install_deepseek_v4`);
-active only in training with gradients enabled and coeff > 0.
+Model code stays plain: the loss is attached by forward hooks on transformers' modules (`install_deepseek_v4`,
+`install_glm52`); active only in training with gradients enabled and coeff > 0. GLM-5.2 (transformers' glm_moe_dsa,
+whose indexer runs under no_grad and returns indices only; MindSpeed computes this loss there in its NPU kernel):
+the hooks recompute, outside no_grad, the index scores from the detached inputs (`glm_index_scores`, transformers'
+indexer math) and, without gradient, the attention's query and per-head keys; layers sharing a previous layer's
+top-k ("shared" indexer type) have no indexer and no loss.
 """
 from __future__ import annotations
 
@@ -40,13 +44,14 @@ LOG_NAME = "indexer loss"
 def indexer_kl_loss(index_scores: Tensor, topk_indices: Tensor, query: Tensor, key: Tensor, scale: float,
                     coeff: float) -> Tensor:
     """The contract above. index_scores (B, S, T) with grad; topk_indices (B, S, k), -1 = none; query
-    (B, H, S, D); key (B, T, D) (one shared KV head)."""
+    (B, H, S, D); key (B, T, D) (one shared KV head, DeepSeek-V4) or (B, H, T, D) (per-head keys, GLM-5.2's MLA)."""
     b, h, s, _ = query.shape
     valid = topk_indices >= 0
     index = topk_indices.clamp(min=0).long()
     neg = torch.finfo(torch.float32).min
     with torch.no_grad():
-        logits = torch.einsum("bhsd,btd->bhst", query.detach().float(), key.detach().float()) * scale
+        pattern = "bhsd,btd->bhst" if key.dim() == 3 else "bhsd,bhtd->bhst"
+        logits = torch.einsum(pattern, query.detach().float(), key.detach().float()) * scale
         chosen = logits.gather(-1, index.unsqueeze(1).expand(b, h, s, index.shape[-1]))
         attn = F.softmax(chosen.masked_fill(~valid.unsqueeze(1), neg), dim=-1) * valid.unsqueeze(1)
         target = attn.sum(dim=1)
@@ -145,3 +150,83 @@ def finish_indexer_step(model: nn.Module, group: Optional[dist.ProcessGroup] = N
     if group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(totals, group=group)
     return {LOG_NAME: (totals[0] / totals[1]).item()}
+
+
+# -- GLM-5.2 ------------------------------------------------------------------------------------------------------
+def glm_index_scores(indexer: nn.Module, hidden: Tensor, q_resid: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """transformers' GlmMoeDsaIndexer scores (B, S, T) before the causal mask, with gradient: Σ_h w_h ·
+    ReLU(q_h · k) · scale, interleaved RoPE on the first qk_rope_head_dim channels."""
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
+
+    b, s, _ = hidden.shape
+    rope, rest = indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim
+    q_rot, q_pass = indexer.wq_b(q_resid).view(b, s, indexer.n_heads, indexer.head_dim).split([rope, rest], dim=-1)
+    k_rot, k_pass = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2).split([rope, rest], dim=-1)
+    q_rot, k_rot = glm.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q, k = torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale)
+    weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads ** -0.5
+    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+
+
+def _allowed(mask: Tensor, index: Tensor) -> Tensor:
+    """Whether the (B, S, T) attention mask (bool, or additive: 0 allowed) allows each selected key."""
+    picked = mask.gather(-1, index.long())
+    return picked if picked.dtype == torch.bool else picked > torch.finfo(picked.dtype).min / 2
+
+
+def install_glm52(model: nn.Module, coeff: float) -> int:
+    """Hooks the loss into every GLM-5.2 attention with its own indexer; returns how many."""
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
+
+    from fsdp2_backend.models.mtp import _AttachLoss
+
+    installed = 0
+    for attn in model.modules():
+        if not isinstance(attn, glm.GlmMoeDsaAttention) or attn.indexer is None or hasattr(attn, "_dsa_indexer_loss"):
+            continue
+        state = _IndexerLossState(coeff)
+        attn._dsa_indexer_loss = state
+
+        def start(module, args, kwargs, state=state):
+            state.active = module.training and torch.is_grad_enabled() and state.coeff > 0
+            state.captured = {}
+
+        def indexed(module, args, kwargs, output, state=state):
+            if state.active:
+                hidden, q_resid, (cos, sin), mask = args[:4]
+                with torch.enable_grad():  # the indexer's own parameters only: its inputs detached
+                    state.captured["scores"] = glm_index_scores(module, hidden.detach(), q_resid.detach(), cos, sin)
+                state.captured["topk"] = torch.where(_allowed(mask, output), output.long(), -1)
+                state.captured["q_resid"] = q_resid.detach()
+
+        def finish(module, args, kwargs, output, state=state):
+            if not state.active or "topk" not in state.captured:
+                state.active = False
+                return None
+            c = state.captured
+            state.active, state.captured = False, {}
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+            with torch.no_grad():  # the attention's query and keys, recomputed as transformers' forward does
+                b, s, _ = hidden.shape
+                q = module.q_b_proj(c["q_resid"]).view(b, s, -1, module.qk_head_dim).transpose(1, 2)
+                q_pass, q_rot = q.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
+                kv_pass, k_rot = module.kv_a_proj_with_mqa(hidden).split([module.kv_lora_rank,
+                                                                         module.qk_rope_head_dim], dim=-1)
+                k_pass = module.kv_a_layernorm(kv_pass).view(b, 1, s, module.kv_lora_rank)
+                q_rot, k_rot = glm.apply_rotary_pos_emb_interleave(
+                    q_rot, k_rot.view(b, 1, s, module.qk_rope_head_dim), cos, sin)
+                key, _ = module.expand_kv(k_pass, k_rot)
+                query = torch.cat([q_pass, q_rot], dim=-1)
+            loss = indexer_kl_loss(c["scores"], c["topk"], query, key, module.scaling, state.coeff)
+            detached = loss.detach().float()
+            state.logged_sum = detached if state.logged_sum is None else state.logged_sum + detached
+            state.logged_count += 1
+            return (_AttachLoss.apply(output[0], loss, state.scale), *output[1:])
+
+        attn.register_forward_pre_hook(start, with_kwargs=True)
+        attn.indexer.register_forward_hook(indexed, with_kwargs=True)
+        attn.register_forward_hook(finish, with_kwargs=True)
+        installed += 1
+    return installed

@@ -29,6 +29,10 @@ def _configure_family(model, config, *device_type) -> None:
 
     configure_moe(model, moe_grouped_gemm=config.optimization.moe_grouped_gemm,
                   fix_router=config.optimization.fix_router, model_args=config.model)
+    if config.training.indexer_loss_coeff:  # glm52: MindSpeed's DSA indexer KL loss (training only)
+        from fsdp2_backend.models.dsa_indexer_loss import install_glm52
+
+        install_glm52(model, config.training.indexer_loss_coeff)
 
 
 def newer_specs(spec_class) -> Dict[str, object]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdp2_backend.models.dsa_indexer_loss import (
-    finish_indexer_step, indexer_kl_loss, install_deepseek_v4, set_backward_scale)
+    finish_indexer_step, indexer_kl_loss, install_deepseek_v4, install_glm52, set_backward_scale)
 
 COEFF = 0.37
 
@@ -103,3 +103,53 @@ def test_deepseek_v4_indexer_is_trained_and_nothing_else_changes():
     hooked.eval()
     hooked(input_ids=ids, use_cache=False)
     assert finish_indexer_step(hooked) == {}
+
+
+def test_glm52_indexer_is_trained_and_nothing_else_changes():
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
+
+    from fsdp2_backend.models.dsa_indexer_loss import glm_index_scores
+    from fsdp2_backend.models.moe.family_swap import build
+    from tests.models.test_newer_model_ids import tiny_config
+
+    def tiny():
+        torch.manual_seed(0)
+        model = build(tiny_config("glm52"))
+        model.init_weights()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".indexer." in name:
+                    p.normal_(0, 0.3)
+        return model
+
+    plain, hooked = tiny(), tiny()
+    assert install_glm52(hooked, COEFF) == 2
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
+    # the recomputed scores select what transformers' indexer selects
+    seen = {}
+    layer = hooked.model.layers[0].self_attn
+    handle = layer.indexer.register_forward_hook(lambda m, a, o: seen.update(args=a, topk=o))
+    hooked.eval()
+    hooked(input_ids=ids, use_cache=False)
+    handle.remove()
+    hidden, q_resid, (cos, sin), mask = seen["args"][:4]
+    mine = glm_index_scores(layer.indexer, hidden, q_resid, cos, sin)
+    mine = mine.masked_fill(~mask, -1e30) if mask.dtype == torch.bool else mine + mask
+    # (masked keys tie at the mask's minimum: any of them may fill a short row)
+    torch.testing.assert_close(mine.topk(seen["topk"].shape[-1], dim=-1).values.clamp(min=-1e4),
+                               mine.gather(-1, seen["topk"].long()).clamp(min=-1e4))
+    base = _grads(plain, ids)
+    once = _grads(hooked, ids, scale=1.0)
+    logged = finish_indexer_step(hooked)
+    assert logged["indexer loss"] > 0
+    twice = _grads(hooked, ids, scale=2.0)
+    finish_indexer_step(hooked)
+    indexer = [n for n in base if ".indexer." in n]
+    for name in base:
+        if name in indexer:
+            assert base[name].abs().sum() == 0, name
+            torch.testing.assert_close(twice[name], 2 * once[name])
+        else:
+            torch.testing.assert_close(once[name], base[name], rtol=0, atol=0, msg=name)
+    assert all(once[n].abs().sum() > 0 for n in indexer if "k_norm" not in n), indexer
+    assert isinstance(layer, glm.GlmMoeDsaAttention)

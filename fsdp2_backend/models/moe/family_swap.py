@@ -161,7 +161,8 @@ FAMILIES: Mapping[str, Family] = {
                         Qwen2MoeGroupedBlock, Qwen2MoeRouter, lambda c: c.num_experts),
     "deepseek_v3": Family(ds.DeepseekV3ForCausalLM, ds.DeepseekV3MoE, ds.DeepseekV3Experts,
                           DeepseekV3GroupedBlock, DeepseekV3Router, lambda c: c.n_routed_experts),
-    # GLM-5.2 (model id glm52): DeepSeek-V3's MoE under DeepSeek sparse attention (transformers' indexer, no grad)
+    # GLM-5.2 (model id glm52): DeepSeek-V3's MoE under DeepSeek sparse attention (its indexer trained by
+    # training.indexer_loss_coeff: models/dsa_indexer_loss.py, hooked in by models/newer_ids.py)
     "glm_moe_dsa": Family(glm.GlmMoeDsaForCausalLM, glm.GlmMoeDsaMoE, glm.GlmMoeDsaExperts, GlmMoeDsaGroupedBlock,
                           GlmMoeDsaRouter, lambda c: c.n_routed_experts),
 }
