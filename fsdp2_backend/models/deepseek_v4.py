@@ -51,6 +51,9 @@ class DeepseekV4GroupedForCausalLM(GroupedMoECausalLM, dv4.DeepseekV4ForCausalLM
     """`DeepseekV4ForCausalLM` whose experts are `ClampedGroupedExperts` (same names, shapes and init)."""
 
     hf_experts_class, hf_class = dv4.DeepseekV4Experts, dv4.DeepseekV4ForCausalLM
+    # MindSpeed's YAMLs name an MTP depth's decoder layer `mtp.layers.{*}.layer` (its MultiTokenPredictionLayer);
+    # ours is `transformer_layer` (models/mtp.py, Megatron's name): plan patterns take both (parallel/plans.py)
+    plan_path_aliases = {"layer": "transformer_layer"}
 
     @classmethod
     def is_custom_code(cls) -> bool:
