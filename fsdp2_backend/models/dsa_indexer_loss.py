@@ -73,7 +73,13 @@ class _IndexerLossState:
 
 
 def _states(model: nn.Module) -> List[_IndexerLossState]:
-    return [m._dsa_indexer_loss for m in model.modules() if hasattr(m, "_dsa_indexer_loss")]
+    """The attached losses' states, found once per model (the trainer asks twice a step: a walk of every module
+    each time would cost a large model milliseconds per step, and most models have none)."""
+    states = model.__dict__.get("_dsa_indexer_states")
+    if states is None:
+        states = [m._dsa_indexer_loss for m in model.modules() if "_dsa_indexer_loss" in m.__dict__]
+        model.__dict__["_dsa_indexer_states"] = states
+    return states
 
 
 def install_deepseek_v4(model: nn.Module, coeff: float) -> int:
@@ -83,6 +89,7 @@ def install_deepseek_v4(model: nn.Module, coeff: float) -> int:
     from fsdp2_backend.models.mtp import _AttachLoss
 
     installed = 0
+    model.__dict__.pop("_dsa_indexer_states", None)  # found anew on the next step
     for attn in model.modules():
         if not (isinstance(attn, dv4.DeepseekV4Attention)
                 and isinstance(attn.compressor, dv4.DeepseekV4CSACompressor)) or hasattr(attn, "_dsa_indexer_loss"):
@@ -182,6 +189,7 @@ def install_glm52(model: nn.Module, coeff: float) -> int:
     from fsdp2_backend.models.mtp import _AttachLoss
 
     installed = 0
+    model.__dict__.pop("_dsa_indexer_states", None)  # found anew on the next step
     for attn in model.modules():
         if not isinstance(attn, glm.GlmMoeDsaAttention) or attn.indexer is None or hasattr(attn, "_dsa_indexer_loss"):
             continue
