@@ -202,7 +202,9 @@ class ParallelArguments:
                    "key/value) is the same exact attention as ring and runs as ring.")
     fsdp_modules: List[str] = help_field(["model.layers.{}", "model.embed_tokens", "lm_head"],
                                      "Modules wrapped by FSDP (globs); must not be empty.")
-    ignored_modules: Optional[List[str]] = help_field(None, "Modules FSDP leaves alone.")
+    ignored_modules: Optional[List[str]] = help_field(
+        None, "Modules FSDP leaves alone: whole on every rank, their gradients summed over the data-parallel "
+              "ranks after backward.")
     reshard_after_forward: bool = help_field(True, "Reshard FSDP parameters after forward.")
     shard_placement_fn: Optional[str] = help_field(None, "Dotted import path of a custom FSDP shard placement function.")
     efsdp_shard_placement_fn: Optional[str] = help_field("shard_by_dim_1", "Shard placement inside the expert group.")

@@ -4,7 +4,9 @@
   root takes whatever is left (final norm, tied weights...).
 - Modules whose parameters are also held by a module outside them (tied embeddings, matched or not) are not
   wrapped on their own: a parameter can belong to one unit only, so the root keeps it.
-- `ignored_modules`: their parameters stay out of FSDP (not sharded, not reduced — a later stage owns them).
+- `ignored_modules`: their parameters stay out of FSDP, whole on every rank. Their gradients are reduced over
+  FSDP's mesh by the trainer (`parallel.replicated_grads`, SUM as FSDP's), recorded here; parameters another
+  stage passes in `extra_ignored` (expert units, FSDP'd on their own mesh) are that stage's to reduce.
 - Mixed precision from `param_dtype` / `reduce_dtype`; parameters stay fp32 (the optimizer's master copy).
 - `shard_placement_fn` is a dotted import path `package.module.function`.
 - The default `fsdp_modules` names Llama-style paths (`model.layers.{}`); a model whose decoder blocks live elsewhere
@@ -30,6 +32,7 @@ from fsdp2_backend.config import ParallelArguments
 from fsdp2_backend.parallel.offload import offload_policy
 from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.parallel.plans import lenient_matches, unmatched_patterns
+from fsdp2_backend.parallel.replicated_grads import mark_replicated
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -101,7 +104,8 @@ def _units(model: nn.Module, patterns: Sequence[str], ignored: Set[nn.Parameter]
 def apply_fsdp(model: nn.Module, parallel: ParallelArguments, mesh: DeviceMesh,
                extra_ignored: Optional[Set[nn.Parameter]] = None) -> nn.Module:
     """Shards `model` in place per `parallel`'s FSDP fields; returns the root FSDP module."""
-    ignored = _ignored_params(model, parallel.ignored_modules) | set(extra_ignored or ())
+    replicated = _ignored_params(model, parallel.ignored_modules) - set(extra_ignored or ())
+    ignored = replicated | set(extra_ignored or ())
     placement = (import_dotted(parallel.shard_placement_fn, "parallel.shard_placement_fn")
                  if parallel.shard_placement_fn else None)
     common = dict(mesh=mesh, mp_policy=mixed_precision_policy(parallel), shard_placement_fn=placement,
@@ -127,6 +131,8 @@ def apply_fsdp(model: nn.Module, parallel: ParallelArguments, mesh: DeviceMesh,
         fully_shard(module, reshard_after_forward=reshard, **common)
     # The root's parameters are needed again at once for backward: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **common)
+    # in model order: every rank reduces them in the same order
+    mark_replicated(model, [name for name, p in model.named_parameters() if p in replicated], mesh)
     _set_prefetch([m for m in units if isinstance(m, FSDPModule)], parallel.num_to_forward_prefetch,
                   parallel.num_to_backward_prefetch)
     return model

@@ -4,8 +4,9 @@ Loss semantics (Megatron, via `training.loss.GlobalBatchLoss`): each micro-batch
 losses under the loss mask and its token count. Without `calculate_per_token_loss` a micro-batch contributes
 sum / count / micro-batches; with it, gradients are divided by the tokens of the whole global batch. FSDP
 sums gradients over data-parallel ranks (SUM forced: FSDP2's AVG on gloo can sum, pytorch#162338) and the
-1/dp is in the loss, so the result equals a 1-rank run's. The reported `lm loss` is token-weighted over the
-global batch.
+1/dp is in the loss, so the result equals a 1-rank run's; the parameters FSDP leaves whole on every rank
+(`parallel.ignored_modules`) get the same SUM after the last backward (`parallel.replicated_grads`). The reported
+`lm loss` is token-weighted over the global batch.
 
 Context parallel: each rank runs its share of the sequence and a micro-batch's mean runs over the whole
 sequence. MoE: the model's weighted aux loss joins the backward loss (not the reported lm loss); so does the DSA
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from fsdp2_backend.distributed.dtensor import local_tensor
 from fsdp2_backend.models.dsa_indexer_loss import finish_indexer_step, set_backward_scale
 from fsdp2_backend.models.moe.router import finish_router_step
+from fsdp2_backend.parallel.replicated_grads import ReplicatedGrads
 from fsdp2_backend.training.chunked_forward import check_chunked_loss_model, chunked_loss_forward
 from fsdp2_backend.training.exit_conditions import ExitTimer
 from fsdp2_backend.training.exit_signal import ExitSignal
@@ -127,6 +129,8 @@ class Trainer:
         self.mtp_layers = config.model.mtp_num_layers or 0  # multi-token prediction (models/mtp.py)
         self.batch_schedule = getattr(job, "batch_schedule", None)  # config/batch_schedule.py
         self._mtp_means: Optional[torch.Tensor] = None
+        # parallel.ignored_modules: replicated parameters whose gradients FSDP does not reduce (None: there are none)
+        self.replicated_grads = ReplicatedGrads.of(model)
 
     # -- one iteration -------------------------------------------------------------------------------------
     def _forward_loss(self, batch: Batch, accounting: Optional[GlobalBatchLoss] = None,
@@ -230,6 +234,8 @@ class Trainer:
             tokens += batch["tokens"].numel()
             loss_sum, count, aux = self._forward_loss(batch, accounting)
             (accounting.backward_loss(loss_sum, count, aux) * self.loss_scaler.scale).backward()
+        if self.replicated_grads is not None:  # what FSDP's reduce-scatter does for the sharded parameters
+            self.replicated_grads.all_reduce()
         self.logger.stop_timer("forward-backward")
         self.logger.start_timer("optimizer")
         params = [p for p in self.model.parameters() if p.grad is not None]
