@@ -195,10 +195,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from fsdp2_backend.training.exit_signal import install
 
         install(config.training.exit_signal)
-    from fsdp2_backend.build import run_training
-    from fsdp2_backend.kernels.mx import quiet_torchao_import_noise
+    from fsdp2_backend.build import run_training  # torchao's import noise: filtered by fsdp2_backend.known_noise
 
-    quiet_torchao_import_noise()
     with exit_on_usage_error():  # also a RunStopped (NaN loss, full disk): one line, exit code 1
         run_training(config)
     return 0

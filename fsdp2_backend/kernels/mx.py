@@ -17,7 +17,6 @@ No triton kernel of our own: torchao ships the triton MX casts for CUDA, and the
 """
 from __future__ import annotations
 
-import logging
 from typing import Tuple
 
 import torch
@@ -30,19 +29,9 @@ ELEM_DTYPE = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float8_e8m0fnu
 
 
-def quiet_torchao_import_noise() -> None:
-    """Silences import-time lines that say nothing to a user, for the rest of the process: torchao's CUDA-only
-    extensions failing to load on a machine without CUDA, and torch's pytree deprecation notes about torchao's
-    enums. transformers imports torchao while loading any model when it is installed (the `quant` extra), so
-    the entry point calls this before building anything."""
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-    if not torch.cuda.is_available():
-        logging.getLogger("torchao").setLevel(logging.ERROR)
-
-
 def _torchao():
-    """torchao's MX helpers (imported on first use: the `quant` extra)."""
-    quiet_torchao_import_noise()
+    """torchao's MX helpers (imported on first use: the `quant` extra; its import-time noise is filtered by
+    fsdp2_backend.known_noise)."""
     from torchao.prototype.mx_formats import mx_tensor
 
     return mx_tensor

@@ -18,7 +18,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from fsdp2_backend.training.checkpoint import CheckpointManager, load_checkpoint
 from fsdp2_backend.checkpoint_dirs import ResumePoint
 from fsdp2_backend.training.hf_export import align_special_tokens, export_hf
 
@@ -44,7 +43,10 @@ class Checkpointer:
             align_special_tokens(model_config, tokenizer, getattr(model, "generation_config", None))
         self.guard = guard  # save_dir_guard.SaveDirGuard: the save directory's lock, released by close()
         training = config.training
-        self.manager: Optional[CheckpointManager] = CheckpointManager(
+        if training.save_checkpoints:
+            # torch.distributed.checkpoint (~0.1 s to import) only for a run that saves or resumes
+            from fsdp2_backend.training.checkpoint import CheckpointManager
+        self.manager: Optional["CheckpointManager"] = CheckpointManager(
             training.output_dir, save_total_limit=training.save_total_limit, async_save=training.save_async,
             save_only_model=training.save_only_model, no_save_optim=training.no_save_optim,
             no_save_rng=training.no_save_rng) if training.save_checkpoints else None
@@ -77,6 +79,8 @@ class Checkpointer:
                                          rank=dist.get_rank() if dist.is_initialized() else 0)
             apply_megatron_state(state, self.model, self.optimizer, self.scheduler, self.state, self.loss_scaler)
             return
+        from fsdp2_backend.training.checkpoint import load_checkpoint
+
         # the train state (a TrainState: load_state_dict) is restored in place
         load_checkpoint(self.resume.checkpoint, self.model, self.optimizer, self.scheduler, self.state,
                         no_load_optim=training.no_load_optim, no_load_rng=training.no_load_rng,
