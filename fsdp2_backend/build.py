@@ -129,6 +129,14 @@ def build_model(config: Config, ctx, resume):
                          parallelize=lambda m: apply_parallelism(*_with_mtp(m, config, model_args), ctx),
                          new_rows=new_token_rows(model_args, tokenizer, config.training.seed))
     apply_mup(model, config.model, hf_config, seed=config.training.seed, initialise=not from_checkpoint)  # µP
+    if config.model.mla_scale_q_lora or config.model.mla_scale_kv_lora:  # MindSpeed's MLA latent scales
+        from fsdp2_backend.distributed.console import print_rank0
+        from fsdp2_backend.models.mla_lora_scale import apply_mla_lora_scales, builtin_note
+
+        note = builtin_note(model, config.model.mla_scale_q_lora, config.model.mla_scale_kv_lora)
+        if note:
+            print_rank0(note)
+        apply_mla_lora_scales(model, config.model.mla_scale_q_lora, config.model.mla_scale_kv_lora)
     return tokenizer, model, hf_config
 
 

@@ -83,6 +83,13 @@ class ModelArguments:
         None, "(Megatron) Multi-token prediction depths (DeepSeek-V3 style, models/mtp.py); unset: none.")
     mtp_loss_scaling_factor: float = help_field(0.1, "(Megatron) Weight of the MTP loss (averaged over depths) in the "
                                                  "training loss.")
+    # MindSpeed-LLM's MLA latent scales (models/mla_lora_scale.py; folded into the up-projections on HF export)
+    mla_scale_q_lora: bool = help_field(False, "(MindSpeed) --enable-mla-scale-q-lora: MLA's normalised query latent "
+                                        "× sqrt(hidden_size / q_lora_rank) before q_b_proj; the HF export folds "
+                                        "the factor into q_b_proj.")
+    mla_scale_kv_lora: bool = help_field(False, "(MindSpeed) --enable-mla-scale-kv-lora: MLA's normalised key/value "
+                                         "latent × sqrt(hidden_size / kv_lora_rank) before kv_b_proj; the HF "
+                                         "export folds the factor into kv_b_proj.")
     # Megatron's µP (maximal update parametrisation; models/mup.py, config/mup_rules.py)
     use_mup: bool = help_field(False, "(Megatron) µP: attention scale 1/d, logits × mup_output_mult, µP init from "
                                   "scratch, Adam lr/eps of hidden matrices ÷ width multiplier.")

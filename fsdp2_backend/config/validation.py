@@ -22,6 +22,7 @@ from fsdp2_backend.config.fault_rules import canonical_config, canonical_key, ch
 from fsdp2_backend.config.layout_rules import check_model_layout
 from fsdp2_backend.config.model_facts import ModelFacts, model_facts
 from fsdp2_backend.config.mindspeed_head_rules import head_field_errors, head_field_notices, normalise_head_fields
+from fsdp2_backend.config.mla_rules import mla_scale_errors
 from fsdp2_backend.config.mup_rules import mup_errors
 from fsdp2_backend.config.quant_rules import check_quantization, quant_notices
 from fsdp2_backend.config.router_rules import (ROUTER_MODEL_TYPES, check_router_model, megatron_router_set,
@@ -322,6 +323,7 @@ def validate_with_notices(config: Config, world_size: int = 1) -> Tuple[Config, 
     _check_architecture(config, facts, errors)
     check_router_model(config, facts, errors)
     errors.extend(mup_errors(config, facts))  # model.use_mup / mup_* (mup_rules)
+    errors.extend(mla_scale_errors(config, facts))  # model.mla_scale_* (mla_rules)
     check_run_inputs(config, facts, world_size, errors)
     if not errors:
         check_model_layout(config, facts, world_size, errors)

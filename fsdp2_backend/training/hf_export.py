@@ -238,6 +238,7 @@ def convert_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike
         config.dtype = dtype
     with torch.device("meta"):  # only the class, config and tied-weight rules are needed, not weights
         model = AutoModelForCausalLM.from_config(config)
+    _run_scales(model, resolved)
     metadata = _model_tensors(resolved)
     sources = hf_shards.tied_sources(model)
     sizes, seen = {}, set()
@@ -264,6 +265,21 @@ def convert_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike
     _write_hf_dir(model, Path(out_dir), lambda tmp: hf_shards.write_shards_sequentially(
         model, sizes, parts, load, tmp, rank=rank, world=world), tokenizer=hf_meta)
     return Path(out_dir)
+
+
+def _run_scales(model: torch.nn.Module, checkpoint: Path) -> None:
+    """The MLA latent scales the run trained with (its run_config.json: model.mla_scale_*), recorded on ``model``
+    so the shard writer folds them into the up-projections, as the live export does."""
+    import json
+
+    from fsdp2_backend.models.mla_lora_scale import SCALES_ATTR, scale_targets
+
+    try:
+        run = json.loads((checkpoint / dirs.RUN_CONFIG_FILE).read_text(encoding="utf-8")).get("model") or {}
+    except (OSError, ValueError, AttributeError):
+        return
+    targets = scale_targets(model, bool(run.get("mla_scale_q_lora")), bool(run.get("mla_scale_kv_lora")))
+    setattr(model, SCALES_ATTR, {f"{name}.weight": factor for name, factor in targets.items()})
 
 
 def _model_tensors(checkpoint: Path) -> Dict[str, tuple]:

@@ -109,8 +109,10 @@ def write_shard(model: torch.nn.Module, tensors: Dict[str, torch.Tensor], path: 
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
+    from fsdp2_backend.models.mla_lora_scale import SCALES_ATTR, fold_scales
     from fsdp2_backend.models.mtp_layouts import to_checkpoint
 
+    tensors = fold_scales(tensors, getattr(model, SCALES_ATTR, None))  # MLA latent scales into the weights
     tensors = to_checkpoint(tensors, model.config)
     for ignored in getattr(model, "_keys_to_ignore_on_save", None) or ():
         tensors.pop(ignored, None)

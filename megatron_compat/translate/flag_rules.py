@@ -195,10 +195,6 @@ _NO_EFFECT: Dict[str, str] = {
 # --- declined --------------------------------------------------------------------------------------------------
 
 _DECLINED: Dict[str, str] = {
-    "scales MLA's compressed query (--enable-mla-scale-q-lora) or key/value (--enable-mla-scale-kv-lora) by "
-    "sqrt(hidden / lora rank) before its up-projection; transformers' MLA models (DeepSeek-V3, Kimi) have no such "
-    "factor and an HF export could not carry it — drop the flag (the HF model's attention)":
-        """enable_mla_scale_q_lora enable_mla_scale_kv_lora""",
     "quantisation-aware training, quantised gradients or quantised optimizer states are not built here and would "
     "change the numerics — drop it (--o2-optimizer keeps bf16 moments)":
         """qat_scheme qat_quant_block_size quant_grads quant_states indexer_qk_quant_scheme""",

@@ -309,4 +309,5 @@ from megatron_compat.translate import mup  # noqa: E402,F401
 from megatron_compat.translate import batch_optim  # noqa: E402,F401
 from megatron_compat.translate import memory_layout  # noqa: E402,F401
 from megatron_compat.translate import fp8  # noqa: E402,F401
+from megatron_compat.translate import mla_scale  # noqa: E402,F401
 
