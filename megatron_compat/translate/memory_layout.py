@@ -10,6 +10,11 @@
   (`--optimizer-offload-fraction` 1.0), another fraction is declined.
 - `--cpu-offloading-num-layers K` → `parallel.activation_offload_layers` K (the first K decoder layers' saved
   activations on the host); `--cpu-offloading-retain-pinned-cpu-buffers` is a buffer-reuse detail, no effect.
+- MindSpeed-LLM's `--activation-offload` (its FSDP2 flag until 5ac89358, March 2026: every decoder layer's input,
+  as saved for backward, copied to the host asynchronously) → `parallel.activation_offload_layers` -1: every
+  decoder layer's saved activations on the host (a superset: the same results, less device memory). MindSpeed
+  paired it with recompute (offloading the recomputed layers' inputs); whole-layer offload and recompute do not
+  combine here, so that pairing is declined with the reason.
 """
 from __future__ import annotations
 
@@ -72,3 +77,18 @@ def _offload_fraction(ctx, value):
 def _activation_offload(ctx, value):
     if value:
         ctx.set("parallel.activation_offload_layers", value)
+
+
+@handles("activation_offload", "parallel.activation_offload_layers = -1 (every decoder layer)")
+def _mindspeed_activation_offload(ctx, value):
+    if not value:
+        return
+    if ctx.get("cpu_offloading_num_layers"):
+        ctx.record("activation_offload", "no_effect", "--cpu-offloading-num-layers chooses the offloaded layers")
+        return
+    if ctx.get("checkpoint_activations") or ctx.get("recompute_activations") or ctx.get("recompute_granularity"):
+        ctx.decline("activation_offload", "MindSpeed offloads the recomputed layers' inputs; here activation offload "
+                                          "keeps whole layers' saved tensors on the host and does not combine with "
+                                          "recompute — drop --activation-offload or the --recompute-* flags")
+        return
+    ctx.set("parallel.activation_offload_layers", -1)

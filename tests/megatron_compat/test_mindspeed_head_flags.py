@@ -25,6 +25,10 @@ def test_the_shipped_list_is_mindspeeds_full_list():
     (MLA + ["--enable-mla-scale-q-lora"], "mapped", "model.mla_scale_q_lora"),
     (MLA + ["--enable-mla-scale-kv-lora"], "mapped", "model.mla_scale_kv_lora"),
     (MLA[:1] + MLA[3:] + ["--enable-mla-scale-q-lora"], "declined", "no --q-lora-rank"),
+    (["--activation-offload"], "mapped", "parallel.activation_offload_layers = -1"),
+    (["--activation-offload", "--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1"], "declined", "does not combine with recompute"),
+    (["--activation-offload", "--cpu-offloading-num-layers", "1"], "no_effect", None),
     (["--quant-states", "mxfp8"], "declined", "quantised optimizer states"),
     (["--qat-scheme", "w4a8-moe-only", "--qat-quant-block-size", "32"], "declined", "quantisation-aware"),
     (["--layerwise-disaggregated-training"], "declined", "u-shaped split learning"),
@@ -62,3 +66,11 @@ def test_mla_scales_land_on_the_model_fields():
     fields = translate_report(BASE + MLA + ["--enable-mla-scale-q-lora", "--enable-mla-scale-kv-lora"]).fields
     assert (fields["model"]["mla_scale_q_lora"], fields["model"]["mla_scale_kv_lora"]) == (True, True)
     assert "mla_scale_q_lora" not in translate_report(BASE + MLA).fields["model"]
+
+
+def test_activation_offload_puts_every_layer_on_the_host():
+    """MindSpeed's (pre-March-2026 FSDP2) --activation-offload: every decoder layer; an explicit count wins."""
+    assert translate_report(BASE + ["--activation-offload"]).fields["parallel"]["activation_offload_layers"] == -1
+    fields = translate_report(BASE + ["--activation-offload", "--cpu-offloading-num-layers", "1"]).fields
+    assert fields["parallel"]["activation_offload_layers"] == 1
+    assert "activation_offload_layers" not in translate_report(BASE).fields["parallel"]
