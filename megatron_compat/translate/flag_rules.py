@@ -195,6 +195,14 @@ _NO_EFFECT: Dict[str, str] = {
 # --- declined --------------------------------------------------------------------------------------------------
 
 _DECLINED: Dict[str, str] = {
+    "MindSpeed-LLM's FSDP2-mixin YAML (read with --use-torch-fsdp2 until MindSpeed 5ac89358, March 2026, which "
+    "removed it) is not read here — give its settings as this backend's fields: offload_to_cpu: true is FSDP2's "
+    "CPUOffloadPolicy = parallel.cpu_offload (--optimizer-cpu-offload; pin_memory follows the device), "
+    "sub_modules_to_wrap = parallel.fsdp_modules, recompute_modules = parallel.recompute_modules, sharding_size = "
+    "parallel.fsdp_size, reshard_after_forward / param_dtype / reduce_dtype / ignored_modules / "
+    "num_to_forward_prefetch / num_to_backward_prefetch = the parallel fields of those names (given beside the "
+    "flags as --parallel.cpu_offload true, ...)":
+        """fsdp2_config_path""",
     "quantisation-aware training, quantised gradients or quantised optimizer states are not built here and would "
     "change the numerics — drop it (--o2-optimizer keeps bf16 moments)":
         """qat_scheme qat_quant_block_size quant_grads quant_states indexer_qk_quant_scheme""",

@@ -29,6 +29,8 @@ def test_the_shipped_list_is_mindspeeds_full_list():
     (["--activation-offload", "--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-num-layers", "1"], "declined", "does not combine with recompute"),
     (["--activation-offload", "--cpu-offloading-num-layers", "1"], "no_effect", None),
+    (["--fsdp2-config-path", "fsdp2_config.yaml"], "declined", "offload_to_cpu: true is FSDP2's CPUOffloadPolicy "
+                                                                "= parallel.cpu_offload"),
     (["--quant-states", "mxfp8"], "declined", "quantised optimizer states"),
     (["--qat-scheme", "w4a8-moe-only", "--qat-quant-block-size", "32"], "declined", "quantisation-aware"),
     (["--layerwise-disaggregated-training"], "declined", "u-shaped split learning"),
