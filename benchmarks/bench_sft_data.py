@@ -2,12 +2,14 @@
 
 1. Preprocessing (`prepare_datasets`: read jsonl → alpaca → qwen3 template → labels → greedy-knapsack packing) of
    an N-sample alpaca set (default 50 000, drawn from local text) with a Qwen3-like tokenizer, per
-   `preprocessing_num_workers` (--workers), next to the tokenizer's own batch encoding of the same texts (the floor
-   of any pipeline) and, with --llamafactory-python, LLaMA-Factory's own preprocessing (`get_dataset`, template
-   qwen3, packing) of the same file, all measured in the same rounds, each in a fresh process: samples/s by CPU
-   time (the process and its workers; the steadier figure on a shared machine) and by wall time. LLaMA-Factory
-   lives in an environment of its own, never the project's: e.g. `python -m venv /root/bench-lf`, a .pth file
-   naming the project venv's site-packages (the same torch / transformers / datasets), `pip install --no-deps
+   `preprocessing_num_workers` (--workers), next to the tokenizer's own batch encoding, `tokenizer(texts)`, of
+   the same samples rendered by its chat template (the floor of any pipeline; its Rust backend alone is printed
+   too) and, with --llamafactory-python, LLaMA-Factory's own preprocessing (`get_dataset`, template qwen3,
+   packing) of the same file, all measured in the same rounds, each in a fresh process: samples/s by CPU time
+   (the process and its workers; the steadier figure on a shared machine) and by wall time; with several worker
+   counts, our CPU time per sample split between the main process and the workers, and the wall speed-up.
+   LLaMA-Factory lives in an environment of its own, never the project's: e.g. `python -m venv /root/bench-lf`, a
+   .pth file naming the project venv's site-packages (the same torch / transformers / datasets), `pip install --no-deps
    llamafactory==0.9.5 peft omegaconf`, and an empty `torchaudio` package (0.9.5 imports it at module level and
    no build exists for torch 2.13; text SFT never calls it); DISABLE_VERSION_CHECK=1 is set for it.
 2. Attention of one packed row of S tokens (documents of 256..2048 tokens, 8 heads of 64): the packed attention
@@ -31,14 +33,15 @@ import time
 
 
 def _clocks():
-    """(process CPU seconds of this process and its finished children, wall seconds)."""
+    """(CPU seconds of this process (all its threads), CPU seconds of its finished children, wall seconds)."""
     times = os.times()
-    return times.user + times.system + times.children_user + times.children_system, time.perf_counter()
+    return times.user + times.system, times.children_user + times.children_system, time.perf_counter()
 
 
-def _since(mark):
-    cpu, wall = _clocks()
-    return cpu - mark[0], wall - mark[1]
+def _since(mark) -> dict:
+    """CPU seconds since `mark` (all processes; `main`: this process alone), wall seconds."""
+    main, children, wall = (now - then for now, then in zip(_clocks(), mark))
+    return {"cpu": main + children, "main": main, "wall": wall}
 
 
 def preprocessing_inputs(samples: int) -> str:
@@ -53,18 +56,29 @@ def preprocessing_inputs(samples: int) -> str:
     return root
 
 
-def tokenizer_only(root: str) -> dict:
-    """The bare batched tokenizer on the same texts: the floor of any pipeline."""
+def _rendered_texts(tokenizer, root: str) -> list:
+    """Each sample as the tokenizer's own chat template (Qwen3's jinja) renders it: the text the pipeline
+    tokenizes (the same characters: the prompt, the empty thought block, the reply), rendered before any clock."""
+    with open(os.path.join(root, "alpaca.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    conversations = [[{"role": "user", "content": "\n".join(t for t in (r["instruction"], r["input"]) if t)},
+                      {"role": "assistant", "content": r["output"]}] for r in rows]
+    return [tokenizer.apply_chat_template(messages, tokenize=False) for messages in conversations]
+
+
+def tokenizer_only(root: str, backend: bool = False) -> dict:
+    """The bare batched tokenizer, `tokenizer(texts)`, on the rendered samples: the floor of any pipeline.
+    `backend`: the fast tokenizer's Rust backend alone (`encode_batch_fast`, ids only), a lower floor still."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(root, "tok"))
-    with open(os.path.join(root, "alpaca.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    texts = [r["instruction"] + "\n" + r["input"] + r["output"] for r in rows]
+    texts = _rendered_texts(tokenizer, root)
     mark = _clocks()
-    tokenizer(texts, add_special_tokens=False)
-    cpu, wall = _since(mark)
-    return {"samples": len(texts), "cpu": cpu, "wall": wall}
+    if backend:
+        [encoding.ids for encoding in tokenizer._tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+    else:
+        tokenizer(texts, add_special_tokens=False)
+    return {"samples": len(texts), **_since(mark)}
 
 
 def preprocessing(root: str, cutoff: int, workers: int) -> dict:
@@ -81,8 +95,7 @@ def preprocessing(root: str, cutoff: int, workers: int) -> dict:
                     training=TrainingArguments(stage="sft", max_steps=1))
     mark = _clocks()
     train = prepare_datasets(config, tokenizer)["train"]
-    cpu, wall = _since(mark)
-    return {"rows": len(train), "tokens": sum(sum(lens) for lens in train["doc_lens"]), "cpu": cpu, "wall": wall}
+    return {"rows": len(train), **_since(mark), "tokens": sum(sum(lens) for lens in train["doc_lens"])}
 
 
 def llamafactory_preprocessing(root: str, cutoff: int, workers: int) -> dict:
@@ -103,8 +116,7 @@ def llamafactory_preprocessing(root: str, cutoff: int, workers: int) -> dict:
     template = get_template_and_fix_tokenizer(tokenizer, data_args)
     mark = _clocks()
     train = get_dataset(template, model_args, data_args, training_args, "sft", tokenizer)["train_dataset"]
-    cpu, wall = _since(mark)
-    return {"rows": len(train), "cpu": cpu, "wall": wall}
+    return {"rows": len(train), **_since(mark)}
 
 
 def _preprocessing_child(kind: str, root: str, cutoff: int, workers: int, python: str = sys.executable) -> dict:
@@ -202,38 +214,55 @@ def _subprocess(kind: str, seq: int, device: str) -> dict:
 
 
 def preprocessing_figures(args) -> None:
-    """Rounds alternate the bare tokenizer, ours and LLaMA-Factory, each in a fresh process; medians of CPU
-    seconds (the process and its worker processes: the steadier figure on a shared machine) and of wall seconds."""
+    """Rounds alternate the bare tokenizer, its backend alone, ours and LLaMA-Factory, each in a fresh process;
+    medians of CPU seconds (the process and its worker processes: the steadier figure on a shared machine) and of
+    wall seconds. Scaling in preprocessing_num_workers: CPU per sample (a split that scales keeps it flat: the
+    work divides, nothing is done twice) and how much of it the worker processes carry; wall speed-up over 1."""
     import statistics
 
     root = preprocessing_inputs(args.samples)
     print(f"preprocessing {args.samples} alpaca samples (qwen3 template, packing into {args.cutoff}), median of "
-          f"{args.rounds} alternating rounds, each in a fresh process; samples/s by CPU time [by wall time]:")
+          f"{args.rounds} alternating rounds, each in a fresh process; samples/s by CPU time [by wall time]; the "
+          f"references tokenize the same samples rendered by the tokenizer's chat template:", flush=True)
+    ours_by_workers = {}
     for workers in (int(w) for w in args.workers.split(",")):
-        runs = {"tokenizer": [], "ours": [], "llamafactory": []}
+        kinds = ["tokenizer", "backend", "ours"] + (["llamafactory"] if args.llamafactory_python else [])
+        runs = {kind: [] for kind in kinds}
         for _ in range(args.rounds):
-            runs["tokenizer"].append(_preprocessing_child("tokenizer", root, args.cutoff, 1))
-            runs["ours"].append(_preprocessing_child("ours", root, args.cutoff, workers))
-            if args.llamafactory_python:
-                runs["llamafactory"].append(_preprocessing_child("llamafactory", root, args.cutoff, workers,
-                                                                 args.llamafactory_python))
-        rates = {}
+            for kind in kinds:
+                python = args.llamafactory_python if kind == "llamafactory" else sys.executable
+                runs[kind].append(_preprocessing_child(kind, root, args.cutoff, workers, python))
+        medians = {}
         for kind, results in runs.items():
             errors = [r["error"] for r in results if "error" in r]
-            if errors or not results:
-                rates[kind] = None
-                if errors:
-                    print(f"  {kind}: failed: {errors[0]}")
+            if errors:
+                print(f"  {kind}: failed: {errors[0]}")
                 continue
-            rates[kind] = tuple(args.samples / statistics.median(r[clock] for r in results) for clock in ("cpu", "wall"))
-        line = f"  {workers} worker(s): bare batched tokenizer {rates['tokenizer'][0]:7.0f} [{rates['tokenizer'][1]:7.0f}]"
-        line += f"; ours {rates['ours'][0]:7.0f} [{rates['ours'][1]:7.0f}] = {rates['ours'][0] / rates['tokenizer'][0]:.2f}x "
-        line += f"[{rates['ours'][1] / rates['tokenizer'][1]:.2f}x] the tokenizer"
-        if rates["llamafactory"]:
-            lf = rates["llamafactory"]
-            line += (f"; LLaMA-Factory {lf[0]:7.0f} [{lf[1]:7.0f}], ours / LLaMA-Factory {rates['ours'][0] / lf[0]:.2f}x "
-                     f"[{rates['ours'][1] / lf[1]:.2f}x]")
+            medians[kind] = {clock: statistics.median(r[clock] for r in results) for clock in ("cpu", "main", "wall")}
+        rate = {kind: (args.samples / m["cpu"], args.samples / m["wall"]) for kind, m in medians.items()}
+        if "ours" not in rate or "tokenizer" not in rate:
+            continue
+        ours, tok = rate["ours"], rate["tokenizer"]
+        line = (f"  {workers} worker(s): bare tokenizer(texts) {tok[0]:6.0f} [{tok[1]:6.0f}]; ours {ours[0]:6.0f} "
+                f"[{ours[1]:6.0f}] = {ours[0] / tok[0]:.2f}x [{ours[1] / tok[1]:.2f}x] the bare tokenizer")
+        if "backend" in rate:
+            line += f" ({ours[0] / rate['backend'][0]:.2f}x its Rust backend alone, {rate['backend'][0]:6.0f})"
+        if "llamafactory" in rate:
+            lf = rate["llamafactory"]
+            line += (f"; LLaMA-Factory {lf[0]:6.0f} [{lf[1]:6.0f}], ours / LLaMA-Factory {ours[0] / lf[0]:.2f}x "
+                     f"[{ours[1] / lf[1]:.2f}x]")
         print(line, flush=True)
+        ours_by_workers[workers] = medians["ours"]
+    if len(ours_by_workers) > 1:
+        print("  scaling of ours (CPU time per sample is the evidence on a shared machine; wall needs idle cores):")
+        base_workers = min(ours_by_workers)
+        base = ours_by_workers[base_workers]
+        for workers, m in sorted(ours_by_workers.items()):
+            main, children = (1e6 * m[k] / args.samples for k in ("main", "cpu"))
+            children -= main
+            print(f"    {workers} worker(s): {main + children:5.0f} us CPU per sample ({m['cpu'] / base['cpu']:.2f}x of "
+                  f"{base_workers} worker(s)): the main process {main:4.0f} us, the worker processes {children:4.0f} "
+                  f"us per sample they encode; wall speed-up {base['wall'] / m['wall']:.2f}x", flush=True)
 
 
 def main() -> None:
@@ -257,7 +286,8 @@ def main() -> None:
         return
     if args.preprocess:
         kind, root, cutoff, workers = args.preprocess
-        run = {"tokenizer": lambda: tokenizer_only(root), "ours": lambda: preprocessing(root, int(cutoff), int(workers)),
+        run = {"tokenizer": lambda: tokenizer_only(root), "backend": lambda: tokenizer_only(root, backend=True),
+               "ours": lambda: preprocessing(root, int(cutoff), int(workers)),
                "llamafactory": lambda: llamafactory_preprocessing(root, int(cutoff), int(workers))}[kind]
         print(json.dumps(run()))
         return

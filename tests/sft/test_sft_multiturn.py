@@ -17,7 +17,7 @@ import pytest
 from fsdp2_backend.config import DataArguments
 from fsdp2_backend.data.sft.formats import DatasetAttr, convert_example
 from fsdp2_backend.data.sft.supervised import IGNORE_INDEX, SupervisedProcessor
-from fsdp2_backend.data.sft.template import encode_turns, get_template
+from fsdp2_backend.data.sft.template import encode_conversations, encode_turns, get_template
 from tests.sft_assets import qwen3_like_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -190,6 +190,29 @@ def test_labels_per_turn_follow_train_on_prompt_and_mask_history(tok, enable_thi
         data = DataArguments(template="qwen3", cutoff_len=4096, enable_thinking=enable_thinking, **extra)
         out = SupervisedProcessor(get_template(data, tok), tok, data, packing=False)(_rows(example))
         assert out["input_ids"] == [ids] and out["labels"] == [labels]
+
+
+@pytest.mark.parametrize("enable_thinking", [True, False, None])
+def test_a_batch_with_recurring_pieces_encodes_each_sample_as_alone(tok, enable_thinking):
+    """A batch whose samples share pieces (the same conversation twice, the default system filled into every sample
+    without one, the empty thought block in each turn), tokenized in one call where each recurring piece is
+    tokenized once: every sample still gets its own jinja reference, and no two samples share a list."""
+    system = "Answer in one word."
+    samples = [(PLAIN_HISTORY, None), (REASONING_HISTORY, None), (PLAIN_HISTORY, None), (TOOL_CALLS, TOOLS),
+               (PLAIN_HISTORY[:2], None), (TOOL_CALLS, TOOLS)]
+    data = DataArguments(template="qwen3", cutoff_len=4096, enable_thinking=enable_thinking, default_system=system,
+                         train_on_prompt=True)
+    out = SupervisedProcessor(get_template(data, tok), tok, data, packing=False)(
+        _rows(*(_canonical(messages, tools) for messages, tools in samples)))
+    expected = []
+    for messages, tools in samples:
+        if messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": system}] + messages
+        expected.append([t for p, r in reference_pairs(tok, messages, tools, enable_thinking) for t in p + r])
+    assert out["input_ids"] == expected and out["labels"] == expected
+    assert out["input_ids"][0] is not out["input_ids"][2]
+    twice = encode_conversations(tok, [get_template(data, tok).render(PLAIN_HISTORY[:2], "", "")] * 2)
+    assert twice[0] == twice[1] and twice[0][0][0] is not twice[1][0][0] and twice[0][0][1] is not twice[1][0][1]
 
 
 def test_cutoff_budget_is_split_turn_by_turn(tok):

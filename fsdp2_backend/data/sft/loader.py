@@ -11,6 +11,7 @@ exhausted dataset) with `interleave_probs`. `max_samples` truncates each dataset
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 from typing import Any, List, Optional
@@ -93,6 +94,26 @@ def worker_processes(data_args) -> Optional[int]:
     return workers if workers and workers > 1 else None
 
 
+class CollectorPaused:
+    """A batched map function run with Python's cycle collector paused (restored after each batch). A batch
+    allocates tens of thousands of lists and dicts, none in a cycle (freed by their reference counts); each
+    allocation burst set off collections that walked every object of the process (torch and transformers
+    included: ~15% of the preprocessing time, and in datasets' forked workers each full collection also copied the
+    parent's pages)."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def __call__(self, batch):
+        if not gc.isenabled():
+            return self.function(batch)
+        gc.disable()
+        try:
+            return self.function(batch)
+        finally:
+            gc.enable()
+
+
 def _align(attr: DatasetAttr):
     """Batched map: raw rows → canonical columns (messages, system, tools); malformed rows dropped."""
     def align(batch):
@@ -129,7 +150,7 @@ def load_one(attr: DatasetAttr, data_args, seed: int, streaming: bool):
                                        desc=f"Converting {attr.name}")
     if streaming:
         columns = list(next(iter(dataset)).keys())
-    return dataset.map(_align(attr), batched=True, batch_size=data_args.preprocessing_batch_size,
+    return dataset.map(CollectorPaused(_align(attr)), batched=True, batch_size=data_args.preprocessing_batch_size,
                        remove_columns=columns, features=_canonical_features(), **kwargs)
 
 

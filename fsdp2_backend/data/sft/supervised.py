@@ -119,9 +119,9 @@ class SupervisedProcessor:
         self.eos_id = hf_tokenizer.eos_token_id  # looked up once: transformers' property costs ~30 us a call
 
     def __call__(self, batch: Dict[str, list]) -> Dict[str, list]:
-        size = len(next(iter(batch.values()))) if batch else 0
-        conversations = [self.template.render(batch["messages"][i], batch["system"][i], batch["tools"][i])
-                         for i in range(size)]
+        render = self.template.render
+        columns = (batch.get(name, ()) for name in ("messages", "system", "tools"))  # each read out once
+        conversations = [render(messages, system, tools) for messages, system, tools in zip(*columns)]
         ids_out, labels_out = [], []
         for pairs in encode_conversations(self.hf, conversations):
             ids, labels = encode_supervised(pairs, self.cutoff_len, train_on_prompt=self.train_on_prompt,

@@ -126,7 +126,8 @@ class SlotTemplate:
         return re.sub(re.escape(begin) + "(.*?)" + re.escape(end), "", content, flags=re.DOTALL).lstrip("\n")
 
     def _has_thought(self, content: str) -> bool:
-        return any(word.strip() in content for word in self.thought_words)
+        begin, end = self.thought_words
+        return begin.strip() in content or end.strip() in content
 
     def _function_text(self, content: str) -> str:
         """A tool-call reply: its own thought block (if any) first, then the calls in the tool format."""
@@ -282,15 +283,21 @@ def batch_ids(hf, texts: List[str]) -> List[List[int]]:
 
 
 def encode_conversations(hf, conversations: Sequence[Sequence[Turn]]) -> List[List[Tuple[List[int], List[int]]]]:
-    """`encode_turns` of many conversations with one batched tokenizer call (the fast tokenizer's threads)."""
-    pieces = [piece for turns in conversations for turn in turns for side in turn for piece in side]
-    ids = iter(batch_ids(hf, pieces) if pieces else [])
+    """`encode_turns` of many conversations with one batched tokenizer call (the fast tokenizer's threads). A piece
+    that recurs in the batch (the empty thought block, a system prompt, a template prefix) is tokenized once: a
+    piece's ids depend on its text alone. Every side gets lists of its own (callers may extend them)."""
+    texts = list(dict.fromkeys(piece for turns in conversations for turn in turns for side in turn for piece in side))
+    ids = dict(zip(texts, batch_ids(hf, texts))) if texts else {}
     out = []
     for turns in conversations:
         encoded = []
         for prompt, reply in turns:
-            prompt_ids = [t for _ in prompt for t in next(ids)]
-            reply_ids = [t for _ in reply for t in next(ids)]
+            prompt_ids: List[int] = []
+            for piece in prompt:
+                prompt_ids += ids[piece]
+            reply_ids: List[int] = []
+            for piece in reply:
+                reply_ids += ids[piece]
             encoded.append((prompt_ids, reply_ids))
         out.append(encoded)
     return out
