@@ -6,7 +6,7 @@ tool call, content = JSON of `{"name", "arguments"}` or a list of them), alterna
 even positions are user or observation, odd positions assistant or function, the last one a reply.
 These are LLaMA-Factory's semantics (`data/converter.py`), which MindSpeed-LLM's FSDP2 path vendors; the
 column and tag names a dataset may override are those of its `dataset_info.json` entry (`columns`, `tags`).
-A sample that breaks the alternation is dropped (counted, reported once by the pipeline), as LLaMA-Factory does.
+A sample that breaks the alternation is dropped (counted, said once by `loader.load_one`), as LLaMA-Factory does.
 """
 from __future__ import annotations
 

@@ -150,8 +150,16 @@ def load_one(attr: DatasetAttr, data_args, seed: int, streaming: bool):
                                        desc=f"Converting {attr.name}")
     if streaming:
         columns = list(next(iter(dataset)).keys())
-    return dataset.map(CollectorPaused(_align(attr)), batched=True, batch_size=data_args.preprocessing_batch_size,
-                       remove_columns=columns, features=_canonical_features(), **kwargs)
+    converted = dataset.map(CollectorPaused(_align(attr)), batched=True,
+                            batch_size=data_args.preprocessing_batch_size, remove_columns=columns,
+                            features=_canonical_features(), **kwargs)
+    if not streaming and len(converted) < len(dataset):  # said once (a streamed dataset's rows are not counted)
+        from fsdp2_backend.distributed.console import print_rank0
+
+        print_rank0(f"data.dataset {attr.name}: {len(dataset) - len(converted)} of {len(dataset)} rows dropped — "
+                    f"not a valid {attr.formatting} conversation (an unknown role, roles out of turn or an odd "
+                    f"number of turns), as LLaMA-Factory drops them")
+    return converted
 
 
 def _canonical_features():
