@@ -80,13 +80,19 @@ def _pre_hook(factor: float):
     return hook
 
 
+def record_scales(model: nn.Module, q_lora: bool, kv_lora: bool) -> Dict[str, float]:
+    """Records on `model` the weights an export folds the factors into (`SCALES_ATTR`); returns the targets."""
+    targets = scale_targets(model, q_lora, kv_lora)
+    setattr(model, SCALES_ATTR, {f"{name}.weight": factor for name, factor in targets.items()})
+    return targets
+
+
 def apply_mla_lora_scales(model: nn.Module, q_lora: bool, kv_lora: bool) -> Dict[str, float]:
     """Registers the scaling pre-hooks and records the weights to fold at export; returns the targets."""
-    targets = scale_targets(model, q_lora, kv_lora)
+    targets = record_scales(model, q_lora, kv_lora)
     modules = dict(model.named_modules())
     for name, factor in targets.items():
         modules[name].register_forward_pre_hook(_pre_hook(factor), with_kwargs=True)
-    setattr(model, SCALES_ATTR, {f"{name}.weight": factor for name, factor in targets.items()})
     return targets
 
 

@@ -272,14 +272,13 @@ def _run_scales(model: torch.nn.Module, checkpoint: Path) -> None:
     so the shard writer folds them into the up-projections, as the live export does."""
     import json
 
-    from fsdp2_backend.models.mla_lora_scale import SCALES_ATTR, scale_targets
+    from fsdp2_backend.models.mla_lora_scale import record_scales
 
     try:
         run = json.loads((checkpoint / dirs.RUN_CONFIG_FILE).read_text(encoding="utf-8")).get("model") or {}
     except (OSError, ValueError, AttributeError):
         return
-    targets = scale_targets(model, bool(run.get("mla_scale_q_lora")), bool(run.get("mla_scale_kv_lora")))
-    setattr(model, SCALES_ATTR, {f"{name}.weight": factor for name, factor in targets.items()})
+    record_scales(model, bool(run.get("mla_scale_q_lora")), bool(run.get("mla_scale_kv_lora")))
 
 
 def _model_tensors(checkpoint: Path) -> Dict[str, tuple]:
