@@ -22,6 +22,10 @@ from typing import List
 from fsdp2_backend.config.schema import ModelArguments, OptimizationArguments, ParallelArguments
 
 DSA_MODEL_IDS = ("glm52", "deepseek_v4")  # MindSpeed: dsv32 / deepseek_v4 / glm5*
+DSA_CP_NOT_BUILT = (  # the DSA ids whose kvallgather context parallel (parallel/context_parallel/dsa.py) is not built
+    "glm52",
+    "deepseek_v4",
+)
 _NPU_ONLY = {
     "use_sparse_flash_attn": "NPU sparse flash attention (torch_npu); DSA attention runs in torch ops here",
     "use_fused_lightning_indexer": "NPU lightning-indexer kernel (torch_npu); the DSA top-k runs in torch ops here",
@@ -74,7 +78,7 @@ def head_field_errors(config) -> List[str]:
         errors.append(f"model.moe_router_*: model_id {model_id} routes with transformers' own routers (DeepSeek-V4's "
                       f"hash and sqrt-softplus routers, LongCat's zero-expert router); Megatron's router options are "
                       f"not applied to them — drop the options")
-    if model_id in DSA_MODEL_IDS and p.cp_size > 1:
+    if model_id in DSA_CP_NOT_BUILT and p.cp_size > 1:
         errors.append(f"parallel.cp_size: context parallel is not built for model_id {model_id} — its DeepSeek "
                       f"sparse attention picks each query's keys (and compresses them, DeepSeek-V4) over the whole "
                       f"causal prefix, which this project's ring / all-gather attention does not hand it (MindSpeed's "

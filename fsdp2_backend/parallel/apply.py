@@ -49,8 +49,11 @@ def _expert_parallel(model: nn.Module, config: Config, ctx: ParallelContext) -> 
 
 def _context_parallel(model: nn.Module, config: Config, ctx: ParallelContext) -> Set[nn.Parameter]:
     from fsdp2_backend.parallel.context_parallel.attention import enable_context_parallel
+    from fsdp2_backend.parallel.context_parallel.dsa import enable_dsa_context_parallel
     from fsdp2_backend.parallel.context_parallel.linear_attention import enable_linear_attention_context_parallel
 
+    if enable_dsa_context_parallel(model, ctx.cp_mesh, config.parallel.cp_type):  # deepseek_v4, glm52: kvallgather
+        return set()
     # Gated DeltaNet layers (qwen3_next model id) go head-parallel first; the attention layers then use Ulysses/ring.
     linear = enable_linear_attention_context_parallel(model, ctx.cp_mesh, config.parallel.cp_type)
     enable_context_parallel(model, ctx.cp_mesh, config.parallel.cp_type, tp_size=config.parallel.tp_size,
