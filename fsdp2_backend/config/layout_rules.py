@@ -6,7 +6,9 @@
   its own: Step-3.5's sliding layers), the sequence cut into cp (Ulysses) or 2 x cp (ring) equal chunks, packed
   documents (reset_attention_mask / reset_position_ids) not in Ulysses' sliding windows, only full-attention layers (and model_id
   qwen3_next's Gated DeltaNet layers: parallel/context_parallel/linear_attention.py; model_id gpt_oss's and
-  step35's sliding-window layers: parallel/context_parallel/attention.py);
+  step35's sliding-window layers: parallel/context_parallel/attention.py; model_id glm52's DSA
+  `indexed_attention` layers: parallel/context_parallel/dsa_glm.py, which splits no heads and takes no packed
+  documents);
 - sequence parallel: the sequence divisible by tp;
 - expert parallel: an MoE model whose experts divide by ep; with tp the sequence divisible by tp (the MoE blocks
   run on sequence shards: parallel/moe_tensor_parallel.py);
@@ -90,15 +92,20 @@ def check_model_layout(config: Config, facts: ModelFacts, world_size: int, error
     if p.tp_size > 1 and heads:
         errors += _prefixed(tensor_parallel_problems(heads, kv_heads or heads, p.tp_size))
     if p.cp_size > 1:
-        if heads:
+        if heads and config.model.model_id != "glm52":  # glm52's DSA gathers the keys: no head split
             errors += _ulysses_head_problems(p, facts)
+        if config.model.model_id == "glm52" and (d.reset_attention_mask or d.reset_position_ids or d.neat_packing):
+            errors.append("parallel.cp_size: model_id glm52's context parallel takes no packed documents "
+                          "(data.reset_attention_mask / reset_position_ids / neat_packing) — drop them, or use "
+                          "cp_size 1")
         errors += [f"data.cutoff_len: {m}" for m in sequence_length_problems(d.cutoff_len, p.cp_size, p.cp_type)]
         if (d.reset_attention_mask or d.reset_position_ids) and p.cp_type == "ulysses" and \
                 "sliding_attention" in facts.layer_types:  # packed documents: ring masks windows and documents
             errors.append("parallel.cp_type: packed documents (data.reset_attention_mask / reset_position_ids) in "
                           "sliding-window layers are not built for Ulysses — use cp_type ring, or cp_size 1")
         handled = CP_LAYER_TYPES | ({"linear_attention"} if config.model.model_id == "qwen3_next" else set()) | \
-            ({"sliding_attention"} if config.model.model_id in ("gpt_oss", "step35") else set())  # windows (+sinks)
+            ({"sliding_attention"} if config.model.model_id in ("gpt_oss", "step35") else set()) | \
+            ({"indexed_attention"} if config.model.model_id == "glm52" else set())  # windows (+sinks); DSA
         other = sorted(set(facts.layer_types) - handled)
         if other:
             errors.append(f"parallel.cp_size: layer types {other} of model_type {facts.model_type} are not "

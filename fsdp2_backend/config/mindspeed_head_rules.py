@@ -23,7 +23,6 @@ from fsdp2_backend.config.schema import ModelArguments, OptimizationArguments, P
 
 DSA_MODEL_IDS = ("glm52", "deepseek_v4")  # MindSpeed: dsv32 / deepseek_v4 / glm5*
 DSA_CP_NOT_BUILT = (  # the DSA ids whose kvallgather context parallel (parallel/context_parallel/dsa.py) is not built
-    "glm52",
     "deepseek_v4",
 )
 _NPU_ONLY = {

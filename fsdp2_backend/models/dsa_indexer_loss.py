@@ -26,7 +26,11 @@ Model code stays plain: the loss is attached by forward hooks on transformers' m
 whose indexer runs under no_grad and returns indices only; MindSpeed computes this loss there in its NPU kernel):
 the hooks recompute, outside no_grad, the index scores from the detached inputs (`glm_index_scores`, transformers'
 indexer math) and, without gradient, the attention's query and per-head keys; layers sharing a previous layer's
-top-k ("shared" indexer type) have no indexer and no loss.
+top-k ("shared" indexer type) have no indexer and no loss. Under context parallel (`glm52`:
+parallel/context_parallel/dsa_glm.py) the hooks score this rank's queries against every rank's keys, gathered into
+sequence order (the top-k are global key positions), and each rank's loss is the mean over its own B · S/cp queries:
+the ranks hold equally many queries, so the trainer's backward scale (over micro-batches x data-parallel x cp
+ranks, the gradients summed over them) and the logged average over that group give cp 1's gradient and value.
 """
 from __future__ import annotations
 
@@ -162,7 +166,8 @@ def finish_indexer_step(model: nn.Module, group: Optional[dist.ProcessGroup] = N
 # -- GLM-5.2 ------------------------------------------------------------------------------------------------------
 def glm_index_scores(indexer: nn.Module, hidden: Tensor, q_resid: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """transformers' GlmMoeDsaIndexer scores (B, S, T) before the causal mask, with gradient: Σ_h w_h ·
-    ReLU(q_h · k) · scale, interleaved RoPE on the first qk_rope_head_dim channels."""
+    ReLU(q_h · k) · scale, interleaved RoPE on the first qk_rope_head_dim channels. Under context parallel
+    (`parallel/context_parallel/dsa_glm.py`) S is this rank's queries and T the whole sequence's keys."""
     from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 
     b, s, _ = hidden.shape
@@ -171,6 +176,9 @@ def glm_index_scores(indexer: nn.Module, hidden: Tensor, q_resid: Tensor, cos: T
     k_rot, k_pass = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2).split([rope, rest], dim=-1)
     q_rot, k_rot = glm.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     q, k = torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    cp = getattr(indexer, "context_parallel", None)  # context parallel: every cp rank's keys, in sequence order
+    if cp is not None:
+        k = cp.gather(k, dim=1)
     scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale)
     weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads ** -0.5
     return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
@@ -225,6 +233,10 @@ def install_glm52(model: nn.Module, coeff: float) -> int:
                 k_pass = module.kv_a_layernorm(kv_pass).view(b, 1, s, module.kv_lora_rank)
                 q_rot, k_rot = glm.apply_rotary_pos_emb_interleave(
                     q_rot, k_rot.view(b, 1, s, module.qk_rope_head_dim), cos, sin)
+                cp = getattr(module, "context_parallel", None)  # context parallel: every cp rank's keys
+                if cp is not None:
+                    k_pass, k_rot = cp.gather(torch.cat([k_pass, k_rot], dim=-1), dim=2).split(
+                        [module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
                 key, _ = module.expand_kv(k_pass, k_rot)
                 query = torch.cat([q_pass, q_rot], dim=-1)
             loss = indexer_kl_loss(c["scores"], c["topk"], query, key, module.scaling, state.coeff)
