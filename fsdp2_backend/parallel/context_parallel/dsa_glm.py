@@ -58,7 +58,8 @@ class GlmContextParallel:
     def gather(self, x: Tensor, dim: int) -> Tensor:
         """Every rank's shard of `x` along the sequence dimension `dim`, in sequence order, with gradient (its
         backward sums each shard's gradient over the ranks and returns this rank's)."""
-        # (torch.distributed.nn.functional.all_gather, with the same backward, is deprecated for this one)
+        # not torch.distributed.nn.functional.all_gather (deprecated for this one): on gloo its backward's
+        # all_to_all returns wrong gradients when the output's gradient is not contiguous (a transposed matmul's)
         whole = all_gather_single_autograd(x.contiguous(), dim, self.group)
         inverse = self._inverse(whole.shape[dim], x.device)
         return whole if inverse is None else whole.index_select(dim, inverse)
