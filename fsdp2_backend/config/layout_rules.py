@@ -17,6 +17,8 @@
 - gpt_oss (model id or model type): no tp (per-head sinks not in the tp plan; declined with the reason).
 - model_type nemotron_h (Megatron's hybrid Mamba flags): no tp (no plan for the Mamba mixers).
 - model_id step35: no tp (head-wise gate, per-layer head counts; declined with the reason).
+- model_id deepseek_v4 under cp: every layer kind (sliding, CSA, HCA: parallel/context_parallel/
+  dsa_deepseek_v4.py), no packed documents.
 Facts the model does not state (None) are not checked; the runtime stages then assert.
 """
 from __future__ import annotations
@@ -29,6 +31,8 @@ from fsdp2_backend.config.tp_cp_checks import (context_parallel_problems, sequen
                                                  tensor_parallel_problems)
 
 CP_LAYER_TYPES = {"full_attention"}
+# model_id deepseek_v4: every layer kind under context parallel (parallel/context_parallel/dsa_deepseek_v4.py)
+DEEPSEEK_V4_CP_LAYER_TYPES = {"sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"}
 
 
 def _prefixed(problems: List[str]) -> List[str]:
@@ -106,6 +110,12 @@ def check_model_layout(config: Config, facts: ModelFacts, world_size: int, error
         handled = CP_LAYER_TYPES | ({"linear_attention"} if config.model.model_id == "qwen3_next" else set()) | \
             ({"sliding_attention"} if config.model.model_id in ("gpt_oss", "step35") else set()) | \
             ({"indexed_attention"} if config.model.model_id == "glm52" else set())  # windows (+sinks); DSA
+        if config.model.model_id == "deepseek_v4":  # its compressors window the whole sequence, not documents
+            handled = handled | DEEPSEEK_V4_CP_LAYER_TYPES
+            if d.reset_attention_mask or d.reset_position_ids or d.neat_packing:
+                errors.append("parallel.cp_size: model_id deepseek_v4's context parallel takes no packed documents "
+                              "(data.reset_attention_mask / reset_position_ids / neat_packing) — drop them, or use "
+                              "cp_size 1")
         other = sorted(set(facts.layer_types) - handled)
         if other:
             errors.append(f"parallel.cp_size: layer types {other} of model_type {facts.model_type} are not "

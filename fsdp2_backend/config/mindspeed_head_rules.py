@@ -6,7 +6,8 @@ Torch-free; called from `validation`.
   fused kernel), `training.router_aux_loss_coef` (the MoE config's own coefficient, build.build_model),
   `training.mtp_loss_scaling_factor` (alias of model.mtp_loss_scaling_factor), ChunkMBS
   (`parallel.enable_chunk_batch` and `chunk_mbs*`: parallel/chunk_batch.py), `parallel.cp_type: kvallgather` (the
-  same exact attention as ring: runs as ring).
+  same exact attention as ring: runs as ring; for deepseek_v4 MindSpeed's own way, parallel/context_parallel/
+  dsa_deepseek_v4.py).
 - No effect here, said once: `parallel.fsdp_implementation: custom` / `hook_modules` (MindSpeed's own Ascend FSDP;
   torch's FSDP2 gives the same results), the NPU-only fused ops (`use_sparse_flash_attn`,
   `use_fused_lightning_indexer(_loss)`, `use_ascend_mhc`, `use_triton_swiglu_limit`) and the windows only the NPU
@@ -23,8 +24,13 @@ from fsdp2_backend.config.schema import ModelArguments, OptimizationArguments, P
 
 DSA_MODEL_IDS = ("glm52", "deepseek_v4")  # MindSpeed: dsv32 / deepseek_v4 / glm5*
 DSA_CP_NOT_BUILT = (  # the DSA ids whose kvallgather context parallel (parallel/context_parallel/dsa.py) is not built
-    "deepseek_v4",
 )
+_KVALLGATHER_AS_RING = ("parallel.cp_type: kvallgather runs as ring here — the same exact attention (each rank's "
+                        "queries over every key/value), exchanged in a ring")
+_KVALLGATHER = {  # the DSA ids: MindSpeed's kvallgather itself (parallel/context_parallel/dsa.py)
+    "deepseek_v4": "parallel.cp_type: kvallgather for model_id deepseek_v4 — each rank's queries over the whole "
+                   "sequence's all-gathered K=V and compressor inputs (parallel/context_parallel/dsa_deepseek_v4.py)",
+}
 _NPU_ONLY = {
     "use_sparse_flash_attn": "NPU sparse flash attention (torch_npu); DSA attention runs in torch ops here",
     "use_fused_lightning_indexer": "NPU lightning-indexer kernel (torch_npu); the DSA top-k runs in torch ops here",
@@ -102,8 +108,7 @@ def head_field_notices(config) -> List[str]:
         notices.append("parallel.ep_dispatcher: mc2 (an Ascend MC2 kernel) has no effect with ep_size 1 — no tokens "
                        "are dispatched")
     if p.cp_type == "kvallgather":
-        notices.append("parallel.cp_type: kvallgather runs as ring here — the same exact attention (each rank's "
-                       "queries over every key/value), exchanged in a ring")
+        notices.append(_KVALLGATHER.get(config.model.model_id, _KVALLGATHER_AS_RING))
     if not p.enable_chunk_batch:
         defaults = ParallelArguments()
         notices += [f"parallel.{name}: no effect without parallel.enable_chunk_batch"

@@ -20,6 +20,10 @@ Backward scale (`set_backward_scale`): the trainer gives the loss the gradient i
 micro-batch this is MindSpeed's FSDP2 scale of 1 averaged over data-parallel ranks). Reported as `indexer loss`
 (MindSpeed's and Megatron's name, coefficient included): the mean over CSA layers and micro-batches, averaged over
 data-parallel ranks (`finish_indexer_step`).
+DeepSeek-V4 under context parallel (parallel/context_parallel/dsa_deepseek_v4.py): the hooks see this rank's
+queries, index scores and top-k and the whole sequence's compressed keys, so each rank's loss is the mean over its
+own B · S/cp queries; the ranks hold equally many, so the trainer's scale (over micro-batches x dp x cp ranks, the
+gradients summed over them) and the log's average over that group give cp 1's gradient and value.
 
 Model code stays plain: the loss is attached by forward hooks on transformers' modules (`install_deepseek_v4`,
 `install_glm52`); active only in training with gradients enabled and coeff > 0. GLM-5.2 (transformers' glm_moe_dsa,
