@@ -5,8 +5,8 @@ over the whole sequence's keys, with the values transformers' eager attention gi
 Each cp rank holds some tokens of every sequence (ring's head-tail chunks or Ulysses' contiguous slice,
 `batch.shard_batch_for_cp`; the layouts differ in token order only) with their global `position_ids`. Per layer:
 - queries (the attention's and the indexer's) stay local, roped at their own positions;
-- what keys are made from is all-gathered with gradient (`torch.distributed.nn.functional.all_gather`, whose
-  backward sums every rank's gradient into the owner's chunk) and put back in sequence order: the shared K=V head of
+- what keys are made from is all-gathered with gradient (`all_gather_single_autograd`, whose backward sums every
+  rank's gradient into the owner's chunk) and put back in sequence order: the shared K=V head of
   the sliding window, and the compressors' kv/gate projections (the CSA compressor's, its indexer's, the HCA's) —
   the compressed entries are then computed over the whole sequence exactly as transformers does at cp 1 (windows
   may cross the cp chunks; the cheaper gather: 2 x 2 x head_dim per token rather than hidden_size);
@@ -30,22 +30,18 @@ with a UsageError (config validation declines the packing options first), as is 
 from __future__ import annotations
 
 import types
-import warnings
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.nn.functional import all_gather
+from torch.distributed._functional_collectives import all_gather_single_autograd
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dv4
 
 from fsdp2_backend.parallel.context_parallel.batch import OncePerTensor
 from fsdp2_backend.usage_errors import UsageError
 
 _CP_ATTRIBUTE = "_deepseek_v4_cp"
-# torch 2.13 deprecates it (for the private _functional_collectives); it is the documented autograd all-gather of
-# every torch this project runs on (torch_npu's included): one warning per rank and layer call site is noise.
-warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_gather is deprecated")
 
 
 class _SequenceLayout:
@@ -73,7 +69,10 @@ class _SequenceLayout:
 
     def gather(self, x: Tensor, dim: int, position_ids: Tensor) -> Tensor:
         """This rank's tokens along `dim` → the whole sequence's, in order, with gradient."""
-        whole = torch.cat(all_gather(x.contiguous(), group=self.group), dim=dim)
+        # not torch.distributed.nn.functional.all_gather (deprecated): on gloo its backward writes a gradient
+        # whose layout is not contiguous in the wrong order (dsa_glm.py found it); this one's backward is a
+        # reduce-scatter of the whole gradient
+        whole = all_gather_single_autograd(x.contiguous(), dim, self.group)
         return whole.index_select(dim, self.sequence_order(position_ids))
 
 
