@@ -6,8 +6,8 @@ Torch-free; called from `validation`.
   fused kernel), `training.router_aux_loss_coef` (the MoE config's own coefficient, build.build_model),
   `training.mtp_loss_scaling_factor` (alias of model.mtp_loss_scaling_factor), ChunkMBS
   (`parallel.enable_chunk_batch` and `chunk_mbs*`: parallel/chunk_batch.py), `parallel.cp_type: kvallgather` (the
-  same exact attention as ring: runs as ring; for deepseek_v4 MindSpeed's own way, parallel/context_parallel/
-  dsa_deepseek_v4.py).
+  same exact attention as ring: runs as ring; for deepseek_v4 and glm52 MindSpeed's own way, parallel/
+  context_parallel/dsa_deepseek_v4.py, dsa_glm.py).
 - No effect here, said once: `parallel.fsdp_implementation: custom` / `hook_modules` (MindSpeed's own Ascend FSDP;
   torch's FSDP2 gives the same results), the NPU-only fused ops (`use_sparse_flash_attn`,
   `use_fused_lightning_indexer(_loss)`, `use_ascend_mhc`, `use_triton_swiglu_limit`) and the windows only the NPU
@@ -30,6 +30,8 @@ _KVALLGATHER_AS_RING = ("parallel.cp_type: kvallgather runs as ring here — the
 _KVALLGATHER = {  # the DSA ids: MindSpeed's kvallgather itself (parallel/context_parallel/dsa.py)
     "deepseek_v4": "parallel.cp_type: kvallgather for model_id deepseek_v4 — each rank's queries over the whole "
                    "sequence's all-gathered K=V and compressor inputs (parallel/context_parallel/dsa_deepseek_v4.py)",
+    "glm52": "parallel.cp_type: kvallgather for model_id glm52 — each rank's queries over the whole sequence's "
+             "all-gathered MLA key latents and indexer keys (parallel/context_parallel/dsa_glm.py)",
 }
 _NPU_ONLY = {
     "use_sparse_flash_attn": "NPU sparse flash attention (torch_npu); DSA attention runs in torch ops here",

@@ -161,7 +161,7 @@ def test_glm52_cp2_ring_and_ulysses_layouts_train_like_one_process(tmp_path):
 
 def test_glm52_validates_at_cp_size_2_and_declines_packed_documents(tmp_path):
     from fsdp2_backend.config import Config
-    from fsdp2_backend.config.validation import validate
+    from fsdp2_backend.config.validation import validate, validate_with_notices
     from fsdp2_backend.usage_errors import UsageError
     from tests.models.test_newer_model_ids import save_tiny
 
@@ -177,8 +177,10 @@ def test_glm52_validates_at_cp_size_2_and_declines_packed_documents(tmp_path):
         config.parallel.cp_size, config.parallel.cp_type = 2, cp_type
         return config
 
-    for cp_type in ("kvallgather", "ulysses"):
-        validate(config(cp_type), 2)  # raises a UsageError when declined
+    _, notices = validate_with_notices(config("kvallgather"), 2)  # raises a UsageError when declined
+    assert any(n.startswith("parallel.cp_type: kvallgather for model_id glm52 — each rank's queries over the whole "
+                            "sequence's all-gathered MLA key latents") for n in notices), notices
+    validate(config("ulysses"), 2)
     with pytest.raises(UsageError, match="model_id glm52's context parallel takes no packed documents"):
         validate(config("kvallgather", reset_position_ids=True), 2)
 
