@@ -18,7 +18,7 @@
 - model_type nemotron_h (Megatron's hybrid Mamba flags): no tp (no plan for the Mamba mixers).
 - model_id step35: no tp (head-wise gate, per-layer head counts; declined with the reason).
 - model_id deepseek_v4 under cp: every layer kind (sliding, CSA, HCA: parallel/context_parallel/
-  dsa_deepseek_v4.py), no packed documents.
+  dsa_deepseek_v4.py), no head split (no Ulysses head check), no packed documents.
 Facts the model does not state (None) are not checked; the runtime stages then assert.
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ def check_model_layout(config: Config, facts: ModelFacts, world_size: int, error
     if p.tp_size > 1 and heads:
         errors += _prefixed(tensor_parallel_problems(heads, kv_heads or heads, p.tp_size))
     if p.cp_size > 1:
-        if heads and config.model.model_id != "glm52":  # glm52's DSA gathers the keys: no head split
+        if heads and config.model.model_id not in ("glm52", "deepseek_v4"):  # DSA gathers the keys: no head split
             errors += _ulysses_head_problems(p, facts)
         if config.model.model_id == "glm52" and (d.reset_attention_mask or d.reset_position_ids or d.neat_packing):
             errors.append("parallel.cp_size: model_id glm52's context parallel takes no packed documents "

@@ -10,7 +10,8 @@ and indexer weights, the indexer KL loss at coefficient 0.37. One spawn of 2 glo
 (relative), the logged indexer loss equal, every step-1 gradient close (indexer, compressors, sinks included; the indexer's is non-zero).
 The Ulysses layout (contiguous halves) gives the same first step; packed documents (restarting position ids) are
 declined on every rank. The losses are scaled as the trainer scales them (training/loss.py GlobalBatchLoss, and the
-indexer loss's backward scale 1 / (micro-batches x dp x cp)).
+indexer loss's backward scale 1 / (micro-batches x dp x cp)). Config validation takes every DeepSeek-V4 layer kind
+under cp, checks no Ulysses head split (none is made) and declines packed documents.
 """
 import json
 
@@ -161,3 +162,32 @@ def test_deepseek_v4_cp2_trains_like_one_process(tmp_path):
             assert indexer == pytest.approx(ref_indexer, rel=1e-5), (layout, step, steps)
             assert indexer > 0
     assert results["ring"][-2][1][0] < results["ring"][0][1][0]  # it trains
+
+
+def _validation_errors(tmp_path, cp_size, cp_type, **data):
+    from fsdp2_backend.config import Config
+    from fsdp2_backend.config.validation import validate
+    from fsdp2_backend.usage_errors import UsageError
+
+    _config().save_pretrained(str(tmp_path))
+    config = Config()
+    config.model.model_name_or_path, config.model.model_id = str(tmp_path), "deepseek_v4"
+    config.training.stage, config.training.max_steps, config.training.save_checkpoints = "pt", 4, False
+    config.data.data_manager_type, config.data.mock_data, config.data.cutoff_len = "mg", True, 64
+    for name, value in data.items():
+        setattr(config.data, name, value)
+    config.parallel.cp_size, config.parallel.cp_type = cp_size, cp_type
+    try:
+        validate(config, cp_size)
+    except UsageError as exc:
+        return exc.messages
+    return []
+
+
+def test_validation_takes_every_layer_kind_splits_no_heads_and_declines_packing(tmp_path):
+    assert _validation_errors(tmp_path, 2, "ring") == []
+    # Ulysses' layout: the queries stay whole-headed (2 heads, cp 4: no head split needed)
+    assert _validation_errors(tmp_path, 4, "ulysses") == []
+    assert _validation_errors(tmp_path, 2, "ring", reset_position_ids=True) == [
+        "parallel.cp_size: model_id deepseek_v4's context parallel takes no packed documents "
+        "(data.reset_attention_mask / reset_position_ids / neat_packing) — drop them, or use cp_size 1"]
