@@ -143,11 +143,11 @@ def test_deepseek_v4_cp2_yaml_trains_with_the_one_rank_losses(assets, tmp_path):
     coefficient 1), with the tiny model's MTP layer built (the YAML's mtp.layers modules; MTP initialises on a real
     device), on 2 ranks: one sequence's halves per rank (data parallel 1, 2 micro-batches of 2 sequences). Its lm
     and MTP losses are those of the same YAML at cp_size 1 on one rank, and so is step 1's indexer loss (the same
-    weights). Step 2's indexer loss differs by ~1% and is only checked finite: the updated weights differ by the
-    rounding of the cp ranks' partial gradients (summed otherwise than one rank's), which AdamW's first step and
-    this loss over a top 4 of 16 entries most likely amplify (not traced further). Under cp 2 without the trainer,
-    this tiny model's step-1 gradients are one rank's within 5e-6 relative, except the layer-0 hash router's: 0
-    analytically (its table sends every token to expert 0 twice), 1e-11 rounding noise on both sides."""
+    weights). Step 2's indexer loss differs by ~1% and is only checked finite: the step-1 gradients are summed in
+    another order (per cp rank), and this run amplifies such rounding — one rank with the same 4 sequences as 4
+    micro-batches of 1 instead of 2 of 2 moves step 2's indexer loss by 1.1% and its lm loss by 8e-6 too, as cp 2
+    does (1.2%, 6e-6). Under cp 2 without the trainer, this tiny model's step-1 gradients are one rank's within
+    5e-6 relative, and 3 AdamW steps' lm and indexer losses within 1e-6."""
     mtp = ("--model.mtp_num_layers", "1", "--model.init_model_with_meta_device", "false")
     cp2, log = _train(assets, "deepseek_v4", tmp_path / "cp2", 2, "--training.gradient_accumulation_steps", "2",
                       *mtp, yaml_name=DEEPSEEK_V4_CP2)
