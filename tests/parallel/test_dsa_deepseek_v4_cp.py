@@ -6,8 +6,9 @@ lightning indexer, heavily compressed attention): 32 tokens, a window of 5, CSA 
 entries) and HCA windows of 5 (6 entries), so windows and compressed entries cross the cp chunks (8 tokens under
 ring's head-tail layout), index_topk 3 of 10 entries (the indexer really selects), random sinks, position biases
 and indexer weights, the indexer KL loss at coefficient 0.37. One spawn of 2 gloo ranks trains it 4 AdamW steps
-(two batches in turn) under cp 2 (ring layout) next to a one-process copy: every step's lm loss within 1e-5
-(relative), the logged indexer loss equal, every step-1 gradient close (indexer, compressors, sinks included; the indexer's is non-zero).
+(two batches in turn) under cp 2 (ring layout) next to a one-process copy: every step's lm loss and logged indexer
+loss within 1e-5 (relative), every step-1 gradient within 1e-5 relative + 1e-6 (indexer, compressors, sinks
+included; the indexer's non-zero).
 The Ulysses layout (contiguous halves) gives the same first step; packed documents (restarting position ids) are
 declined on every rank. The losses are scaled as the trainer scales them (training/loss.py GlobalBatchLoss, and the
 indexer loss's backward scale 1 / (micro-batches x dp x cp)). Config validation takes every DeepSeek-V4 layer kind
@@ -101,7 +102,7 @@ def _ref_step(model):
 def _assert_grads(model, reference, what):
     for (name, ref_p), p in zip(reference.named_parameters(), model.parameters()):
         if ref_p.grad is not None:
-            torch.testing.assert_close(p.grad, ref_p.grad, atol=1e-5, rtol=1e-4, msg=f"{what} {name}")
+            torch.testing.assert_close(p.grad, ref_p.grad, atol=1e-6, rtol=1e-5, msg=f"{what} {name}")
     indexer = [p.grad.abs().sum() for n, p in model.named_parameters() if ".indexer." in n]
     assert indexer and all(g > 0 for g in indexer), what  # the KL loss reaches every indexer weight
 

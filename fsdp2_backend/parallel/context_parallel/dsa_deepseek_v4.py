@@ -15,9 +15,9 @@ Each cp rank holds some tokens of every sequence (ring's head-tail chunks or Uly
 - attention is transformers' `eager_attention_forward` (sinks included; the model's own attention implementation
   is not consulted: DeepSeek-V4's block bias is eager's), then the output de-rotation and the grouped output
   projection on the local tokens.
-Cost: the whole sequence's K=V head (S x head_dim) and scores S_local x (S + entries) per layer, as eager at cp 1
-holds S x S; each compressor runs over the whole sequence on every rank (cp x its cp-1 share, small next to the
-attention).
+Cost: the whole sequence's K=V head (S x head_dim) and scores S_local x (S + entries) per layer (eager at cp 1 holds
+S x S; the window would need only S_local x (window + chunk)); every rank compresses the whole sequence (the
+compressors' cp-1 work on each rank: small next to the attention and the projections).
 
 The forwards replace the modules' own as instance attributes, so the hooks on those modules (the indexer KL loss,
 models/dsa_indexer_loss.py, installed before this stage) fire with the same arguments: they see local queries and
