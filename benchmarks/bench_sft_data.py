@@ -7,7 +7,11 @@
    too) and, with --llamafactory-python, LLaMA-Factory's own preprocessing (`get_dataset`, template qwen3,
    packing) of the same file, all measured in the same rounds, each in a fresh process: samples/s by CPU time
    (the process and its workers; the steadier figure on a shared machine) and by wall time; with several worker
-   counts, our CPU time per sample split between the main process and the workers, and the wall speed-up.
+   counts, our CPU time per sample split between the main process and the workers, the cores kept busy (CPU / wall)
+   and the wall speed-up. The Rust tokenizer batch-encodes on every core of its own accord, so one worker already
+   keeps more than one core busy and the wall speed-up of more workers is bounded by the cores left idle;
+   --tokenizer-threads off (TOKENIZERS_PARALLELISM=false in every measured process) shows the split alone, each
+   process on one core.
    LLaMA-Factory lives in an environment of its own, never the project's: e.g. `python -m venv /root/bench-lf`, a
    .pth file naming the project venv's site-packages (the same torch / transformers / datasets), `pip install --no-deps
    llamafactory==0.9.5 peft omegaconf`, and an empty `torchaudio` package (0.9.5 imports it at module level and
@@ -17,7 +21,7 @@
    MindSpeed builds. Each case runs in its own subprocess; its peak memory above the inputs (the polled peak of
    the resident set on CPU, the allocator's peak on an accelerator) is the figure. The dense case at 32k needs ~10 GiB
    on CPU: it runs only with --allow-large (the mask alone is S² x 2 bytes, printed always).
-Run: python -m benchmarks.bench_sft_data [--samples 50000] [--workers 1,2] [--rounds 3]
+Run: python -m benchmarks.bench_sft_data [--samples 50000] [--workers 1,2] [--rounds 3] [--tokenizer-threads off]
          [--llamafactory-python /root/bench-lf/bin/python] [--cutoffs 8192,32768] [--allow-large]
 """
 from __future__ import annotations
@@ -262,7 +266,8 @@ def preprocessing_figures(args) -> None:
             children -= main
             print(f"    {workers} worker(s): {main + children:5.0f} us CPU per sample ({m['cpu'] / base['cpu']:.2f}x of "
                   f"{base_workers} worker(s)): the main process {main:4.0f} us, the worker processes {children:4.0f} "
-                  f"us per sample they encode; wall speed-up {base['wall'] / m['wall']:.2f}x", flush=True)
+                  f"us per sample they encode; {m['cpu'] / m['wall']:.2f} cores busy; wall speed-up "
+                  f"{base['wall'] / m['wall']:.2f}x", flush=True)
 
 
 def main() -> None:
@@ -274,6 +279,8 @@ def main() -> None:
     parser.add_argument("--llamafactory-python", default=None,
                         help="a Python with LLaMA-Factory installed (its own venv): its preprocessing of the same "
                              "data and template is measured in the same rounds")
+    parser.add_argument("--tokenizer-threads", choices=("on", "off"), default="on",
+                        help="off: TOKENIZERS_PARALLELISM=false in every measured process (one core each)")
     parser.add_argument("--cutoffs", default="8192,32768")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--allow-large", action="store_true")
@@ -292,6 +299,8 @@ def main() -> None:
         print(json.dumps(run()))
         return
     if not args.skip_preprocessing:
+        if args.tokenizer_threads == "off":  # inherited by every measured process
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
         preprocessing_figures(args)
     for seq in (int(s) for s in args.cutoffs.split(",") if s):
         neat = _subprocess("neat", seq, args.device)

@@ -201,3 +201,18 @@ def test_ignore_pad_token_for_loss_false_trains_padding():
     assert batch["labels"][0].tolist() == [2, 9, 9, 0] and batch["loss_mask"][0].tolist() == [1, 1, 1, 0]
     batch = SFTCollator(pad_id=9, neat_packing=False)(rows)
     assert batch["loss_mask"][0].tolist() == [1, 0, 0, 0]
+
+
+def test_rebuild_with_more_workers_splits_into_that_many_shards(tmp_path, tokenizer):
+    """datasets keeps the shard count of an earlier run's cache files under the same fingerprint even when told to
+    rebuild: a 2-worker rebuild after a 1-worker run ran as one shard in one worker. Its own record of the shards
+    (one cache file each) tells; the rows are the same at either count."""
+    path = write_jsonl(tmp_path / "a.jsonl", alpaca_rows(40))
+    runs = {}
+    for workers in (1, 2, 1, 2):
+        config = _config(dataset={"file_name": path}, preprocessing_num_workers=workers, overwrite_cache=True,
+                         preprocessing_batch_size=8)
+        train = prepare_datasets(config, tokenizer)["train"]
+        assert len(train.cache_files) == workers, (workers, train.cache_files)
+        runs.setdefault(workers, _decode_rows(tokenizer, train))
+    assert runs[2] == runs[1] and len(runs[1]) == 40

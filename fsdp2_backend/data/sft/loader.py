@@ -99,10 +99,17 @@ class CollectorPaused:
     allocates tens of thousands of lists and dicts, none in a cycle (freed by their reference counts); each
     allocation burst set off collections that walked every object of the process (torch and transformers
     included: ~15% of the preprocessing time, and in datasets' forked workers each full collection also copied the
-    parent's pages)."""
+    parent's pages).
 
-    def __init__(self, function):
+    `fresh_shards`: set when the map rebuilds its cache (overwrite_cache) with several workers. datasets takes the
+    shard count of cache files an earlier run left under the same fingerprint, even when told not to load them: a
+    rebuild with 2 workers after a run with 1 ran as one shard, in one worker (slower than no worker at all). The
+    count is part of this object's hash, hence of the map's fingerprint, so such a rebuild has no earlier files and
+    splits into `fresh_shards` shards."""
+
+    def __init__(self, function, fresh_shards: Optional[int] = None):
         self.function = function
+        self.fresh_shards = fresh_shards
 
     def __call__(self, batch):
         if not gc.isenabled():
@@ -112,6 +119,18 @@ class CollectorPaused:
             return self.function(batch)
         finally:
             gc.enable()
+
+
+def batched_map(dataset, function, data_args, streaming: bool, desc: str, **kwargs):
+    """`dataset.map(function)` in batches of preprocessing_batch_size, over preprocessing_num_workers processes,
+    rebuilding datasets' cache with overwrite_cache (streaming: lazily, in this process)."""
+    if not streaming:
+        workers = worker_processes(data_args)
+        kwargs.update(num_proc=workers, load_from_cache_file=not data_args.overwrite_cache, desc=desc)
+        function = CollectorPaused(function, workers if data_args.overwrite_cache else None)
+    else:
+        function = CollectorPaused(function)
+    return dataset.map(function, batched=True, batch_size=data_args.preprocessing_batch_size, **kwargs)
 
 
 def _align(attr: DatasetAttr):
@@ -145,14 +164,10 @@ def load_one(attr: DatasetAttr, data_args, seed: int, streaming: bool):
     if data_args.max_samples and not streaming:
         dataset = dataset.select(range(min(len(dataset), data_args.max_samples)))
     columns = list(dataset.column_names or []) if not streaming else None
-    kwargs = {} if streaming else dict(num_proc=worker_processes(data_args),
-                                       load_from_cache_file=not data_args.overwrite_cache,
-                                       desc=f"Converting {attr.name}")
     if streaming:
         columns = list(next(iter(dataset)).keys())
-    converted = dataset.map(CollectorPaused(_align(attr)), batched=True,
-                            batch_size=data_args.preprocessing_batch_size, remove_columns=columns,
-                            features=_canonical_features(), **kwargs)
+    converted = batched_map(dataset, _align(attr), data_args, streaming, f"Converting {attr.name}",
+                            remove_columns=columns, features=_canonical_features())
     if not streaming and len(converted) < len(dataset):  # said once (a streamed dataset's rows are not counted)
         from fsdp2_backend.distributed.console import print_rank0
 

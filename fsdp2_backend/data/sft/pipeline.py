@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from fsdp2_backend.data.sampler import MegatronPretrainingRandomSampler
 from fsdp2_backend.data.sft.collator import SFTCollator
-from fsdp2_backend.data.sft.loader import CollectorPaused, dataset_attrs, load_one, merge, worker_processes
+from fsdp2_backend.data.sft.loader import batched_map, dataset_attrs, load_one, merge
 from fsdp2_backend.data.sft.supervised import IGNORE_INDEX, SupervisedProcessor
 from fsdp2_backend.data.sft.template import get_template
 from megatron_compat.data.utils import global_rank, rank_zero_first
@@ -51,10 +51,8 @@ def _split_val(dataset, val_size: float, seed: int):
 
 
 def _process(dataset, processor, data_args, streaming: bool, what: str):
-    kwargs = {} if streaming else dict(num_proc=worker_processes(data_args),
-                                       load_from_cache_file=not data_args.overwrite_cache, desc=f"Encoding {what}")
-    return dataset.map(CollectorPaused(processor), batched=True, batch_size=data_args.preprocessing_batch_size,
-                       remove_columns=["messages", "system", "tools"], features=_encoded_features(), **kwargs)
+    return batched_map(dataset, processor, data_args, streaming, f"Encoding {what}",
+                       remove_columns=["messages", "system", "tools"], features=_encoded_features())
 
 
 def _encoded_features():
