@@ -96,12 +96,13 @@ def check_model_layout(config: Config, facts: ModelFacts, world_size: int, error
     if p.tp_size > 1 and heads:
         errors += _prefixed(tensor_parallel_problems(heads, kv_heads or heads, p.tp_size))
     if p.cp_size > 1:
-        if heads and config.model.model_id not in ("glm52", "deepseek_v4"):  # DSA gathers the keys: no head split
+        dsa = config.model.model_id in ("glm52", "deepseek_v4")
+        if heads and not dsa:  # DSA (kvallgather) gathers the keys: no head split
             errors += _ulysses_head_problems(p, facts)
-        if config.model.model_id == "glm52" and (d.reset_attention_mask or d.reset_position_ids or d.neat_packing):
-            errors.append("parallel.cp_size: model_id glm52's context parallel takes no packed documents "
-                          "(data.reset_attention_mask / reset_position_ids / neat_packing) — drop them, or use "
-                          "cp_size 1")
+        if dsa and (d.reset_attention_mask or d.reset_position_ids or d.neat_packing):
+            errors.append(f"parallel.cp_size: model_id {config.model.model_id}'s context parallel takes no packed "
+                          "documents (data.reset_attention_mask / reset_position_ids / neat_packing) — drop them, or "
+                          "use cp_size 1")
         errors += [f"data.cutoff_len: {m}" for m in sequence_length_problems(d.cutoff_len, p.cp_size, p.cp_type)]
         if (d.reset_attention_mask or d.reset_position_ids) and p.cp_type == "ulysses" and \
                 "sliding_attention" in facts.layer_types:  # packed documents: ring masks windows and documents
@@ -109,13 +110,8 @@ def check_model_layout(config: Config, facts: ModelFacts, world_size: int, error
                           "sliding-window layers are not built for Ulysses — use cp_type ring, or cp_size 1")
         handled = CP_LAYER_TYPES | ({"linear_attention"} if config.model.model_id == "qwen3_next" else set()) | \
             ({"sliding_attention"} if config.model.model_id in ("gpt_oss", "step35") else set()) | \
-            ({"indexed_attention"} if config.model.model_id == "glm52" else set())  # windows (+sinks); DSA
-        if config.model.model_id == "deepseek_v4":  # its compressors window the whole sequence, not documents
-            handled = handled | DEEPSEEK_V4_CP_LAYER_TYPES
-            if d.reset_attention_mask or d.reset_position_ids or d.neat_packing:
-                errors.append("parallel.cp_size: model_id deepseek_v4's context parallel takes no packed documents "
-                              "(data.reset_attention_mask / reset_position_ids / neat_packing) — drop them, or use "
-                              "cp_size 1")
+            ({"indexed_attention"} if config.model.model_id == "glm52" else set()) | \
+            (DEEPSEEK_V4_CP_LAYER_TYPES if config.model.model_id == "deepseek_v4" else set())  # windows (+sinks); DSA
         other = sorted(set(facts.layer_types) - handled)
         if other:
             errors.append(f"parallel.cp_size: layer types {other} of model_type {facts.model_type} are not "
