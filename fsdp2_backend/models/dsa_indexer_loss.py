@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 _EPS = 1e-10
+_TARGET_BLOCK = 1 << 25  # logits per block of the target's queries (128 MiB in fp32)
 LOG_NAME = "indexer loss"
 
 
@@ -58,11 +59,19 @@ def indexer_kl_loss(index_scores: Tensor, topk_indices: Tensor, query: Tensor, k
     index = topk_indices.clamp(min=0).long()
     neg = torch.finfo(torch.float32).min
     with torch.no_grad():
+        # the attention's logits over every key, a block of queries at a time: B·H·S·T at once would be GBs at
+        # GLM-5.2's 64 heads and 4k tokens; each block holds at most _TARGET_BLOCK of them
         pattern = "bhsd,btd->bhst" if key.dim() == 3 else "bhsd,bhtd->bhst"
-        logits = torch.einsum(pattern, query.detach().float(), key.detach().float()) * scale
-        chosen = logits.gather(-1, index.unsqueeze(1).expand(b, h, s, index.shape[-1]))
-        attn = F.softmax(chosen.masked_fill(~valid.unsqueeze(1), neg), dim=-1) * valid.unsqueeze(1)
-        target = attn.sum(dim=1)
+        key32 = key.detach().float()
+        rows = max(1, _TARGET_BLOCK // max(1, b * h * key.shape[-2]))
+        targets = []
+        for start in range(0, s, rows):
+            end = min(s, start + rows)
+            logits = torch.einsum(pattern, query[:, :, start:end].detach().float(), key32) * scale
+            block_index, block_valid = index[:, start:end], valid[:, start:end].unsqueeze(1)
+            chosen = logits.gather(-1, block_index.unsqueeze(1).expand(b, h, end - start, index.shape[-1]))
+            targets.append((F.softmax(chosen.masked_fill(~block_valid, neg), dim=-1) * block_valid).sum(dim=1))
+        target = torch.cat(targets, dim=1)
         target = target / target.sum(dim=-1, keepdim=True).clamp_min(_EPS)
     log_pred = F.log_softmax(index_scores.float().gather(-1, index).masked_fill(~valid, neg), dim=-1)
     kl = torch.where(valid, target * (torch.log(target.clamp_min(_EPS)) - log_pred), torch.zeros_like(log_pred))

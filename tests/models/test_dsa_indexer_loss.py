@@ -39,9 +39,14 @@ def _oracle(index_scores, topk, query, key, scale, coeff):
     return coeff * total / (b_n * s_n)
 
 
-def test_kl_loss_matches_a_sequential_loop():
+@pytest.mark.parametrize("block_rows", [None, 2])  # None: every query in one block; 2: blocks of 2, 2 and 1 queries
+def test_kl_loss_matches_a_sequential_loop(block_rows, monkeypatch):
+    from fsdp2_backend.models import dsa_indexer_loss
+
     torch.manual_seed(3)
     b, h, s, t, d, k = 2, 3, 5, 6, 4, 3
+    if block_rows:
+        monkeypatch.setattr(dsa_indexer_loss, "_TARGET_BLOCK", b * h * t * block_rows)
     query, key = torch.randn(b, h, s, d, dtype=torch.float64), torch.randn(b, t, d, dtype=torch.float64)
     scores = torch.randn(b, s, t, dtype=torch.float64, requires_grad=True)
     topk = torch.stack([torch.randperm(t)[:k] for _ in range(b * s)]).view(b, s, k)
