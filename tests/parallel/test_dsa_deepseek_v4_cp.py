@@ -144,7 +144,7 @@ def _context_parallel(rank, world_size, out_path):
     packed["position_ids"] = torch.cat([torch.arange(SEQ // 2), torch.arange(SEQ // 2)]).expand(2, -1)
     from fsdp2_backend.parallel.context_parallel.batch import shard_batch_for_cp
 
-    with pytest.raises(UsageError, match="no packed documents"):
+    with pytest.raises(UsageError, match="packed documents"):
         _loss_sum(model, shard_batch_for_cp(packed, rank, world_size, "ring"))
     if rank == 0:
         with open(out_path, "w") as f:

@@ -23,67 +23,33 @@ The forwards replace the modules' own as instance attributes, so the hooks on th
 models/dsa_indexer_loss.py, installed before this stage) fire with the same arguments: they see local queries and
 scores and the whole sequence's compressed keys, and each rank's indexer loss is the mean over its own queries.
 
-The whole sequence's order comes from the gathered position ids (once per forward, `batch.OncePerTensor`): they
-must be a permutation of 0..S-1 shared by the batch's rows. Packed documents (restarting position ids) are declined
-with a UsageError (config validation declines the packing options first), as is a KV cache (training forwards only).
+The whole sequence's order is the layout `batch.shard_batch_for_cp` gave the tokens (`dsa.SequenceLayout`, shared
+with glm52). Packed documents (restarting position ids, gathered once per forward) are declined with a UsageError
+(config validation declines the packing options first), as is a KV cache (training forwards only).
 """
 from __future__ import annotations
 
 import types
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed._functional_collectives import all_gather_single_autograd
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dv4
 
-from fsdp2_backend.parallel.context_parallel.batch import OncePerTensor
+from fsdp2_backend.parallel.context_parallel.dsa import SequenceLayout
 from fsdp2_backend.usage_errors import UsageError
 
 _CP_ATTRIBUTE = "_deepseek_v4_cp"
 
 
-class _SequenceLayout:
-    """The cp group and where the whole sequence's tokens lie; shared by every layer of a model."""
-
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
-        self._order = OncePerTensor()
-
-    def sequence_order(self, position_ids: Tensor) -> Tensor:
-        """Indices that put the rank-ordered gathered tokens in sequence order; one collective per forward."""
-        return self._order(position_ids, (id(self.group), tuple(position_ids.shape)),
-                           lambda: self._order_of(position_ids))
-
-    def _order_of(self, position_ids: Tensor) -> Tensor:
-        pieces = [torch.empty_like(position_ids) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(pieces, position_ids.contiguous(), group=self.group)
-        positions = torch.cat(pieces, dim=1)  # [B, S], rank order
-        whole = torch.arange(positions.shape[1], device=positions.device)
-        if not (bool((positions == positions[:1]).all()) and torch.equal(positions[0].sort().values, whole)):
-            raise UsageError("context parallel (model_id deepseek_v4): the position ids of a sequence's cp shards "
-                             "must be its positions 0..S-1 (no packed documents, no reset_position_ids; shard with "
-                             "batch.shard_batch_for_cp) — unpack the data or use cp_size 1")
-        return positions[0].argsort()
-
-    def gather(self, x: Tensor, dim: int, position_ids: Tensor) -> Tensor:
-        """This rank's tokens along `dim` → the whole sequence's, in order, with gradient."""
-        # not torch.distributed.nn.functional.all_gather (deprecated): on gloo its backward writes a gradient
-        # whose layout is not contiguous in the wrong order (dsa_glm.py found it); this one's backward is a
-        # reduce-scatter of the whole gradient
-        whole = all_gather_single_autograd(x.contiguous(), dim, self.group)
-        return whole.index_select(dim, self.sequence_order(position_ids))
-
-
-def _layout(module: nn.Module) -> _SequenceLayout:
+def _layout(module: nn.Module) -> SequenceLayout:
     return module.__dict__[_CP_ATTRIBUTE]
 
 
 def _gathered_projections(module: nn.Module, hidden_states: Tensor, position_ids: Tensor):
     """A compressor's (or indexer's) kv and gate projections of the whole sequence: one gather for both."""
     kv, gate = module.kv_proj(hidden_states), module.gate_proj(hidden_states)
-    both = _layout(module).gather(torch.cat([kv, gate], dim=-1), 1, position_ids)
+    both = _layout(module).gather(torch.cat([kv, gate], dim=-1), 1)
     return both.split([kv.shape[-1], gate.shape[-1]], dim=-1)
 
 
@@ -191,6 +157,7 @@ def _attention_forward(self: dv4.DeepseekV4Attention, hidden_states: Tensor, pos
     """DeepseekV4Attention.forward for the local tokens (the model's `attention_mask`, built for the local
     sequence, is replaced by the one of global positions)."""
     _no_cache(cache)
+    _layout(self).check_unpacked(position_ids, hidden_states.shape[0])
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     cos, sin = position_embeddings[self.rope_layer_type]
@@ -199,7 +166,7 @@ def _attention_forward(self: dv4.DeepseekV4Attention, hidden_states: Tensor, pos
     q = self.q_b_norm(self.q_b_proj(q_residual).view(*hidden_shape).transpose(1, 2))
     q = dv4.apply_rotary_pos_emb(q, cos, sin)
     kv = self.kv_norm(self.kv_proj(hidden_states)).view(*hidden_shape).transpose(1, 2)
-    kv = _layout(self).gather(dv4.apply_rotary_pos_emb(kv, cos, sin), 2, position_ids)  # [B, 1, S, D]
+    kv = _layout(self).gather(dv4.apply_rotary_pos_emb(kv, cos, sin), 2)  # [B, 1, S, D]
     mask = _window_mask(position_ids, kv.shape[2], self.sliding_window, q.dtype)
 
     if self.compressor is not None:
@@ -222,8 +189,8 @@ _FORWARDS = ((dv4.DeepseekV4Attention, _attention_forward), (dv4.DeepseekV4CSACo
 
 def enable_deepseek_v4_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: str) -> None:
     """Gives every DeepSeek-V4 attention of `model` (main and MTP layers), compressor and indexer the forward above.
-    `cp_type` ("ring" or "ulysses") only names the batch layout, which the gathered position ids tell."""
-    layout = _SequenceLayout(cp_mesh.get_group())
+    `cp_type` ("ring" or "ulysses"): the batch layout (`batch.shard_batch_for_cp`)."""
+    layout = SequenceLayout(cp_mesh.get_group(), cp_type, "deepseek_v4")
     for module in model.modules():
         for cls, forward in _FORWARDS:
             if isinstance(module, cls) and _CP_ATTRIBUTE not in module.__dict__:

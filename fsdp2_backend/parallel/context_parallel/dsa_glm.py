@@ -22,67 +22,28 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from fsdp2_backend.config.tp_cp_checks import normalize_cp_type
-from fsdp2_backend.kernels.varlen import is_packed
-from fsdp2_backend.parallel.context_parallel.batch import OncePerTensor, sequence_indices
+from fsdp2_backend.parallel.context_parallel.dsa import SequenceLayout
 from fsdp2_backend.usage_errors import UsageError
 
 Tensor = torch.Tensor
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
-class GlmContextParallel:
-    """The cp group and layout: gathers a sequence-sharded tensor into sequence order, and the causal mask of this
-    rank's queries over the whole sequence."""
-
-    def __init__(self, group: dist.ProcessGroup, cp_type: str):
-        self.group, self.cp_type = group, normalize_cp_type(cp_type)
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self._positions = OncePerTensor()  # the packing check: one gather of the position ids per forward
-
-    def _inverse(self, length: int, device) -> Optional[Tensor]:
-        """Where each sequence position sits in the rank-major gather (None: Ulysses' gather is in order)."""
-        if self.cp_type == "ulysses":
-            return None
-        order = torch.cat([sequence_indices(length, r, self.size, self.cp_type, device=device)
-                           for r in range(self.size)])
-        return torch.argsort(order)
-
-    def gather(self, x: Tensor, dim: int) -> Tensor:
-        """Every rank's shard of `x` along the sequence dimension `dim`, in sequence order, with gradient (its
-        backward sums each shard's gradient over the ranks and returns this rank's)."""
-        # not torch.distributed.nn.functional.all_gather (deprecated for this one): on gloo its backward's
-        # all_to_all returns wrong gradients when the output's gradient is not contiguous (a transposed matmul's)
-        whole = all_gather_single_autograd(x.contiguous(), dim, self.group)
-        inverse = self._inverse(whole.shape[dim], x.device)
-        return whole if inverse is None else whole.index_select(dim, inverse)
+class GlmContextParallel(SequenceLayout):
+    """The shared layout (`dsa.SequenceLayout`) and the causal mask of this rank's queries over the whole
+    sequence."""
 
     def causal_mask(self, batch: int, local_length: int, device) -> Tensor:
         """(batch, local_length, whole length) bool: key j is visible to this rank's query i when j <= i's
         position in the sequence."""
-        length = local_length * self.size
-        queries = sequence_indices(length, self.rank, self.size, self.cp_type, device=device)
-        mask = torch.arange(length, device=device)[None, :] <= queries[:, None]
+        queries = self.positions(local_length, device)
+        mask = torch.arange(local_length * self.size, device=device)[None, :] <= queries[:, None]
         return mask.unsqueeze(0).expand(batch, -1, -1)
-
-    def check_positions(self, position_ids: Optional[Tensor], batch: int) -> None:
-        """Declines packed documents: the whole sequence's position ids (gathered once per forward) restart."""
-        if position_ids is None:
-            return
-        shard = position_ids.expand(batch, -1)
-        packed = self._positions(position_ids, (id(self.group), tuple(shard.shape)),
-                                 lambda: is_packed(self.gather(shard.detach(), dim=1)))
-        if packed:
-            raise UsageError("context parallel (cp_size > 1) for model_id glm52: packed documents (restarting "
-                             "position ids: reset_position_ids, neat_packing) are not supported — train on unpacked "
-                             "sequences, or use cp_size 1")
 
 
 class GlmContextParallelIndexer(glm.GlmMoeDsaIndexer):
@@ -116,7 +77,7 @@ class GlmContextParallelAttention(glm.GlmMoeDsaAttention):
             raise UsageError("context parallel (cp_size > 1) for model_id glm52: packed documents (cu_seq_lens) are "
                              "not supported — train on unpacked sequences, or use cp_size 1")
         batch, length = hidden_states.shape[:-1]
-        cp.check_positions(position_ids, batch)
+        cp.check_unpacked(position_ids, batch)
         # the model's mask (`attention_mask`) is of the local tokens alone: the mask is the global sequence's
         mask = cp.causal_mask(batch, length, hidden_states.device)
 
@@ -163,7 +124,7 @@ def enable_glm_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: 
     if getattr(model.config, "attention_dropout", 0.0):
         raise UsageError(f"attention_dropout: {model.config.attention_dropout} is not supported with context "
                          "parallel — set it to 0")
-    cp = GlmContextParallel(cp_mesh.get_group(), cp_type)
+    cp = GlmContextParallel(cp_mesh.get_group(), cp_type, "glm52")
     layers = [m for m in model.modules() if isinstance(m, glm.GlmMoeDsaAttention)]
     for attention in layers:
         if isinstance(attention, GlmContextParallelAttention):
