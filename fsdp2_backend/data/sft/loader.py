@@ -124,13 +124,13 @@ class CollectorPaused:
 def batched_map(dataset, function, data_args, streaming: bool, desc: str, **kwargs):
     """`dataset.map(function)` in batches of preprocessing_batch_size, over preprocessing_num_workers processes,
     rebuilding datasets' cache with overwrite_cache (streaming: lazily, in this process)."""
+    fresh_shards = None
     if not streaming:
         workers = worker_processes(data_args)
         kwargs.update(num_proc=workers, load_from_cache_file=not data_args.overwrite_cache, desc=desc)
-        function = CollectorPaused(function, workers if data_args.overwrite_cache else None)
-    else:
-        function = CollectorPaused(function)
-    return dataset.map(function, batched=True, batch_size=data_args.preprocessing_batch_size, **kwargs)
+        fresh_shards = workers if data_args.overwrite_cache else None
+    return dataset.map(CollectorPaused(function, fresh_shards), batched=True,
+                       batch_size=data_args.preprocessing_batch_size, **kwargs)
 
 
 def _align(attr: DatasetAttr):

@@ -68,19 +68,20 @@ class SequenceLayout:
                              "on unpacked sequences, or use cp_size 1")
 
 
+_BY_MODEL_TYPE = {  # the config's model_type → (the module of this package, its enable function)
+    "deepseek_v4": ("dsa_deepseek_v4", "enable_deepseek_v4_context_parallel"),
+    "glm_moe_dsa": ("dsa_glm", "enable_glm_context_parallel"),  # model id glm52
+}
+
+
 def enable_dsa_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: str) -> bool:
-    """Makes every DSA attention of `model` context parallel over `cp_mesh` (1-D); False for other models."""
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dv4
-    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
+    """Makes every DSA attention of `model` context parallel over `cp_mesh` (1-D); False for other models (read
+    from the config's model_type: no DSA model code is imported for them)."""
+    import importlib
 
-    if any(isinstance(m, dv4.DeepseekV4Attention) for m in model.modules()):
-        from fsdp2_backend.parallel.context_parallel.dsa_deepseek_v4 import enable_deepseek_v4_context_parallel
-
-        enable_deepseek_v4_context_parallel(model, cp_mesh, cp_type)
-        return True
-    if any(isinstance(m, glm.GlmMoeDsaAttention) for m in model.modules()):
-        from fsdp2_backend.parallel.context_parallel.dsa_glm import enable_glm_context_parallel
-
-        enable_glm_context_parallel(model, cp_mesh, cp_type)
-        return True
-    return False
+    entry = _BY_MODEL_TYPE.get(getattr(model.config, "model_type", None))
+    if entry is None:
+        return False
+    module = importlib.import_module(f"fsdp2_backend.parallel.context_parallel.{entry[0]}")
+    getattr(module, entry[1])(model, cp_mesh, cp_type)
+    return True
