@@ -23,8 +23,6 @@ from typing import List
 from fsdp2_backend.config.schema import ModelArguments, OptimizationArguments, ParallelArguments
 
 DSA_MODEL_IDS = ("glm52", "deepseek_v4")  # MindSpeed: dsv32 / deepseek_v4 / glm5*
-DSA_CP_NOT_BUILT = (  # the DSA ids whose kvallgather context parallel (parallel/context_parallel/dsa.py) is not built
-)
 _KVALLGATHER_AS_RING = ("parallel.cp_type: kvallgather runs as ring here — the same exact attention (each rank's "
                         "queries over every key/value), exchanged in a ring")
 _KVALLGATHER = {  # the DSA ids: MindSpeed's kvallgather itself (parallel/context_parallel/dsa.py)
@@ -85,11 +83,6 @@ def head_field_errors(config) -> List[str]:
         errors.append(f"model.moe_router_*: model_id {model_id} routes with transformers' own routers (DeepSeek-V4's "
                       f"hash and sqrt-softplus routers, LongCat's zero-expert router); Megatron's router options are "
                       f"not applied to them — drop the options")
-    if model_id in DSA_CP_NOT_BUILT and p.cp_size > 1:
-        errors.append(f"parallel.cp_size: context parallel is not built for model_id {model_id} — its DeepSeek "
-                      f"sparse attention picks each query's keys (and compresses them, DeepSeek-V4) over the whole "
-                      f"causal prefix, which this project's ring / all-gather attention does not hand it (MindSpeed's "
-                      f"kvallgather replaces the model's attention forward for this) — use cp_size 1")
     for name in ("use_ascend_mhc", "use_triton_swiglu_limit"):
         if getattr(o, name) and model_id != "deepseek_v4":
             errors.append(f"optimization.{name}: for model_id deepseek_v4 only (MindSpeed's rule), got model_id "
