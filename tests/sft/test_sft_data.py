@@ -88,12 +88,16 @@ def test_dataset_info_by_name_and_every_file_type(tmp_path, tokenizer):
 def test_dropped_malformed_rows_are_counted_once(tmp_path, tokenizer, capsys):
     good = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
     bad = {"conversations": [{"from": "gpt", "value": "a"}, {"from": "human", "value": "q"}]}  # out of turn
-    write_jsonl(tmp_path / "s.jsonl", [good, bad, good, bad, bad])
+    write_jsonl(tmp_path / "s.jsonl", [good, bad, good, bad, good])
     spec = {"file_name": str(tmp_path / "s.jsonl"), "formatting": "sharegpt"}
     prepared = prepare_datasets(_config(dataset=spec), tokenizer)
-    assert len(prepared["train"]) == 2
+    assert len(prepared["train"]) == 3
     lines = [line for line in capsys.readouterr().out.splitlines() if "rows dropped" in line]
-    assert len(lines) == 1 and "3 of 5 rows dropped" in lines[0] and "sharegpt" in lines[0]
+    assert len(lines) == 1 and "2 of 5 rows dropped" in lines[0] and "sharegpt" in lines[0]
+    # more than half malformed: refused (tests/sft/test_sft_bad_data.py has the messages)
+    write_jsonl(tmp_path / "s.jsonl", [good, bad, good, bad, bad])
+    with pytest.raises(UsageError, match="3 of 5 rows are not sharegpt conversations"):
+        prepare_datasets(_config(dataset=spec), tokenizer)
 
 
 def test_unknown_dataset_name_is_a_usage_error(tmp_path):

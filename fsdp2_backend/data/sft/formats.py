@@ -6,7 +6,10 @@ tool call, content = JSON of `{"name", "arguments"}` or a list of them), alterna
 even positions are user or observation, odd positions assistant or function, the last one a reply.
 These are LLaMA-Factory's semantics (`data/converter.py`), which MindSpeed-LLM's FSDP2 path vendors; the
 column and tag names a dataset may override are those of its `dataset_info.json` entry (`columns`, `tags`).
-A sample that breaks the alternation is dropped (counted, said once by `loader.load_one`), as LLaMA-Factory does.
+A sample that breaks the alternation is dropped (counted, said once by `loader.load_one`), as LLaMA-Factory does;
+so is one with no text in the prompt or in the reply the format names (alpaca: an empty `instruction`+`input`
+or `output`; messages: every prompt turn or every reply turn empty) — the mark of a file read under the wrong
+`formatting` (a sharegpt file read as alpaca has neither column: each row would train an empty turn).
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def convert_alpaca(row: Dict[str, Any], attr: DatasetAttr) -> Dict[str, Any]:
+def convert_alpaca(row: Dict[str, Any], attr: DatasetAttr) -> Optional[Dict[str, Any]]:
     messages: List[Dict[str, str]] = []
     history = row.get(attr.column("history")) if attr.column("history") else None
     for pair in history or []:
@@ -68,6 +71,8 @@ def convert_alpaca(row: Dict[str, Any], attr: DatasetAttr) -> Dict[str, Any]:
     if isinstance(response, list):  # a ranked list (preference data): the first answer is the chosen one
         response = response[0] if response else ""
     messages.append({"role": ASSISTANT, "content": _text(response)})
+    if not messages[-2]["content"].strip() or not messages[-1]["content"].strip():
+        return None
     system = row.get(attr.column("system")) if attr.column("system") else None
     return {"messages": messages, "system": _text(system), "tools": ""}
 
@@ -118,6 +123,8 @@ def convert_messages(row: Dict[str, Any], attr: DatasetAttr) -> Optional[Dict[st
     for index, message in enumerate(messages):
         if message["role"] not in (PROMPT_ROLES if index % 2 == 0 else REPLY_ROLES):
             return None
+    if not any(m["content"].strip() for m in messages[0::2]) or not any(m["content"].strip() for m in messages[1::2]):
+        return None
     tools = row.get(attr.column("tools")) if attr.column("tools") else None
     return {"messages": messages, "system": system, "tools": _text(tools) if tools else ""}
 
@@ -127,3 +134,23 @@ def convert_example(row: Dict[str, Any], attr: DatasetAttr) -> Optional[Dict[str
     if attr.formatting == "alpaca":
         return convert_alpaca(row, attr)
     return convert_messages(row, attr)
+
+
+def fields_read(attr: DatasetAttr) -> str:
+    """The columns (and tags) `attr`'s format reads, as an error message names them."""
+    if attr.formatting == "alpaca":
+        prompt = "/".join(c for c in (attr.column("prompt"), attr.column("query")) if c)
+        return f"'{prompt}' (prompt) and '{attr.column('response')}' (reply)"
+    return (f"'{attr.column('messages')}' (a list of turns with '{attr.tag('role_tag')}' "
+            f"{attr.tag('user_tag')}/{attr.tag('assistant_tag')} and '{attr.tag('content_tag')}')")
+
+
+def likely_format(columns: List[str]) -> Optional[str]:
+    """The format whose default columns a file's columns match, for the hint in the error."""
+    if "instruction" in columns and "output" in columns:
+        return "alpaca"
+    if "conversations" in columns:
+        return "sharegpt"
+    if "messages" in columns:
+        return "openai"
+    return None

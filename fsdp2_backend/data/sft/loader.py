@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any, List, Optional
 
-from fsdp2_backend.data.sft.formats import FORMATS, DatasetAttr, convert_example
+from fsdp2_backend.data.sft.formats import FORMATS, DatasetAttr, convert_example, fields_read, likely_format
 from fsdp2_backend.usage_errors import UsageError
 
 FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow",
@@ -147,12 +147,56 @@ def _align(attr: DatasetAttr):
     return align
 
 
+MOSTLY_MALFORMED = 0.5  # a dataset losing more than this share of its rows is read under the wrong format
+
+
+def _empty(attr: DatasetAttr) -> UsageError:
+    return UsageError(f"data.dataset: {attr.file_name} (dataset '{attr.name}') has no rows — give a file with "
+                      f"{attr.formatting} rows, or remove it from the list")
+
+
+def _check_rows(attr: DatasetAttr, total: int, kept: int, columns: List[str]) -> None:
+    """Says the dropped rows once; refuses a dataset whose rows are mostly malformed (wrong `formatting` or
+    `columns`): training on it would train empty turns, or nothing."""
+    dropped = total - kept
+    if not dropped:
+        return
+    if dropped > MOSTLY_MALFORMED * total:
+        guess = likely_format(columns)
+        hint = (f"its columns look like {guess}: set formatting: {guess}" if guess and guess != attr.formatting
+                else "fix its rows (unknown roles, roles out of turn, empty prompts or replies) or map its columns "
+                     "in the entry's 'columns' (and 'tags')")
+        raise UsageError(f"data.dataset: {attr.file_name} (dataset '{attr.name}'): {dropped} of {total} rows are "
+                         f"not {attr.formatting} conversations — formatting {attr.formatting} reads "
+                         f"{fields_read(attr)}, the file has columns {columns}; {hint} in dataset_info.json or the "
+                         f"inline entry")
+    from fsdp2_backend.distributed.console import print_rank0
+
+    print_rank0(f"data.dataset {attr.name}: {dropped} of {total} rows dropped — not a valid {attr.formatting} "
+                f"conversation (an unknown role, roles out of turn, an odd number of turns, or no text in the "
+                f"prompt or the reply), as LLaMA-Factory drops them")
+
+
+def _has_text(path: str) -> bool:
+    """False for a file of zero bytes, or of whitespace only (datasets' json reader fails on one with
+    StopIteration)."""
+    if os.path.getsize(path) > 1 << 16:
+        return True
+    with open(path, "rb") as f:
+        return bool(f.read().strip())
+
+
 def load_one(attr: DatasetAttr, data_args, seed: int, streaming: bool):
     """One dataset as canonical examples (a Dataset, or an IterableDataset when streaming)."""
     from datasets import load_dataset
 
     builder, files = _data_files(attr.file_name)
+    files = [f for f in files if _has_text(f)]
+    if not files:
+        raise _empty(attr)
     dataset = load_dataset(builder, data_files=files, split=attr.split, streaming=streaming)
+    if not streaming and len(dataset) == 0:
+        raise _empty(attr)
     if attr.num_samples and not streaming:
         import numpy as np
 
@@ -165,15 +209,14 @@ def load_one(attr: DatasetAttr, data_args, seed: int, streaming: bool):
         dataset = dataset.select(range(min(len(dataset), data_args.max_samples)))
     columns = list(dataset.column_names or []) if not streaming else None
     if streaming:
-        columns = list(next(iter(dataset)).keys())
+        first = next(iter(dataset), None)
+        if first is None:
+            raise _empty(attr)
+        columns = list(first.keys())
     converted = batched_map(dataset, _align(attr), data_args, streaming, f"Converting {attr.name}",
                             remove_columns=columns, features=_canonical_features())
-    if not streaming and len(converted) < len(dataset):  # said once (a streamed dataset's rows are not counted)
-        from fsdp2_backend.distributed.console import print_rank0
-
-        print_rank0(f"data.dataset {attr.name}: {len(dataset) - len(converted)} of {len(dataset)} rows dropped — "
-                    f"not a valid {attr.formatting} conversation (an unknown role, roles out of turn or an odd "
-                    f"number of turns), as LLaMA-Factory drops them")
+    if not streaming:  # a streamed dataset's rows are not counted
+        _check_rows(attr, len(dataset), len(converted), columns)
     return converted
 
 

@@ -93,6 +93,9 @@ def prepare_datasets(config, hf_tokenizer):
     if streaming and not config.training.disable_shuffling:
         train = train.shuffle(seed=seed, buffer_size=data.buffer_size)
     out = {"train": _process(train, processor, data, streaming, "train")}
+    if not streaming and len(out["train"]) == 0:
+        raise UsageError(f"data.dataset: no training row is left after encoding (each has nothing to train within "
+                         f"cutoff_len {data.cutoff_len}) — raise data.cutoff_len or check the replies")
     for name, dataset in evals.items():
         out[f"eval:{name}"] = _process(dataset, processor, data, streaming and name == "eval", f"eval {name}")
     return out
