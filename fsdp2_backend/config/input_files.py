@@ -6,7 +6,7 @@ a Hugging Face hub message after seconds of imports).
 - the model directory (`model.model_name_or_path`, Megatron `--load`) and the tokenizer directory, when given as
   a path that does not exist;
 - the pretraining data (`data.dataset`, Megatron `--data-path`, and the per-split paths): an odd number of blend
-  entries, a `.bin` / `.idx` file named instead of its prefix, a prefix with no `.bin` / `.idx` pair (with "did you
+  entries, a weight of 0 or below (Megatron's rule), a `.bin` / `.idx` file named instead of its prefix, a prefix with no `.bin` / `.idx` pair (with "did you
   mean" among the prefixes beside it), a raw file that does not exist;
 - the folders the data stack writes into: the dataset index caches (`<prefix>/cache/GPTDataset_indices` unless
   `data.data_cache_path`) and the tokenized copy of a raw file (`<name>_tokenized/` unless `data.tokenized_path`),
@@ -62,8 +62,15 @@ def _data_errors(what: str, entries: List[str], config: Config) -> List[str]:
     if len(entries) > 1 and len(entries) % 2 and _is_number(entries[0]):
         return [f"{what}: an odd number of blend entries ({len(entries)}: {' '.join(entries)}) — give weight and "
                 f"prefix pairs: W1 PREFIX1 W2 PREFIX2 ..."]
-    prefixes = entries[1::2] if len(entries) % 2 == 0 and all(_is_number(e) for e in entries[::2]) else entries
+    weighted = len(entries) % 2 == 0 and all(_is_number(e) for e in entries[::2])
+    prefixes = entries[1::2] if weighted else entries
     errors: List[str] = []
+    for weight, prefix in zip(entries[::2], prefixes) if weighted else ():
+        # megatron-core 0.16.1 normalises the weights and its BlendedDataset asserts each is > 0: a zero weight
+        # (a common way to switch a dataset off) fails there, after every index was built
+        if not 0 < float(weight) < float("inf"):
+            errors.append(f"{what}: weight {weight} for {prefix} — Megatron blends take positive weights only "
+                          f"(megatron-core's BlendedDataset); leave the dataset out of the list to switch it off")
     for prefix in prefixes:
         if prefix.endswith(RAW_SUFFIXES):
             errors += _raw_errors(what, prefix, config)

@@ -106,3 +106,31 @@ def test_dry_run_header_names_its_world_size(monkeypatch, capsys):
                                    "world size only (the batch split and the layout were derived for it) — for "
                                    "another, rerun --dry-run with that WORLD_SIZE")
     assert yaml.safe_load(out)["training"]["max_steps"] == 3
+
+
+def test_blend_weight_of_zero_or_below_is_refused_before_anything_loads(tmp_path):
+    """Megatron's rule (megatron-core 0.16.1 BlendedDataset asserts every weight > 0): checked with the other blend
+    rules, in the process the user runs, before any model or index is built (was a 121-line traceback after)."""
+    import subprocess
+    import sys
+
+    from tests.e2e.test_faults_processes import ENV
+    from tests.helpers import REPO
+
+    data = tmp_path / "data"
+    data.mkdir()
+    web, books, code = (_prefix(data, n) for n in ("web_text_document", "books_text_document", "code_text_document"))
+    argv = SHAPE + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--data-path", "0.7", web, "0",
+                    books, "-0.5", code]
+    result = subprocess.run([sys.executable, f"{REPO}/pretrain_fsdp2.py", *argv], capture_output=True, text=True,
+                            env=ENV, cwd=REPO, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: data.dataset (--data-path): weight {w} for {p} — Megatron blends take positive weights only "
+        f"(megatron-core's BlendedDataset); leave the dataset out of the list to switch it off"
+        for w, p in (("0", books), ("-0.5", code))]
+    # the per-split blends follow the same rule
+    assert _errors(SHAPE + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--train-data-path", "1",
+                            web, "0.0", books, "--valid-data-path", web, "--test-data-path", web]) == [
+        f"data.train_data_path (--train-data-path): weight 0.0 for {books} — Megatron blends take positive weights "
+        f"only (megatron-core's BlendedDataset); leave the dataset out of the list to switch it off"]
