@@ -101,7 +101,14 @@ def minimal_world_size(config: Config) -> int:
 
 def parse_command_line(argv: List[str], world_size: Optional[int],
                        check_files: bool = False) -> Tuple[Config, List[str]]:
-    """argv → validated Config and the report lines (Megatron translation, world size used) for the user.
+    """argv → validated Config and the report lines (Megatron translation, world size used) for the user."""
+    config, report, _ = parse_for_world(argv, world_size, check_files)
+    return config, report
+
+
+def parse_for_world(argv: List[str], world_size: Optional[int],
+                    check_files: bool = False) -> Tuple[Config, List[str], int]:
+    """`parse_command_line`, also returning the world size it validated for.
 
     `world_size` None (a dry run without WORLD_SIZE) validates for the smallest world the layout fits.
     `check_files`: also check the input files (model and data; `config.input_files`), reported with the other
@@ -122,7 +129,7 @@ def parse_command_line(argv: List[str], world_size: Optional[int],
 
         model_given = any(groups.get("model", {}).get(name) for _, groups in native
                           for name in ("model_name_or_path", "architecture"))
-        translation = translate_megatron(rest, world_size=world_size or 1, model_given=bool(model_given))
+        translation = translate_megatron(rest, world_size=world_size, model_given=bool(model_given))
         report = report_lines(translation.report)
         defaults, explicit = _split_by_source(translation)
         errors = _conflicts(explicit, native, translation.sources)
@@ -130,8 +137,8 @@ def parse_command_line(argv: List[str], world_size: Optional[int],
             raise UsageError(errors)
         layers = [("Megatron defaults", defaults)] + native[:1] + [("Megatron flags", explicit)] + native[1:]
     config = build_config(layers)
-    if world_size is None:
-        world_size = minimal_world_size(config)
+    if world_size is None:  # the line's own smallest world (distributed-optimizer instances) counts too
+        world_size = math.lcm(minimal_world_size(config), translation.world_size if rest else 1)
         report.append(f"validated for world size {world_size} (the smallest this layout fits; set WORLD_SIZE "
                       f"to check another)")
     file_errors = input_file_errors(config) if check_files else []
@@ -143,7 +150,7 @@ def parse_command_line(argv: List[str], world_size: Optional[int],
             missing_model and m.startswith("model.model_name_or_path"))]) from None
     if file_errors:
         raise UsageError(file_errors)
-    return config, report + [f"notice: {line}" for line in notices]
+    return config, report + [f"notice: {line}" for line in notices], world_size
 
 
 def compact_report(report: List[str]) -> List[str]:
@@ -177,9 +184,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     with exit_on_usage_error():
         dry_run = DRY_RUN_FLAG in argv
-        config, report = parse_command_line(argv, world_size_from_env(None if dry_run else 1), not dry_run)
+        config, report, world = parse_for_world(argv, world_size_from_env(None if dry_run else 1), not dry_run)
     if dry_run:
-        world = world_size_from_env(None) or minimal_world_size(config)
         sys.stdout.write(f"# pretrain_fsdp2.py --dry-run for WORLD_SIZE={world}: this file runs as it is at that world "
                          f"size only (the batch split and the layout were derived for it) — for another, rerun "
                          f"--dry-run with that WORLD_SIZE\n")

@@ -112,8 +112,18 @@ VOCAB_SIZE_TOKENIZERS = (None, "NullTokenizer", "TikTokenizer", "NullMultimodalT
 def flag_vocab(a: Arch) -> Optional[int]:
     """The vocabulary the flags give (None: the tokenizer's); the engine pads it (make-vocab-size-divisible-by × tp)
     in one place. Every family reads it here (hybrid, mamba too)."""
-    if a.get("padded_vocab_size"):
-        return a.get("padded_vocab_size")
+    padded = a.get("padded_vocab_size")
+    if padded:
+        # MindSpeed's --padded-vocab-size is the embedding's row count as given (it replaces Megatron's padding of
+        # --vocab-size); --vocab-size still sizes a NullTokenizer's vocabulary, which must fit in those rows.
+        vocab = a.get("vocab_size")
+        if vocab is not None and vocab > padded:
+            a.decline("vocab_size", f"{vocab} tokens do not fit in --padded-vocab-size {padded} rows — raise "
+                                    "--padded-vocab-size, or drop it (Megatron pads --vocab-size itself)")
+        else:
+            a.note("vocab_size", "mapped", f"the tokenizer's vocabulary in the --padded-vocab-size {padded} "
+                                           "embedding rows (model.architecture.vocab_size)")
+        return padded
     if a.get("tokenizer_type") not in VOCAB_SIZE_TOKENIZERS:
         a.note("vocab_size", "no_effect", f"Megatron sizes the vocabulary from the {a.get('tokenizer_type')} "
                                           "tokenizer (padded to --make-vocab-size-divisible-by × TP), as here")

@@ -276,10 +276,42 @@ def given_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> FrozenS
                      if t.startswith("--") and t.split("=", 1)[0] in actions)
 
 
+_BRACKETED = re.compile(r"^\[(.*)\]$", re.S)
+
+
+def unbracket_lists(parser: argparse.ArgumentParser, argv: Sequence[str]) -> List[str]:
+    """A list flag's value written as one bracketed word, as Megatron's functional-test YAMLs write them
+    (`--recompute-modules "[layernorm mlp]"`, `--hierarchical-context-parallel-sizes "[2 2]"`, also with commas),
+    → its words; argparse would read the brackets as part of one value."""
+    out: List[str] = []
+    actions = parser._option_string_actions
+    argv, index = list(argv), 0
+    while index < len(argv):  # an unquoted `[2 2]` arrives as `[2` `2]`: joined back to one word
+        token = argv[index]
+        if token.startswith("[") and not token.endswith("]"):
+            end = next((j for j in range(index + 1, len(argv)) if argv[j].endswith("]")), None)
+            if end is not None and not any(t.startswith("-") and not _is_number(t) for t in argv[index:end + 1]):
+                argv[index:end + 1] = [" ".join(argv[index:end + 1])]
+        index += 1
+    for token in argv:
+        flag, eq, value = token.partition("=")
+        action = actions.get(flag) if token.startswith("--") else None
+        if eq and action is not None and action.nargs in ("+", "*") and _BRACKETED.match(value):
+            out += [flag] + _BRACKETED.match(value).group(1).replace(",", " ").split()
+            continue
+        previous = actions.get(out[-1]) if out and out[-1].startswith("--") else None
+        match = _BRACKETED.match(token)
+        if match and previous is not None and previous.nargs in ("+", "*"):
+            out += match.group(1).replace(",", " ").split()
+            continue
+        out.append(token)
+    return out
+
+
 def parse_megatron(argv: Sequence[str]) -> ParsedArgs:
     """Parses a Megatron/MindSpeed command line; raises UsageError listing every problem."""
     parser = _cached_parser()
-    argv = list(argv)
+    argv = unbracket_lists(parser, argv)
     try:
         namespace, extras = parser.parse_known_args(argv)
     except _ParseFailure as exc:

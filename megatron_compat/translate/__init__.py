@@ -10,7 +10,7 @@ native defaults differ. If anything is declined, a UsageError lists every declin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from fsdp2_backend.usage_errors import UsageError
 from megatron_compat import architecture
@@ -46,6 +46,9 @@ class Translation:
     sources: Dict[str, str] = field(default_factory=dict)
     # Megatron's validate_args assertions the line fails (one message each); translate_megatron raises them.
     errors: List[str] = field(default_factory=list)
+    # The world size the translation assumed (the one given, or without one the smallest the line's own
+    # layout is valid at: tp × cp × --num-distributed-optimizer-instances).
+    world_size: int = 1
 
 
 class Context:
@@ -183,15 +186,26 @@ def _flags_define_model(ctx: Context, model_given: bool) -> bool:
     return True
 
 
-def translate_report(argv: Sequence[str], world_size: int = 1, model_given: bool = False) -> Translation:
+def smallest_world(ns) -> int:
+    """The smallest world a line's layout is valid at (a dry run without WORLD_SIZE): every data-parallel
+    replica of the distributed optimizer needs its own ranks."""
+    sizes = [getattr(ns, dest) or 1 for dest in ("tensor_model_parallel_size", "context_parallel_size",
+                                                   "num_distributed_optimizer_instances")]
+    return sizes[0] * sizes[1] * sizes[2]
+
+
+def translate_report(argv: Sequence[str], world_size: Optional[int] = 1, model_given: bool = False) -> Translation:
     """Translates and reports every flag, declined ones included; raises UsageError only for a bad command line.
 
+    `world_size` None: the smallest world the line's layout is valid at (`smallest_world`).
     `model_given`: the native config (YAML, --model.*) already names the model (model_name_or_path or
     architecture), so the architecture flags only refine it and none is required."""
     argv, warnings = shell_words.clean(argv, takes_value)
     parsed = parse_megatron(argv)
     _check_positive(parsed.namespace)
     active = _active(parsed)
+    if world_size is None:
+        world_size = smallest_world(parsed.namespace)
     ctx = Context(parsed.namespace, active, world_size, argv)
     ctx.warnings.extend(warnings)
     for dest, (target, handler) in HANDLERS.items():
@@ -220,10 +234,10 @@ def translate_report(argv: Sequence[str], world_size: int = 1, model_given: bool
                                "no model in the YAML) — give it")
                         for flag in architecture.missing_flags(ctx.ns, from_scratch, active)]
     return Translation({g: v for g, v in ctx.fields.items() if v}, report, ctx.sources,
-                       _megatron_asserts(parsed.namespace))
+                       _megatron_asserts(parsed.namespace), world_size)
 
 
-def translate_megatron(argv: Sequence[str], world_size: int = 1, model_given: bool = False) -> Translation:
+def translate_megatron(argv: Sequence[str], world_size: Optional[int] = 1, model_given: bool = False) -> Translation:
     """Translates a Megatron/MindSpeed launch line; raises UsageError on bad input or any declined flag."""
     translation = translate_report(argv, world_size, model_given)
     if translation.report.declined or translation.errors:

@@ -1,7 +1,8 @@
 """Megatron's optimizer flags (--optimizer, --decoupled-min-lr, the weight-decay schedule, the scheduler-on-resume
 choice), its batch-size schedule flags (--rampup-batch-size, --step-batch-size-schedule,
 --decrease-batch-size-if-needed → training.*; fsdp2_backend/config/batch_schedule.py), MindSpeed's --o2-optimizer
-(training.o2_optimizer; training/o2_adamw.py) and Megatron's --muon-* options (training.muon_*; training/muon.py).
+(training.o2_optimizer; training/o2_adamw.py), Megatron's --muon-* options (training.muon_*; training/muon.py) and
+the evaluation's batch size (--eval-global-batch-size → training.eval_iters in global batches).
 """
 from __future__ import annotations
 
@@ -76,6 +77,33 @@ def _step_batch_size_schedule(ctx, value):
                                                 "by --train-samples (and --lr-*-iters by --lr-*-samples)")
     else:  # one quoted string, or its words split by the shell (arguments.py lets the flag take several)
         ctx.set("training.step_batch_size_schedule", " ".join(value) if isinstance(value, (list, tuple)) else value)
+
+
+@handles("eval_global_batch_size", "training.eval_iters (× --eval-global-batch-size / --global-batch-size)")
+def _eval_global_batch_size(ctx, value):
+    """Megatron evaluates --eval-iters batches of --eval-global-batch-size samples, the loss token-weighted over
+    all of them; here an evaluation reads global batches: the same samples, in the same order, are
+    eval_iters × eval_gbs / gbs of them, and the token-weighted loss over them is the same number."""
+    if value is None:
+        return
+    gbs, iters = ctx.get("global_batch_size"), ctx.get("eval_iters")
+    if gbs is None:
+        ctx.decline("eval_global_batch_size", "the evaluation is read in global batches here, whose size Megatron "
+                                              "derives from the world size without --global-batch-size — give it")
+    elif (value * iters) % gbs:
+        ctx.decline("eval_global_batch_size", f"--eval-iters {iters} × {value} samples is not a whole number of "
+                                              f"global batches of {gbs} (evaluation reads global batches here) — "
+                                              f"use an --eval-global-batch-size whose eval-iters multiple divides "
+                                              f"by {gbs}")
+    else:
+        ctx.set("training.eval_iters", value * iters // gbs)
+
+
+@handles("eval_micro_batch_size", "(no effect: the evaluation's micro-batch split)")
+def _eval_micro_batch_size(ctx, value):
+    if value is not None:
+        ctx.record("eval_micro_batch_size", "no_effect", "the evaluation's split into micro-batches changes no "
+                                                         "result (its loss is token-weighted over every sample)")
 
 
 _direct("decrease_batch_size_if_needed", "training.decrease_batch_size_if_needed")

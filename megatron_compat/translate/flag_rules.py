@@ -272,7 +272,7 @@ _DECLINED: Dict[str, str] = {
     "storage) — prepare the data with tools/preprocess_data.py and pass --data-path":
         """phase_transition_iterations data_args_path per_split_data_args_path object_storage_cache_path
         dataloader_inter_document_masking validation_set_names multiple_validation_sets full_validation
-        eval_global_batch_size eval_micro_batch_size start_eval_at_iter""",
+        start_eval_at_iter""",
     "this Megatron tokenizer setting has no counterpart — convert the tokenizer to an HF tokenizer directory and "
     "pass --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR":
         """tokenizer_kwargs tokenizer_metadata tokenizer_sentencepiece_legacy no_tokenizer_sentencepiece_ignore_extra_whitespaces
