@@ -11,8 +11,9 @@ Torch-free; called from `validation`.
 - No effect here, said once: `parallel.fsdp_implementation: custom` / `hook_modules` (MindSpeed's own Ascend FSDP;
   torch's FSDP2 gives the same results), the NPU-only fused ops (`use_sparse_flash_attn`,
   `use_fused_lightning_indexer(_loss)`, `use_ascend_mhc`, `use_triton_swiglu_limit`) and the windows only the NPU
-  indexer-loss op reads (`pre_tokens`, `next_tokens`), `optimization.indexer_loss_coeff` (MindSpeed's parser skips
-  it too). `training.indexer_loss_coeff` is honoured: the DSA indexer's KL loss (models/dsa_indexer_loss.py).
+  indexer-loss op reads (`pre_tokens`, `next_tokens`). `training.indexer_loss_coeff` is honoured: the DSA indexer's
+  KL loss (models/dsa_indexer_loss.py); its v26.1.0 spelling `optimization.indexer_loss_coeff` too
+  (mindspeed_release_rules).
 - MindSpeed's own refusals are kept: the DSA fusions name DSA models only, mHC and SwiGLU-limit DeepSeek-V4 only.
 """
 from __future__ import annotations
@@ -61,7 +62,7 @@ def head_field_errors(config) -> List[str]:
     if t.optimizer == "fused_adamw" and t.o2_optimizer:
         errors.append("training.optimizer: fused_adamw and training.o2_optimizer (bf16 moments) are two different "
                       "AdamW kernels — choose one")
-    if t.indexer_loss_coeff < 0:
+    if t.indexer_loss_coeff is not None and t.indexer_loss_coeff < 0:
         errors.append(f"training.indexer_loss_coeff: must be >= 0 (0 leaves the DSA indexer untrained), got "
                       f"{t.indexer_loss_coeff}")
     if t.router_aux_loss_coef is not None and t.router_aux_loss_coef < 0:
@@ -115,9 +116,6 @@ def head_field_notices(config) -> List[str]:
         if getattr(o, name) != getattr(defaults_o, name):
             notices.append(f"optimization.{name}: no effect — only MindSpeed's NPU fused indexer KL loss "
                            f"(use_fused_lightning_indexer_loss) reads it")
-    if o.indexer_loss_coeff is not None:
-        notices.append("optimization.indexer_loss_coeff: no effect — MindSpeed reads training.indexer_loss_coeff "
-                       "(its parser skips this one too); move it there")
     return notices
 
 

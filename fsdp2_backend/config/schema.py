@@ -16,6 +16,9 @@ from fsdp2_backend.config.schema_training import TrainingArguments
 
 MODEL_IDS = ("gpt_oss", "qwen3", "qwen3_moe", "qwen3_next", "step35", "mamba3", "minimax_m27", "deepseek_v3",
              "mixtral", "qwen2_moe", "deepseek_v4", "glm52", "longcat_flash_ngram")
+# Other names of a model id: {name: (model id, whose name it is)}. Accepted by model.model_id, resolved once by
+# validation (config/mindspeed_release_rules.py, which says which name the run took) and by models/registry.
+MODEL_ID_ALIASES = {"longcat_flash": ("longcat_flash_ngram", "MindSpeed-LLM v26.1.0's name")}
 DTYPES = ("bf16", "fp16", "fp32")
 
 
@@ -25,10 +28,9 @@ class ModelArguments:
 
     model_name_or_path: Optional[str] = help_field(None, "Local path of the model (HF directory). Required, unless "
                                                "`architecture` describes a model to build from scratch.")
-    model_id: Optional[Literal["gpt_oss", "qwen3", "qwen3_moe", "qwen3_next", "step35", "mamba3",
-                               "minimax_m27", "deepseek_v3", "mixtral", "qwen2_moe", "deepseek_v4", "glm52",
-                               "longcat_flash_ngram"]] = help_field(
-        None, "Model id of this project's own model implementation; unset runs the native transformers forward.")
+    model_id: Optional[Literal[MODEL_IDS + tuple(MODEL_ID_ALIASES)]] = help_field(  # type: ignore[valid-type]
+        None, "Model id of this project's own model implementation; unset runs the native transformers forward "
+              "(longcat_flash: MindSpeed-LLM v26.1.0's name of longcat_flash_ngram).")
     init_model_with_meta_device: bool = help_field(False, "Build the model on the meta device, shard, then load or "
                                                "initialise it (saves memory at start-up).")
     trust_remote_code: bool = help_field(False, "Allow custom modelling code shipped with an HF model directory.")
@@ -309,8 +311,9 @@ class OptimizationArguments:
     pre_tokens: int = help_field(1048576, "(MindSpeed) Tokens before a query that NPU flash attention attends to.")
     next_tokens: int = help_field(0, "(MindSpeed) Tokens after a query that NPU flash attention attends to (0: "
                                   "causal).")
-    indexer_loss_coeff: Optional[float] = help_field(None, "(MindSpeed GLM-5.2 YAML) No effect: MindSpeed reads "
-                                                     "training.indexer_loss_coeff.")
+    indexer_loss_coeff: Optional[float] = help_field(None, "(MindSpeed v26.1.0) The release's spelling of "
+                                                     "training.indexer_loss_coeff (MindSpeed master ignores it; "
+                                                     "applied here).")
 
 
 GROUPS: Dict[str, type] = {

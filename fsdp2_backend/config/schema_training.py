@@ -68,8 +68,9 @@ class TrainingArguments:
                                          "log line.")
     deterministic: bool = help_field(True, "(MindSpeed) Deterministic algorithms (torch.use_deterministic_algorithms, "
                                        "cuDNN deterministic, HCCL_DETERMINISTIC); Megatron --deterministic-mode.")
-    indexer_loss_coeff: float = help_field(1.0, "(MindSpeed) Weight of the DSA lightning indexer's KL loss "
-                                           "(glm52, deepseek_v4).")
+    indexer_loss_coeff: Optional[float] = help_field(None, "(MindSpeed) Weight of the DSA lightning indexer's KL "
+                                                     "loss (glm52, deepseek_v4); unset: optimization."
+                                                     "indexer_loss_coeff (v26.1.0's spelling), else 1.0 (MindSpeed's).")
     router_aux_loss_coef: Optional[float] = help_field(
         None, "(MindSpeed) Weight of the MoE model's own load-balancing loss (its config's router_aux_loss_coef; "
               "0: none); unset: the model config's.")

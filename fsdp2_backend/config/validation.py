@@ -22,6 +22,7 @@ from fsdp2_backend.config.fault_rules import canonical_config, canonical_key, ch
 from fsdp2_backend.config.layout_rules import check_model_layout
 from fsdp2_backend.config.model_facts import ModelFacts, model_facts
 from fsdp2_backend.config.mindspeed_head_rules import head_field_errors, head_field_notices, normalise_head_fields
+from fsdp2_backend.config.mindspeed_release_rules import release_readings
 from fsdp2_backend.config.mla_rules import mla_scale_errors
 from fsdp2_backend.config.mup_rules import mup_errors
 from fsdp2_backend.config.quant_rules import check_quantization, quant_notices
@@ -310,7 +311,7 @@ def _check_model_defined(config: Config, facts: ModelFacts, errors: List[str]) -
 def validate_with_notices(config: Config, world_size: int = 1) -> Tuple[Config, List[str]]:
     """Checks every rule; returns (the config with derived values filled in, notices to print once), or raises
     UsageError listing every problem."""
-    errors: List[str] = []
+    config, errors, release_notices = release_readings(config)  # MindSpeed v26.1.0's spellings, resolved first
     _check_seed_rules(config, errors)
     _check_optimizer_schedule(config, errors)
     errors.extend(optimizer_errors(config))
@@ -329,7 +330,7 @@ def validate_with_notices(config: Config, world_size: int = 1) -> Tuple[Config, 
         check_model_layout(config, facts, world_size, errors)
     if errors:
         raise UsageError(errors)
-    return normalise(config, world_size, facts), _notices(config)
+    return normalise(config, world_size, facts), release_notices + _notices(config)
 
 
 def validate(config: Config, world_size: int = 1) -> Config:

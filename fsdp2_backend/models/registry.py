@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable, List, Mapping, Optional
 
+from fsdp2_backend.config.schema import MODEL_ID_ALIASES
 from fsdp2_backend.models.newer_ids import newer_specs
 from fsdp2_backend.usage_errors import UsageError
 
@@ -133,7 +134,9 @@ def registered_model_ids() -> tuple:
 
 
 def model_spec(model_id: str) -> ModelSpec:
-    """The spec for `model_id`; an unknown or not-yet-implemented id is a usage error."""
+    """The spec for `model_id` (or another name of it, `MODEL_ID_ALIASES`); an unknown or not-yet-implemented id is
+    a usage error."""
+    model_id = MODEL_ID_ALIASES.get(model_id, (model_id,))[0]
     if model_id not in _SPECS:
         raise UsageError(f"model.model_id: '{model_id}' has no implementation in this project yet — use one of "
                          f"{', '.join(_SPECS)} or leave model_id unset to run the transformers model")
