@@ -79,3 +79,34 @@ def check_router_model(config: "Config", facts: "ModelFacts", errors: List[str])
                       "sigmoid router (models/moe/family_swap.py) always renormalises the top-k — set "
                       "model.moe_router_score_function softmax, or run transformers' model (no router options, EP, "
                       "grouped GEMM or fix_router)")
+
+
+# HF model types whose routers transformers defines with group-limited selection, scoring a group by the sum of its
+# top 2 scores (DeepseekV3TopkRouter, GlmMoeDsaTopkRouter), and the model ids that run them with this project's
+# router (models/moe/family_swap.py: HF_GROUP_SCORE_TOPK).
+_HF_GROUP_SCORE = {"deepseek_v3": ("deepseek_v3", "DeepSeek-V3"), "glm_moe_dsa": ("glm52", "GLM-MoE-DSA")}
+
+
+def group_score_notices(config: "Config", facts: "ModelFacts") -> List[str]:
+    """One line where transformers' group score (the top 2 of a group) and megatron-core's (the top k / group_topk)
+    differ for this model: which one the run takes."""
+    m = config.model
+    known = _HF_GROUP_SCORE.get(facts.model_type)
+    if known is None or m.model_id != known[0]:
+        return []
+    hf = {**(facts.config_json or {}), **(m.architecture or {})}
+    megatron = m.moe_router_num_groups is not None or m.moe_router_group_topk is not None
+    groups = m.moe_router_num_groups if m.moe_router_num_groups is not None else hf.get("n_group") or 1
+    group_topk = m.moe_router_group_topk if m.moe_router_group_topk is not None else hf.get("topk_group") or 1
+    top_k = hf.get("num_experts_per_tok")
+    if groups <= 1 or not top_k or top_k // group_topk == 2:
+        return []
+    if megatron:
+        return [f"model.moe_router_num_groups / moe_router_group_topk (Megatron's --moe-router-num-groups / "
+                f"--moe-router-group-topk): each expert group is scored by the sum of its top {top_k // group_topk} "
+                f"scores (top-k {top_k} / {group_topk} groups, megatron-core's rule); transformers' {known[1]} sums "
+                f"its top 2, so the routing differs from transformers' model"]
+    return [f"model.model_id {m.model_id}: group-limited routing ({groups} groups, {group_topk} chosen) scores each "
+            f"group by the sum of its top 2 scores, as transformers' {known[1]} defines it; megatron-core's rule "
+            f"would sum the top {top_k // group_topk} (top-k {top_k} / {group_topk}) — set model.moe_router_num_groups"
+            f" and moe_router_group_topk (--moe-router-num-groups / --moe-router-group-topk) for Megatron's"]

@@ -26,8 +26,8 @@ from fsdp2_backend.config.mindspeed_release_rules import release_readings
 from fsdp2_backend.config.mla_rules import mla_scale_errors
 from fsdp2_backend.config.mup_rules import mup_errors
 from fsdp2_backend.config.quant_rules import check_quantization, quant_notices
-from fsdp2_backend.config.router_rules import (ROUTER_MODEL_TYPES, check_router_model, megatron_router_set,
-                                               router_errors)
+from fsdp2_backend.config.router_rules import (ROUTER_MODEL_TYPES, check_router_model, group_score_notices,
+                                               megatron_router_set, router_errors)
 from fsdp2_backend.config.layout import parallel_layout
 from fsdp2_backend.config.schema import Config, dataset_entries
 from fsdp2_backend.config.sft_rules import check_sft, normalise_sft, sft_notices
@@ -330,7 +330,8 @@ def validate_with_notices(config: Config, world_size: int = 1) -> Tuple[Config, 
         check_model_layout(config, facts, world_size, errors)
     if errors:
         raise UsageError(errors)
-    return normalise(config, world_size, facts), release_notices + _notices(config)
+    normalised = normalise(config, world_size, facts)
+    return normalised, release_notices + _notices(config) + group_score_notices(normalised, facts)
 
 
 def validate(config: Config, world_size: int = 1) -> Config:

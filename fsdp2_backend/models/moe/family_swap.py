@@ -17,11 +17,13 @@ block:
 - the block's forward → the same computation, handing the router the (batch, seq, hidden) input so that the
   sequence-level aux loss can tell the sequences apart.
 
-Differences from transformers, on purpose: group-limited selection scores each group by its top
-(k / group_topk) scores (megatron-core's rule; transformers' DeepSeek-V3 always sums the top 2 — the same for
-DeepSeek-V2/V3's own configs, k 6 / 3 groups and 8 / 4); Megatron's sigmoid routing always renormalises the
-top-k (a DeepSeek-V3 config with `norm_topk_prob: false` is refused by config validation, `router_rules`, unless
-softmax scores are asked for).
+Group-limited selection follows the model: a group is scored by the sum of its top 2 scores, as transformers'
+DeepSeek-V3 and GLM-MoE-DSA do, unless Megatron's group flags (`model.moe_router_num_groups` / `group_topk`,
+--moe-router-num-groups / --moe-router-group-topk) ask for megatron-core's rule, the top (k / group_topk); the two
+agree for DeepSeek-V2/V3's own configs (k 6 / 3 groups, 8 / 4), and config validation says once which one a run
+takes where they differ (`router_rules.group_score_notices`). Difference from transformers, on purpose: Megatron's
+sigmoid routing always renormalises the top-k (a DeepSeek-V3 config with `norm_topk_prob: false` is refused by
+config validation, `router_rules`, unless softmax scores are asked for).
 
 Per-expert checkpoint keys: DeepSeek-V3 and Qwen2-MoE hold `mlp.experts.{e}.gate_proj/up_proj/down_proj`
 (qwen3_moe's layout, same functions), Mixtral `block_sparse_moe.experts.{e}.w1/w3/w2` (MiniMax-M2's layout).
@@ -84,6 +86,11 @@ class Qwen2MoeRouter(_FamilyRouter, q2.Qwen2MoeTopKRouter):
         return RouterSettings.from_hf(config)
 
 
+# transformers' DeepSeek-V3 and GLM-MoE-DSA routers score an expert group by the sum of its top 2 scores, whatever
+# k and topk_group are (megatron-core: the top k / topk_group).
+HF_GROUP_SCORE_TOPK = 2
+
+
 class DeepseekV3Router(_FamilyRouter, ds.DeepseekV3TopkRouter):
     """DeepSeek-V3's routing with Megatron's options; `e_score_correction_bias` (the checkpoint's, fp32) selects
     with sigmoid (or MindSpeed's sqrtsoftplus) scores and is Megatron's `expert_bias` when the run updates it."""
@@ -93,6 +100,7 @@ class DeepseekV3Router(_FamilyRouter, ds.DeepseekV3TopkRouter):
         groups = config.n_group if (config.n_group or 1) > 1 else None
         return RouterSettings.from_hf(config, score_function="sigmoid", dtype="fp32", num_groups=groups,
                                       group_topk=config.topk_group if groups else None,
+                                      group_score_topk=HF_GROUP_SCORE_TOPK if groups else None,
                                       scaling_factor=config.routed_scaling_factor)
 
     def _setup(self, config) -> None:

@@ -8,7 +8,8 @@ process-group globals and CUDA, so it cannot run inside an HF model here; this m
 - scores: `softmax` (top-k on the logits then softmax over the k — renormalised; or `pre_softmax`: softmax over
   all experts then top-k) or `sigmoid` (top-k of sigmoid scores, optionally selected on `scores + expert_bias`,
   renormalised when k > 1), or MindSpeed's `sqrtsoftplus` (sqrt(softplus(logits)), routed as sigmoid);
-  group-limited top-k (`num_groups` / `group_topk`); a `scaling_factor`;
+  group-limited top-k (`num_groups` / `group_topk`; a group scored by its top (k / group_topk) scores, or by the
+  model's own count, `group_score_topk`, until Megatron's group flags ask for Megatron's); a `scaling_factor`;
 - load balancing: `aux_loss` (per micro-batch), `seq_aux_loss` (per sequence), `global_aux_loss` (token counts
   of the whole global batch), `sinkhorn`, `none`; the router `z_loss`; `mindspeed_seq_aux_loss`, MindSpeed's
   `--seq-aux` under balancing 'none' (DeepSeek-V3's sequence-wise loss: per sequence, the scores shifted by the
@@ -57,6 +58,7 @@ class RouterSettings:
     pre_softmax: bool = False
     num_groups: Optional[int] = None
     group_topk: Optional[int] = None
+    group_score_topk: Optional[int] = None  # a group's score: the sum of its top this many; None: k / group_topk
     scaling_factor: Optional[float] = None
     load_balancing: Tuple[Tuple[str, float], ...] = ()  # (type, coeff): Megatron's losses, in its order
     z_loss_coeff: Optional[float] = None
@@ -86,6 +88,8 @@ class RouterSettings:
                             ("moe_z_loss_coeff", "z_loss_coeff")):
             if getattr(m, field, None) is not None:
                 changes[attr] = getattr(m, field)
+        if any(getattr(m, f, None) is not None for f in ("moe_router_num_groups", "moe_router_group_topk")):
+            changes["group_score_topk"] = None  # Megatron's flags ask for Megatron's group score, top (k / groups)
         if getattr(m, "moe_router_enable_expert_bias", False):
             changes.update(expert_bias=True, bias_update_rate=m.moe_router_bias_update_rate)
         kinds = getattr(m, "moe_router_load_balancing_type", None)

@@ -17,10 +17,13 @@ if TYPE_CHECKING:
     from fsdp2_backend.models.moe.router import RouterSettings
 
 
-def group_limited_topk(scores: torch.Tensor, top_k: int, num_groups: int, group_topk: int):
-    """Top-k within the `group_topk` expert groups whose top-(k / group_topk) scores sum highest."""
+def group_limited_topk(scores: torch.Tensor, top_k: int, num_groups: int, group_topk: int,
+                       group_score_topk: Optional[int] = None):
+    """Top-k within the `group_topk` expert groups whose top-`group_score_topk` scores sum highest; None: the top
+    (k / group_topk) (megatron-core's rule; transformers' DeepSeek-V3 / GLM-MoE-DSA sum the top 2)."""
     tokens, experts = scores.shape
-    group_scores = scores.view(tokens, num_groups, -1).topk(top_k // group_topk, dim=-1)[0].sum(dim=-1)
+    per_group = group_score_topk or top_k // group_topk
+    group_scores = scores.view(tokens, num_groups, -1).topk(per_group, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
     score_mask = group_mask.unsqueeze(-1).expand(tokens, num_groups, experts // num_groups).reshape(tokens, -1)
@@ -36,7 +39,7 @@ def topk_routing(logits: torch.Tensor, s: "RouterSettings", expert_bias: Optiona
         if index is not None:
             return scores.gather(1, index), index
         if s.group_topk:
-            return group_limited_topk(scores, s.top_k, s.num_groups, s.group_topk)
+            return group_limited_topk(scores, s.top_k, s.num_groups, s.group_topk, s.group_score_topk)
         return torch.topk(scores, k=s.top_k, dim=1)
 
     if s.score_function == "softmax":
