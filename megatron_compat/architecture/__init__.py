@@ -218,7 +218,16 @@ def _moe_keys(a: Arch, family: str) -> None:
         g("moe_router_score_function") == "sigmoid"  # Megatron: top-k then softmax, or sigmoid = normalised
     for dest in ("norm_topk_prob", "moe_router_pre_softmax"):
         a.put(dest, "norm_topk_prob", norm if family not in _MIXTRAL_NAMES else None)
-    if family in ("mixtral", "deepseek_v3") and g("moe_router_pre_softmax"):  # their norm_topk_prob is no pre-softmax
+    if family in _MIXTRAL_NAMES and g("norm_topk_prob"):
+        # These routers always renormalise the k selected scores (Mixtral: softmax, top-k, renormalise; GPT-OSS:
+        # softmax over the top-k logits; MiniMax-M2: sigmoid, top-k, renormalise): what --norm-topk-prob asks,
+        # also after Megatron's --moe-router-pre-softmax (a softmax over all experts renormalised over k is the
+        # softmax over the k).
+        a.note("norm_topk_prob", "mapped", f"model.architecture.model_type ({family}: its router renormalises "
+                                           "the top-k scores)")
+        a.note("moe_router_pre_softmax", "mapped", f"model.architecture.model_type ({family}: with "
+                                                   "--norm-topk-prob, the softmax over the k selected experts)")
+    elif family in ("mixtral", "deepseek_v3") and g("moe_router_pre_softmax"):  # their norm_topk_prob is no pre-softmax
         a.field("moe_router_pre_softmax", "model.moe_router_pre_softmax", True)  # switch: the router's own field
     shared = g("moe_shared_expert_intermediate_size")
     if family == "deepseek_v3":

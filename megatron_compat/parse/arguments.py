@@ -2,8 +2,8 @@
 
 The parser is built from data, not hand-written `add_argument` calls: `megatron_lm_arguments.json` (all 839
 Megatron-LM arguments with their option strings, action, nargs, type, choices and default) and
-`mindspeed_flags.json` (MindSpeed-LLM's arguments, the MindSpeed core features its scripts pass, and the extra
-arguments of Megatron-LM's inference example scripts). Both files ship as package data next to this module.
+`mindspeed_flags.json` (MindSpeed-LLM's arguments, the MindSpeed core features its scripts pass, the extra
+arguments of Megatron-LM's inference example scripts and its ModelOpt post-training arguments). Both files ship as package data next to this module.
 
 Parse errors never print argparse's usage: every problem becomes one `UsageError` message
 `--flag: <why> — <what to do>`, and unknown flags are all listed at once. No torch import here (dry-run speed).
@@ -30,7 +30,7 @@ MINDSPEED_NAMES = _HERE / "mindspeed_llm_flag_names.txt"
 # Which table an argument came from, for reports and the migration table.
 SOURCE_MEGATRON = "megatron-lm"
 DIALECT_SOURCES = {"mindspeed_llm": "mindspeed-llm", "mindspeed": "mindspeed", "megatron_inference_scripts":
-                   "megatron-inference-script"}
+                   "megatron-inference-script", "megatron_post_training": "megatron-lm-post-training"}
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}

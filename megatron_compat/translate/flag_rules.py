@@ -31,6 +31,10 @@ def _names(block: str):
 # --- no effect under FSDP2 -----------------------------------------------------------------------------------------
 
 _NO_EFFECT: Dict[str, str] = {
+    "a layer-spec or checkpoint-layout choice of Megatron-LM's ModelOpt model builder (Transformer Engine or local "
+    "modules: the same math); this backend builds HF modules and writes its own checkpoints":
+        """export_te_mcore_model export_default_te_spec export_force_local_attention export_legacy_megatron
+        export_model_type""",
     "sizes an inference KV cache (MindSpeed-LLM registers it with its DSA indexer; pretraining builds no such "
     "cache), so training reads nothing from it":
         """max_batch_size""",
@@ -283,6 +287,24 @@ _DECLINED: Dict[str, str] = {
         relative_attention_num_buckets relative_attention_max_distance""",
     "freezing or per-layer learning-rate changes are not implemented and would change results — drop it":
         """freeze_all_layers head_lr_mult no_weight_decay_cond_type moe_upcycling_granularity moe_use_upcycling""",
+    "knowledge distillation (Megatron-LM's ModelOpt post-training: a teacher model's logits as the target) is "
+    "not part of this backend — run it with Megatron-LM's post_training scripts, or drop the --export-kd-* flags":
+        """export_kd_teacher_load export_kd_teacher_model_config export_kd_teacher_ckpt_format export_kd_cfg""",
+    "ModelOpt quantisation (Megatron-LM's post-training QAT / quantised export) is not part of this backend — for "
+    "FP8 training use --fp8-format with --fp8-recipe; quantise for deployment with ModelOpt":
+        """export_quant_cfg export_real_quant_cfg export_kv_cache_quant modelopt_enabled""",
+    "ModelOpt's HF-dataset finetuning data (Megatron-LM post-training) is not read — prepare the data with "
+    "tools/preprocess_data.py and pass --data-path":
+        """finetune_hf_dataset finetune_data_split""",
+    "a Llama-4 option of Megatron-LM's ModelOpt export builder; no buildable HF model type has it — give --load "
+    "with an HF directory of that model":
+        """export_qk_l2_norm export_moe_apply_probs_on_input""",
+    "speculative-decoding draft training (ModelOpt's EAGLE / Medusa offline model) is not part of this backend — "
+    "use Megatron-LM's post_training scripts":
+        """export_offline_model""",
+    "ModelOpt's GPT-OSS preset (YaRN RoPE defaults) is not read — give the GPT-OSS architecture flags "
+    "(--position-embedding-type yarn and its --yarn-* values) or --load with an HF gpt_oss directory":
+        """enable_gpt_oss""",
     "Megatron's YAML config files are not read — pass the flags on the command line, or write the native YAML":
         """yaml_cfg""",
     "`--warmup` is Megatron's removed warmup argument — use --lr-warmup-fraction, --lr-warmup-iters or "

@@ -82,3 +82,27 @@ def test_eval_global_batch_size_sets_the_evaluated_samples():
     assert "--eval-micro-batch-size" in t.report.no_effect
     with pytest.raises(UsageError, match="--eval-global-batch-size: --eval-iters 3 × 10 samples"):
         translate_megatron(LINE + "--eval-iters 3 --eval-interval 5 --eval-global-batch-size 10".split())
+
+
+def test_modelopt_post_training_arguments_are_known_and_declined_as_what_they_are():
+    report = translate_report(LINE + ["--export-te-mcore-model", "--export-default-te-spec", "--export-kd-teacher-load",
+                                      "/teacher", "--export-kd-cfg", "kd.yaml", "--export-quant-cfg", "fp8"]).report
+    declined = dict(report.declined)
+    assert set(declined) == {"--export-kd-teacher-load", "--export-kd-cfg", "--export-quant-cfg"}
+    assert "knowledge distillation" in declined["--export-kd-cfg"]
+    assert "ModelOpt quantisation" in declined["--export-quant-cfg"]
+    # the Transformer Engine layer spec of ModelOpt's builder: the same model, a checkpoint-layout choice
+    assert {"--export-te-mcore-model", "--export-default-te-spec"} <= set(report.no_effect)
+
+
+@pytest.mark.parametrize("extra", [[], ["--moe-router-pre-softmax"]])
+def test_norm_topk_prob_is_what_a_mixtral_style_router_does(extra):
+    t = translate_report(LINE + "--num-experts 6 --moe-router-topk 3 --norm-topk-prob".split() + extra)
+    assert not t.report.declined
+    assert t.fields["model"]["architecture"]["model_type"] == "mixtral"
+    assert "moe_router_pre_softmax" not in t.fields["model"]  # renormalised over k: Mixtral's own router
+    mapped = dict(t.report.mapped)
+    assert "renormalises the top-k" in mapped["--norm-topk-prob"]
+    # without --norm-topk-prob, Megatron's pre-softmax keeps the k scores unnormalised: the router switch
+    plain = translate_report(LINE + "--num-experts 6 --moe-router-topk 3 --moe-router-pre-softmax".split())
+    assert plain.fields["model"]["moe_router_pre_softmax"] is True
