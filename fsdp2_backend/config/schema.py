@@ -300,6 +300,9 @@ class OptimizationArguments:
     gdn_chunk_size: int = help_field(64, "Gated DeltaNet chunk size.")
     use_triton_rmsnormgated: bool = help_field(False, "Triton gated RMSNorm kernel.")
     fix_router: bool = help_field(False, "Fixed balanced expert assignment (performance tuning only; changes results).")
+    torch_compile: bool = help_field(False, "Compile each decoder block once with torch.compile (regional "
+                                     "compilation, parallel/compile.py); same losses, faster steps after the first. "
+                                     "Neither the seed nor MindSpeed has this switch; Megatron has no flag for it.")
     # MindSpeed-LLM c77308a1 fields (config/mindspeed_head_rules.py says what each does here)
     use_sparse_flash_attn: bool = help_field(False, "(MindSpeed) NPU sparse flash attention for DSA models; this "
                                              "backend computes DSA attention with torch ops.")

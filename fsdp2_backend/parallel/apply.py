@@ -1,13 +1,15 @@
 """The one place where a built model is made ready to train in parallel, in one fixed order:
 
-    quantize → kernel swaps → model switches → TP → EP → CP → recompute → ChunkMBS → FSDP → gradient policy
+    quantize → kernel swaps → model switches → TP → EP → CP → recompute → ChunkMBS → compile → FSDP → gradient policy
 
 Each stage is one function in its own module (`kernel_swaps`, the model's registry `configure`,
-`tensor_parallel`, `expert_parallel`, `context_parallel`, `recompute`, `fsdp`), skipped when its size is 1 or
+`tensor_parallel`, `expert_parallel`, `context_parallel`, `recompute`, `compile`, `fsdp`), skipped when its size is 1 or
 its feature off. A stage returns the parameters it reduces itself (expert units), which FSDP must then ignore.
 Quantisation comes first (`quantize`: MXFP8 linears and experts; after FSDP it settles each weight's
 all-gather), then kernel swaps: context parallel wraps the attention chosen there. The gradient policy comes
-last, once every FSDP unit exists.
+last, once every FSDP unit exists. Compilation (`optimization.torch_compile`) wraps each decoder block after
+every stage that changes what the block computes and before FSDP, whose hooks then stay outside the compiled
+region (torchtitan's order).
 
 The config was validated before any of this runs (`fsdp2_backend.config.validation`): stages assert what
 they rely on, they do not validate.
@@ -115,6 +117,10 @@ def apply_parallelism(model: nn.Module, config: Config, ctx: ParallelContext) ->
         from fsdp2_backend.parallel.chunk_batch import apply_chunk_batch
 
         apply_chunk_batch(model, parallel)
+    if config.optimization.torch_compile:  # each decoder block once, around what the stages above installed
+        from fsdp2_backend.parallel.compile import apply_compile
+
+        apply_compile(model)
     model = apply_fsdp(model, parallel, ctx.fsdp_mesh, extra_ignored=fsdp_ignored)
     if quantized:
         from fsdp2_backend.parallel.quantize import finish_after_fsdp
