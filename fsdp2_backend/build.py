@@ -284,6 +284,10 @@ def build(config: Config) -> TrainJob:
                                     model_config=getattr(model, "config", hf_config), guard=guard,
                                     megatron_reader=megatron_reader(resume))
         checkpointer.load()
+        if state.iteration and state.iteration >= train_iters:  # a finished run, run again: nothing to train
+            exported = checkpointer.export_if_missing(state.iteration)
+            print_rank0(finished_line(resume.checkpoint, state.iteration, train_iters, exported))  # group still up
+            raise RunFinished(state)
         data = build_data(train_iters)
         if data.train_loader is None:
             raise UsageError("data.dataset: the training split is empty — check data.split and the data paths")
@@ -318,11 +322,30 @@ def build(config: Config) -> TrainJob:
         raise
 
 
+class RunFinished(Exception):
+    """Raised by `build` when the checkpoint it resumed from already reaches train_iters (the same command run
+    again after it finished): `run_training` says so and returns, nothing trained, saved or exported."""
+
+    def __init__(self, state):
+        super().__init__("training already finished")
+        self.state = state
+
+
+def finished_line(checkpoint, iteration: int, train_iters: int, exported: bool) -> str:
+    """The one line a finished run's rerun prints (rank 0)."""
+    did = "only the missing HF export was written" if exported else "nothing was trained, saved or exported"
+    return (f"training already finished: {checkpoint} is iteration {iteration} of {train_iters} (--train-iters / "
+            f"training.max_steps) — {did}; raise --train-iters to train further")
+
+
 def run_training(config: Config):
     """Builds the job, trains it and releases it; the entry point of pretrain_fsdp2.py. Returns the TrainResult."""
-    from fsdp2_backend.training.trainer import Trainer
+    from fsdp2_backend.training.trainer import Trainer, TrainResult
 
-    job = build(config)
+    try:
+        job = build(config)
+    except RunFinished as done:  # its line is printed
+        return TrainResult(state=done.state)
     try:
         trainer = Trainer(job)
         try:

@@ -103,6 +103,19 @@ class Checkpointer:
             self._exported_iteration = iteration
             export_hf(self.model, Path(self.config.training.output_dir) / HF_EXPORT_SUBDIR, self.hf_tokenizer)
 
+    def export_if_missing(self, iteration: int) -> bool:
+        """A finished run resumed (its rerun): writes the HF export only when the earlier run's is missing (an
+        export that failed: a full disk), without saving the checkpoint again. True when it wrote one."""
+        training = self.config.training
+        if self.manager is None or not training.save_hf_weights:
+            return False
+        out = Path(training.output_dir) / HF_EXPORT_SUBDIR
+        if out.is_dir():
+            return False
+        self._exported_iteration = iteration
+        export_hf(self.model, out, self.hf_tokenizer)
+        return True
+
     def close(self) -> None:
         """Waits for a pending async save and releases the manager's resources (every rank)."""
         try:

@@ -1,0 +1,61 @@
+"""The same command run again after its run finished (issue 41), through pretrain_fsdp2.py: one line saying the
+run is finished, exit code 0, and nothing written into --save — for a blended --data-path (it used to exit 2 with
+"consumed samples ... already reach the dataset's ... samples") and for other data (it used to save and export
+again). A rerun after an export that did not complete writes only the export (it used to save the final
+checkpoint again, needing a second checkpoint's space). Three short processes of a 2-layer model (~30 s on
+2 busy cores)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import pytest
+
+from tests.e2e.test_faults_processes import FLAGS, run
+from tests.helpers import MEGATRON_LINE
+from tests.megatron_reference import write_corpus
+
+pytestmark = pytest.mark.e2e
+
+
+def _files(folder):
+    """Every file under `folder` with its size and modification time."""
+    out = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            stat = os.stat(os.path.join(root, name))
+            out[os.path.relpath(os.path.join(root, name), folder)] = (stat.st_size, stat.st_mtime_ns)
+    return out
+
+
+def _finished(result, save, exported=False):
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    did = "only the missing HF export was written" if exported else "nothing was trained, saved or exported"
+    line = (f"training already finished: {save}/iter_0000003 is iteration 3 of 3 (--train-iters / "
+            f"training.max_steps) — {did}; raise --train-iters to train further")
+    assert re.findall(r"^training already finished.*$", result.stdout, re.MULTILINE) == [line], result.stdout[-3000:]
+    assert not MEGATRON_LINE.search(result.stdout) and "error" not in result.stderr
+
+
+def test_a_finished_run_run_again(tmp_path):
+    data = tmp_path / "data"
+    web = write_corpus(str(data / "web_text_document"), 40, seed=1, vocab_size=128)
+    books = write_corpus(str(data / "books_text_document"), 40, seed=2, vocab_size=128)
+    save = tmp_path / "ckpt"
+    flags = [f for f in FLAGS if f != "--mock-data"]
+    blended = flags + ["--data-path", "0.3", web, "0.7", books, "--train-iters", "3", "--save", str(save),
+                       "--save-interval", "2", "--data-cache-path", str(tmp_path / "cache")]
+    first = run(blended)
+    assert first.returncode == 0 and (save / "iter_0000003").is_dir() and (save / "hf").is_dir(), first.stderr[-3000:]
+    before = _files(save)
+    _finished(run(blended), save)
+    assert _files(save) == before
+    # the export did not complete (e.g. a full disk): the rerun writes it, and saves no checkpoint — whatever the
+    # data (here none)
+    shutil.rmtree(save / "hf")
+    _finished(run(flags + ["--mock-data", "--train-iters", "3", "--save", str(save)]), save, exported=True)
+    after = _files(save)
+    assert {k: v for k, v in after.items() if not k.startswith("hf/")} == {
+        k: v for k, v in before.items() if not k.startswith("hf/")}
+    assert sorted(k for k in after if k.startswith("hf/")) == sorted(k for k in before if k.startswith("hf/"))
