@@ -246,6 +246,8 @@ def load_safetensors(model: nn.Module, path: str, new_rows: Optional[Callable] =
             tensors = {key: read(key) for key in keys}
             full = tensors[name] if name in tensors or not (spec and spec.from_checkpoint) else \
                 spec.from_checkpoint(name, tensors, hf_config)
+            if name in tensors and spec is not None and spec.stored_layout is not None:
+                full = spec.stored_layout(name, full, hf_config)
             if full.shape[0] < target.shape[0] and full.shape[1:] == target.shape[1:] and new_rows:
                 full = torch.cat([full.float(), new_rows(full.float(), target.shape[0] - full.shape[0])])
             if full.shape != target.shape:

@@ -123,6 +123,15 @@ def param_from_checkpoint(name: str, tensors: Mapping[str, torch.Tensor], hf_con
     return hf_layout.param_from_checkpoint(name, tensors, _plain(hf_config), lc.LongcatFlashForCausalLM)
 
 
+def stored_layout(name: str, tensor: torch.Tensor, hf_config) -> torch.Tensor:
+    """A tensor stored under the parameter's own name: MindSpeed v26.1.0's LongCat YAML loads experts merged
+    offline (models/merged_experts.py), read into the stacked experts."""
+    from fsdp2_backend.models.merged_experts import from_merged
+
+    return from_merged(name, tensor, hf_config.n_routed_experts, hf_config.hidden_size,
+                       hf_config.expert_ffn_hidden_size)
+
+
 def _plain(hf_config) -> LongcatFlashConfig:
     """The config as transformers' own LongCat-Flash (its key layout: the n-gram keys are the model's own names)."""
     values = hf_config.to_dict()

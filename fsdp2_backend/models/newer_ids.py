@@ -43,5 +43,6 @@ def newer_specs(spec_class) -> Dict[str, object]:
         "glm52": _spec(spec_class, "moe.family_swap", "build", _configure_family),
         "longcat_flash_ngram": _spec(spec_class, "longcat_ngram", "build_longcat_ngram",
                                      _configure("longcat_ngram", "configure_longcat"),
-                                     register_hf=_call("longcat_ngram", "register_with_transformers")),
+                                     register_hf=_call("longcat_ngram", "register_with_transformers"),
+                                     stored_layout=_call("longcat_ngram", "stored_layout")),  # merged experts
     }

@@ -35,6 +35,8 @@ class ModelSpec:
     configure: Optional[Callable[["nn.Module", object, str], None]] = None  # (model, config, device type)
     # registers the model's own config class with transformers' AutoConfig before a config.json is read
     register_hf: Optional[Callable[[], None]] = None
+    # a tensor stored under the parameter's own name in another layout (MindSpeed's merged experts) → the model's
+    stored_layout: Optional[Callable[[str, "torch.Tensor", object], "torch.Tensor"]] = None
 
 
 def _lazy(module: str, name: str, *, drop_config: bool = False) -> Callable:

@@ -1,0 +1,115 @@
+"""MindSpeed-LLM v26.1.0's LongCat-Flash-Lite YAML loads weights whose experts were merged offline
+(`tests/tools/fsdp2/moe_hf_param_merge_experts.sh`, models/merged_experts.py): such a directory, under the release's
+model id `longcat_flash`, gives the logits of the original per-expert directory; a stacked tensor of another shape
+is declined naming the script.
+
+The merged directory is written by `merge_like_mindspeed` below, which follows our reading of MindSpeed's
+`tests/tools/fsdp2/moe_hf_param_merge_experts.py` at tag v26.1.0 (`fuse_layer`: gate and up stacked over experts,
+concatenated on the rows, transposed — "3d" `[E, H, 2I]`, or reshaped "2d" `[E·H, 2I]`; down transposed; the other
+keys and files copied), from the per-expert keys of an HF LongCat checkpoint (`per_expert`: transformers' save of
+this tiny model writes its experts stacked). MindSpeed's script itself needs the Ascend stack and lists no LongCat spec (only qwen3_moe
+and minimax_m27, and the release's LongCat launcher names a conversion script the release does not ship), so it
+cannot write this fixture here.
+"""
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.models.test_newer_model_ids import VOCAB, _engine_model, save_tiny
+
+
+def merge_like_mindspeed(src: Path, dst: Path, fuse_dim: str) -> None:
+    """Per-expert `model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight` → merged `experts.gate_up_proj` /
+    `experts.down_proj`, as the script's fuse_layer does; everything else copied."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, dst / f.name)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as handle:
+            tensors.update({key: handle.get_tensor(key) for key in handle.keys()})
+    tensors = per_expert(tensors)
+    expert = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    layers, out = {}, {}
+    for key, value in tensors.items():
+        m = expert.match(key)
+        if m:
+            layers.setdefault(int(m.group(1)), {}).setdefault(int(m.group(2)), {})[m.group(3)] = value
+        else:
+            out[key] = value
+    assert layers, "the source holds no per-expert keys"
+    for layer, experts in layers.items():
+        n = max(experts) + 1
+        gate = torch.stack([experts[e]["gate_proj"] for e in range(n)])
+        up = torch.stack([experts[e]["up_proj"] for e in range(n)])
+        down = torch.stack([experts[e]["down_proj"] for e in range(n)])
+        gate_up, down = torch.cat([gate, up], dim=1).transpose(1, 2), down.transpose(1, 2)
+        if fuse_dim == "2d":
+            gate_up, down = gate_up.reshape(-1, gate_up.shape[-1]), down.reshape(-1, down.shape[-1])
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = gate_up.contiguous().clone()
+        out[f"model.layers.{layer}.mlp.experts.down_proj"] = down.contiguous().clone()
+    save_file(out, str(dst / "model-00001-of-00001.safetensors"))
+    (dst / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {key: "model-00001-of-00001.safetensors" for key in out}}))
+
+
+def per_expert(tensors):
+    """The HF LongCat checkpoint's per-expert keys (what the script reads) from the stacked tensors transformers'
+    save writes for this tiny model (`gate_up_proj` [E, 2I, H]: each expert's gate rows, then its up rows)."""
+    out = {}
+    for key, value in tensors.items():
+        if key.endswith("mlp.experts.gate_up_proj"):
+            base, inter = key[:-len("gate_up_proj")], value.shape[1] // 2
+            for e in range(value.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = value[e, :inter], value[e, inter:]
+        elif key.endswith("mlp.experts.down_proj"):
+            for e in range(value.shape[0]):
+                out[f"{key[:-len('down_proj')]}{e}.down_proj.weight"] = value[e]
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory):
+    path = tmp_path_factory.mktemp("longcat_original")
+    save_tiny("longcat_flash_ngram", path, seed=4)
+    return path
+
+
+@pytest.mark.parametrize("fuse_dim", ["3d", "2d"])
+def test_merged_expert_directory_gives_the_original_logits(original, tmp_path, fuse_dim):
+    merged = tmp_path / "LongCat-Flash-Lite-mergeExperts"
+    merge_like_mindspeed(original, merged, fuse_dim)
+    ids = torch.randint(6, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = _engine_model("longcat_flash_ngram", original).eval()(input_ids=ids, labels=ids)
+        got = _engine_model("longcat_flash", merged).eval()(input_ids=ids, labels=ids)  # the release's id
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+
+
+def test_stacked_tensor_of_another_shape_is_declined_naming_the_script(original, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from fsdp2_backend.usage_errors import UsageError
+
+    merged = tmp_path / "merged"
+    merge_like_mindspeed(original, merged, "3d")
+    shard = merged / "model-00001-of-00001.safetensors"
+    tensors = load_file(str(shard))
+    key = next(k for k in tensors if k.endswith("experts.down_proj"))
+    tensors[key] = tensors[key][:, :-1].contiguous()  # one row short: neither layout
+    save_file(tensors, str(shard))
+    with pytest.raises(UsageError) as err:
+        _engine_model("longcat_flash", merged)
+    text = str(err.value)
+    assert text.startswith(f"model.model_name_or_path: {key} has shape") and \
+        "moe_hf_param_merge_experts.sh" in text, text
