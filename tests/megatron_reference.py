@@ -105,6 +105,32 @@ def megatron_lm_args(*argv: str, **derived):
     for entry in table:
         if entry["action"] != "_HelpAction" and not hasattr(args, entry["dest"]):
             setattr(args, entry["dest"], entry["default"])
+    _as_megatron_types(args, table)
     for name, value in derived.items():
         setattr(args, name, value)
     return args
+
+
+def _as_megatron_types(args, table) -> None:
+    """What the JSON dump loses and Megatron-LM's parser keeps (the genuine namespaces in
+    tests/data/megatron_genuine_args show it): enum fields hold their enums (``exit_signal`` a ``signal.Signals``,
+    ``attention_backend`` megatron's ``AttnBackend``), and validate_args turns the dtype choices into torch dtypes
+    (``params_dtype`` from --bf16 / --fp16, the optimizer's ``main_*`` / ``exp_avg*`` dtypes)."""
+    import signal
+
+    from megatron.core.transformer.enums import AttnBackend
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
+    for entry in table:
+        value = getattr(args, entry["dest"], None)
+        if entry["type"] != "enum_type_handler" or value is None:
+            continue
+        if entry["dest"] == "exit_signal":
+            args.exit_signal = signal.Signals(int(value))
+        elif entry["dest"] == "attention_backend":
+            name = str(value).strip("<>").split(":")[0].rpartition(".")[2]
+            args.attention_backend = AttnBackend[name]
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    for dest in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        if isinstance(getattr(args, dest, None), str):
+            setattr(args, dest, dtypes[getattr(args, dest)])

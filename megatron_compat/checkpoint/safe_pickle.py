@@ -7,8 +7,11 @@ What is allowed:
 
 - torch zip files (``torch.save``): ``torch.load(weights_only=True)`` — torch's own allow-list (tensor and storage
   rebuilds, dtypes, ``torch.Size``, ``OrderedDict``, plain containers) — plus, through
-  ``torch.serialization.safe_globals``: ``argparse.Namespace`` (the saved args), numpy's arrays, dtypes and scalars
-  (the RNG states, under numpy 1's ``numpy.core`` and numpy 2's ``numpy._core`` names), and megatron's own classes
+  ``torch.serialization.safe_globals``: ``argparse.Namespace`` (the saved args), the standard library's enums that
+  Megatron-LM's own parser puts in them (``signal.Signals``: ``exit_signal`` defaults to SIGTERM since core_r0.16, so
+  every genuine checkpoint holds it; an enum is rebuilt by a value lookup, which runs nothing), numpy's arrays,
+  dtypes and scalars (the RNG states, under numpy 1's ``numpy.core`` and numpy 2's ``numpy._core`` names), and
+  megatron's own classes
   (``megatron.*``: enums such as ``ModelType`` / ``AttnBackend``, config dataclasses) as inert stand-ins that only
   keep their constructor arguments and state — megatron is never imported (it is not a run-time dependency). The
   globals are listed first (``get_unsafe_globals_in_checkpoint``), so a refused one is named before anything loads.
@@ -28,6 +31,7 @@ import io
 import os
 import pickle
 import re
+import signal
 from pathlib import Path
 from typing import Any, BinaryIO, Union
 
@@ -91,8 +95,13 @@ def _numpy_globals() -> dict[str, Any]:
     return out
 
 
+# The standard library's enums a genuine args namespace holds (tests/data/megatron_genuine_args/*/args.json lists
+# every non-builtin field Megatron-LM's parse_args + validate_args produce): looked up by value, never called code.
+STDLIB_ENUMS: dict[str, type] = {"signal.Signals": signal.Signals}
+
+
 def _allowed_zip_globals() -> dict[str, Any]:
-    return {"argparse.Namespace": argparse.Namespace, **_numpy_globals()}
+    return {"argparse.Namespace": argparse.Namespace, **STDLIB_ENUMS, **_numpy_globals()}
 
 
 def _open(source: Union[str, os.PathLike, BinaryIO]):

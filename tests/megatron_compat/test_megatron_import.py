@@ -110,12 +110,16 @@ def _hf_logits(out_dir, tokens):
 
 
 def _megatron_enums(args):
-    """The megatron classes Megatron-LM's saved args hold (its AttnBackend and ModelType enums): read back as inert
-    stand-ins, megatron never imported at load time (megatron_compat/checkpoint/safe_pickle.py)."""
+    """The non-builtin values Megatron-LM's saved args hold (tests/data/megatron_genuine_args/*/args.json lists
+    them): its AttnBackend and ModelType enums, read back as inert stand-ins, megatron never imported at load time
+    (megatron_compat/checkpoint/safe_pickle.py); ``exit_signal`` (a signal.Signals); the torch dtypes."""
+    import signal
+
     from megatron.core.enums import ModelType
     from megatron.core.transformer.enums import AttnBackend
 
     args.attention_backend, args.model_type = AttnBackend.auto, ModelType.encoder_or_decoder
+    args.exit_signal, args.params_dtype, args.main_grads_dtype = signal.SIGTERM, torch.float32, torch.float32
 
 
 @pytest.mark.parametrize("fmt,qk_layernorm,tied", [("torch_dist", True, False), ("torch", True, False),

@@ -174,7 +174,6 @@ def test_the_tokenizer_a_checkpoint_carries_is_used_when_no_tokenizer_flag_is_gi
     from fsdp2_backend.config.schema import ModelArguments
     from fsdp2_backend.data.tokenizer import load_tokenizer
     from megatron_compat.checkpoint.resume import megatron_model_args
-    from megatron_compat.checkpoint.safe_pickle import load_torch_file
     from tests.sft_assets import qwen3_like_tokenizer
 
     root, _, _ = run
@@ -182,7 +181,7 @@ def test_the_tokenizer_a_checkpoint_carries_is_used_when_no_tokenizer_flag_is_gi
     it_dir = tmp_path / "mg" / f"iter_{K:07d}"
     original = qwen3_like_tokenizer(tmp_path / "gone")
     original.save_pretrained(str(it_dir / "tokenizer"))  # Megatron-LM's save_tokenizer_assets, HF branch
-    common = load_torch_file(it_dir / "common.pt")
+    common = torch.load(it_dir / "common.pt", weights_only=False)  # the test's own save, re-written below
     common["args"].tokenizer_type, common["args"].tokenizer_model = "HuggingFaceTokenizer", str(tmp_path / "gone")
     torch.save(common, it_dir / "common.pt")
     shutil.rmtree(tmp_path / "gone")
