@@ -146,8 +146,12 @@ def parse_for_world(argv: List[str], world_size: Optional[int],
         config, notices = validate_with_notices(config, world_size)
     except UsageError as exc:  # one report: a missing model directory is said once, as such
         missing_model = any(e.startswith("model.model_name_or_path") for e in file_errors)
-        raise UsageError(file_errors + [m for m in exc.messages if not (
-            missing_model and m.startswith("model.model_name_or_path"))]) from None
+        messages = [m for m in exc.messages if not (missing_model and m.startswith("model.model_name_or_path"))]
+        if rest:  # a field a Megatron flag set: the message names the flags the user typed too
+            from megatron_compat.translate.named_flags import name_flags
+
+            messages = name_flags(messages, translation.field_flags)
+        raise UsageError(file_errors + messages) from None
     if file_errors:
         raise UsageError(file_errors)
     return config, report + [f"notice: {line}" for line in notices], world_size

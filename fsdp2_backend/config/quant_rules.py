@@ -45,7 +45,7 @@ def check_quantization(config: Config, errors: List[str]) -> None:
         if p.tp_size > 1 or p.cp_size > 1:  # one scale over a tensor (row, block) split across ranks
             errors.append(f"model.quant_recipe_name: {m.quant_recipe_name} FP8 scales over a tensor that "
                           f"{'tensor' if p.tp_size > 1 else 'context'} parallel splits across ranks are not "
-                          f"supported yet — use tp_size 1 and cp_size 1, or drop quantisation")
+                          f"supported yet — use parallel.tp_size 1 and parallel.cp_size 1, or drop quantisation")
         return
     if m.quant_fp8_format != "e4m3":
         errors.append("model.quant_fp8_format: hybrid (E5M2 gradients) is not part of the mxfp8 recipe — use e4m3, "

@@ -46,6 +46,9 @@ class Translation:
     sources: Dict[str, str] = field(default_factory=dict)
     # Megatron's validate_args assertions the line fails (one message each); translate_megatron raises them.
     errors: List[str] = field(default_factory=list)
+    # "group.field" → every flag the user typed that determined the field (the handler's own flag and the active
+    # flags it read), in command-line order: validation errors on the field name them (`named_flags`).
+    field_flags: Dict[str, List[str]] = field(default_factory=dict)
     # The world size the translation assumed (the one given, or without one the smallest the line's own
     # layout is valid at: tp × cp × --num-distributed-optimizer-instances).
     world_size: int = 1
@@ -61,6 +64,8 @@ class Context:
         self.warnings: List[str] = []
         self.sources: Dict[str, str] = {}
         self.current: str = ""  # the dest whose handler is running
+        self.read: List[str] = []  # the active dests the running handler has read
+        self.field_flags: Dict[str, List[str]] = {}
         position = {}
         for index, token in enumerate(argv):
             if token.startswith("--"):
@@ -75,6 +80,8 @@ class Context:
             self.order[dest] = position[typed[0]] if typed else len(argv)
 
     def get(self, dest: str, default: Any = None) -> Any:
+        if self.current and dest in self.active and dest not in self.read:
+            self.read.append(dest)
         return getattr(self.ns, dest, default)
 
     def set(self, target: str, value: Any) -> None:
@@ -83,12 +90,20 @@ class Context:
         flag = self.flag_names.get(self.current)
         if flag or target not in self.sources:
             self.sources[target] = flag or "(Megatron default)"
+        flags = self.typed([self.current] + self.read)
+        if flags:
+            self.field_flags[target] = flags
+
+    def typed(self, dests) -> List[str]:
+        """The options the user typed for the active `dests`, in command-line order."""
+        active = {d for d in dests if d in self.active}
+        return [self.flag_names[d] for d in sorted(active, key=self.order.__getitem__)]
 
     def set_from(self, dest: str, target: str, value: Any) -> None:
         """`set`, naming flag `dest` as the field's source."""
-        current, self.current = self.current, dest
+        current, read, self.current, self.read = self.current, self.read, dest, []
         self.set(target, value)
-        self.current = current
+        self.current, self.read = current, read
 
     def record(self, dest: str, kind: str, text: str) -> None:
         """Gives a flag its disposition; a stronger one (declined > mapped > no effect) replaces a weaker one."""
@@ -209,11 +224,11 @@ def translate_report(argv: Sequence[str], world_size: Optional[int] = 1, model_g
     ctx = Context(parsed.namespace, active, world_size, argv)
     ctx.warnings.extend(warnings)
     for dest, (target, handler) in HANDLERS.items():
-        ctx.current = dest
-        handler(ctx, ctx.get(dest))
+        ctx.current, ctx.read = dest, []
+        handler(ctx, getattr(ctx.ns, dest))
         if dest not in ctx.dispositions:  # the handler may have declined it or found it without effect
             ctx.record(dest, "mapped", target)
-    ctx.current = ""
+    ctx.current, ctx.read = "", []
     for step in DERIVED_STEPS:
         step(ctx)
     from_scratch = _flags_define_model(ctx, model_given)
@@ -228,13 +243,18 @@ def translate_report(argv: Sequence[str], world_size: Optional[int] = 1, model_g
         given = [ctx.flag_names[d] for d in sorted(active, key=ctx.order.__getitem__)
                  if d in ARCHITECTURE_DESTS]
         ctx.sources["model.architecture"] = ", ".join(given) or "(Megatron default)"
+    for dest, (kind, text) in ctx.dispositions.items():  # each HF config key names the flag that gave it
+        if kind == "mapped" and text.startswith("model.architecture."):
+            key = "model.architecture." + text[len("model.architecture."):].split()[0]
+            ctx.field_flags[key] = ctx.typed([d for d, (k, t) in ctx.dispositions.items()
+                                              if k == "mapped" and t.split()[0] == key])
     _static(ctx, megatron_groups())
     report = _report(ctx)
     report.declined += [(flag, "required to build the model (no --load with an HF directory or a checkpoint, "
                                "no model in the YAML) — give it")
                         for flag in architecture.missing_flags(ctx.ns, from_scratch, active)]
     return Translation({g: v for g, v in ctx.fields.items() if v}, report, ctx.sources,
-                       _megatron_asserts(parsed.namespace), world_size)
+                       _megatron_asserts(parsed.namespace), ctx.field_flags, world_size)
 
 
 def translate_megatron(argv: Sequence[str], world_size: Optional[int] = 1, model_given: bool = False) -> Translation:

@@ -120,9 +120,8 @@ def test_gpt_style_flags_are_checked_against_the_hf_config(hf_dir):
            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--mock-data",
            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_dir, "--save", "/tmp/faults-out"]
     assert errors_of(gpt) == [
-        f"model.architecture.num_hidden_layers: the flags say 3 but {hf_dir} config.json says 2 — fix the flag, or "
-        f"drop the "
-        f"architecture flags (the model is defined there)"]
+        f"model.architecture.num_hidden_layers (from --num-layers): the flags say 3 but {hf_dir} config.json says "
+        f"2 — fix the flag, or drop the architecture flags (the model is defined there)"]
     parse_command_line(replaced(gpt, "--num-layers", "2"), 1)  # agreeing flags pass
 
 

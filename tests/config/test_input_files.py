@@ -88,9 +88,11 @@ def test_gpt2_style_flags_over_a_loaded_qwen3_are_checked_and_named_as_qwen3(qwe
     with pytest.raises(UsageError) as err:
         parse_command_line(gpt2_style + ["--group-query-attention", "--num-query-groups", "1", "--kv-channels", "32"], 1)
     assert err.value.messages == [
-        f"model.architecture.num_key_value_heads: the flags say 1 but {qwen3_dir} config.json says 2 — fix the "
-        f"flag, or drop the architecture flags (the model is defined there)",
-        f"model.architecture.head_dim: the flags say 32 but {qwen3_dir} config.json says 16 — fix the flag, or "
+        f"model.architecture.num_key_value_heads (from --group-query-attention, --num-query-groups): the flags say "
+        f"1 but {qwen3_dir} config.json says 2 — fix the flag, or drop the architecture flags (the model is defined "
+        f"there)",
+        f"model.architecture.head_dim (from --kv-channels): the flags say 32 but {qwen3_dir} config.json says 16 — "
+        f"fix the flag, or "
         f"drop the architecture flags (the model is defined there)"]
     config, _ = parse_command_line(gpt2_style, 1)
     assert config.model.architecture == {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
