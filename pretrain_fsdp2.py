@@ -6,9 +6,12 @@ See fsdp2_backend/launch.py for the command line.
 import os
 import sys
 
-from fsdp2_backend.launch import main
+from fsdp2_backend.distributed.launcher_watch import end_with_launcher
 
 if __name__ == "__main__":
+    end_with_launcher()  # a torchrun worker ends with torchrun (it used to train on after a kill -9 of torchrun)
+    from fsdp2_backend.launch import main
+
     code = main()
     # The run is over and everything it wrote is closed (checkpoints, export, logs, the process group). Leave
     # without the interpreter's teardown: there a gloo background thread still being destroyed now and then aborts
