@@ -5,7 +5,9 @@ down by overrides: each example YAML trains on 2 gloo ranks (its ChunkMBS, fused
 custom-FSDP and DSA fields included), with the losses of a one-rank run of the same two micro-batches; glm52 trains
 with expert parallel 2 too. Every YAML of the set validates at world size 2; DeepSeek-V4's CP 2 kvallgather one
 trains on 2 ranks (cp 2: parallel/context_parallel/dsa_deepseek_v4.py) with the lm and indexer losses of its one-rank
-run at cp_size 1."""
+run at cp_size 1. MindSpeed-LLM v26.1.0's glm52 and LongCat YAMLs (tests/data/mindspeed_fsdp2/v26.1.0) validate too,
+and its glm52 pipeline YAML (optimization.indexer_loss_coeff 0.1) and LongCat YAML (model_id longcat_flash, experts
+merged offline) train on 2 ranks."""
 import json
 import os
 import sys
@@ -22,6 +24,11 @@ EXAMPLES = {"deepseek_v4": "examples__fsdp2__deepseek4__pretrain_deepseek4_flash
             "glm52": "examples__fsdp2__glm52__glm52_744b_4k_fsdp2_A3.yaml",
             "longcat_flash_ngram": "examples__fsdp2__longcat_flash_lite__pretrain_longcat_flash_lite_4k_fsdp2_A3.yaml"}
 DEEPSEEK_V4_CP2 = "tests__st__shell_scripts__pretrain_deepseek4_flash_1k_fsdp2_cp2.yaml"
+# MindSpeed-LLM v26.1.0 (the release): its copies of these ids' YAMLs (model_id longcat_flash, the LongCat weights
+# merged offline, optimization.indexer_loss_coeff 0.1: config/mindspeed_release_rules.py)
+RELEASE = DATA.parent / "v26.1.0"
+RELEASE_YAMLS = {"glm52": "tests__pipeline__st__glm52__pretrain_glm52_38b_4k_fsdp2_A3.yaml",
+                 "longcat_flash_ngram": "examples__fsdp2__longcat_flash_lite__pretrain_longcat_flash_lite_4k_fsdp2_A3.yaml"}
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +75,12 @@ def _losses(log, name="lm loss"):
     return {line["iteration"]: line["losses"][name] for line in lines}
 
 
-def _train(assets, model_id, out, ranks, *extra, yaml_name=None):
+def _train(assets, model_id, out, ranks, *extra, yaml_name=None, folder=DATA):
     args = _model_args(assets, model_id, out) + ["--parallel.fsdp_size", str(ranks),
                                                  "--training.gradient_accumulation_steps", str(3 - ranks), *extra]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"),
-               str(DATA / (yaml_name or EXAMPLES[model_id])), *args]
+               str(folder / (yaml_name or EXAMPLES[model_id])), *args]
     result = _run(command, {}, timeout=600)
     assert result.returncode == 0, _failure(result, command)
     log = result.stdout + result.stderr
@@ -103,19 +110,34 @@ def test_example_yaml_trains_on_two_ranks_as_on_one(assets, one_rank, model_id, 
         assert two[it] == pytest.approx(one[it], rel=2e-4), (it, one, two)
 
 
-def _model_id(yaml_name):
+def _model_id(path):
+    """The YAML's model id, as this project names it (the release's longcat_flash: longcat_flash_ngram)."""
     import yaml
 
-    return yaml.safe_load((DATA / yaml_name).read_text())["model"]["model_id"]
+    from fsdp2_backend.config.schema import MODEL_ID_ALIASES
+
+    model_id = yaml.safe_load(path.read_text())["model"]["model_id"]
+    return MODEL_ID_ALIASES.get(model_id, (model_id,))[0]
 
 
-@pytest.mark.parametrize("yaml_name", sorted(p.name for p in DATA.glob("*.yaml")))
-def test_every_yaml_validates_at_world_size_two(assets, yaml_name, tmp_path):
+VALIDATED = [(DATA, p.name) for p in sorted(DATA.glob("*.yaml"))] + \
+    [(RELEASE, p.name) for p in sorted(RELEASE.glob("*.yaml")) if "glm52" in p.name or "longcat" in p.name]
+
+
+@pytest.mark.parametrize("folder,yaml_name", VALIDATED, ids=[f"{f.name}:{n}" for f, n in VALIDATED])
+def test_every_yaml_validates_at_world_size_two(assets, folder, yaml_name, tmp_path):
     from fsdp2_backend.launch import parse_command_line
 
-    argv = [str(DATA / yaml_name), *_model_args(assets, _model_id(yaml_name), tmp_path), "--parallel.fsdp_size", "2"]
+    model_id = _model_id(folder / yaml_name)
+    argv = [str(folder / yaml_name), *_model_args(assets, model_id, tmp_path), "--parallel.fsdp_size", "2"]
     config, lines = parse_command_line(argv, 2)
-    assert config.model.model_id == _model_id(yaml_name)
+    assert config.model.model_id == model_id
+    if folder == RELEASE and "longcat" in yaml_name:
+        assert [line for line in lines if line.startswith("notice: model.model_id: longcat_flash is MindSpeed-LLM "
+                                                          "v26.1.0's name of longcat_flash_ngram")], lines
+    if folder == RELEASE and "pipeline__st__glm52" in yaml_name:  # the release's spelling, applied
+        assert config.training.indexer_loss_coeff == 0.1
+        assert [line for line in lines if line.startswith("notice: optimization.indexer_loss_coeff: 0.1")], lines
     assert config.parallel.cp_type in ("ulysses", "ring")
     if yaml_name == DEEPSEEK_V4_CP2:  # kvallgather (as ring's layout), MindSpeed's way: the keys all-gathered
         assert (config.parallel.cp_size, config.parallel.cp_type) == (2, "ring")
@@ -161,3 +183,27 @@ def test_deepseek_v4_cp2_yaml_trains_with_the_one_rank_losses(assets, tmp_path):
         assert mtp_loss[it] == pytest.approx(one_mtp[it], rel=2e-4), (it, one_mtp, mtp_loss)
     assert indexer[1] == pytest.approx(one_indexer[1], rel=2e-5), (one_indexer, indexer)
     assert 0 < indexer[2] < 10, indexer
+
+
+@pytest.mark.parametrize("model_id", sorted(RELEASE_YAMLS))
+def test_release_yaml_trains_on_two_ranks(assets, model_id, tmp_path):
+    """The release's glm52 pipeline YAML (indexer KL loss weighted 0.1, its spelling) and its LongCat YAML
+    (model_id longcat_flash) on weights merged offline as MindSpeed's moe_hf_param_merge_experts.sh does
+    (tests/models/test_merged_experts_loading.py's writer), each said once in the log, train on 2 ranks."""
+    import math
+
+    extra = ()
+    if model_id == "longcat_flash_ngram":
+        from tests.models.test_merged_experts_loading import merge_like_mindspeed
+
+        merged = tmp_path / "LongCat-Flash-Lite-mergeExperts"
+        merge_like_mindspeed(Path(assets["models"][model_id]), merged, "3d")
+        extra = ("--model.model_name_or_path", str(merged), "--model.tokenizer_name_or_path", str(merged))
+    losses, log = _train(assets, model_id, tmp_path / "two", 2, *extra, yaml_name=RELEASE_YAMLS[model_id],
+                         folder=RELEASE)
+    assert sorted(losses) == [1, 2] and all(math.isfinite(v) for v in losses.values()), log[-3000:]
+    said = ("optimization.indexer_loss_coeff: 0.1 weighs the DSA indexer's KL loss" if model_id == "glm52" else
+            "model.model_id: longcat_flash is MindSpeed-LLM v26.1.0's name of longcat_flash_ngram")
+    assert log.count(said) == 1, log[-3000:]
+    if model_id == "glm52":
+        assert "indexer loss:" in log, log[-3000:]
