@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import List, Tuple
 
 from fsdp2_backend.config.batch_rules import batch_schedule_errors
+from fsdp2_backend.config.compile_rules import compile_notices
 from fsdp2_backend.config.fim_rules import fim_errors
 from fsdp2_backend.config.optimizer_rules import optimizer_errors
 from fsdp2_backend.config.fault_rules import canonical_config, canonical_key, check_run_inputs
@@ -331,7 +332,8 @@ def validate_with_notices(config: Config, world_size: int = 1) -> Tuple[Config, 
     if errors:
         raise UsageError(errors)
     normalised = normalise(config, world_size, facts)
-    return normalised, release_notices + _notices(config) + group_score_notices(normalised, facts)
+    return normalised, (release_notices + _notices(config) + group_score_notices(normalised, facts)
+                        + compile_notices(normalised, facts))
 
 
 def validate(config: Config, world_size: int = 1) -> Config:

@@ -96,6 +96,9 @@ class _NpuGroupedLinear(torch.autograd.Function):
         return grad_x, grad_wt.view(weight.shape[0], weight.shape[2], weight.shape[1]).transpose(-2, -1), None
 
 
+# Eager inside compiled blocks (optimization.torch_compile): the group sizes are data (the loop reads them on the
+# host, a graph break), and torch 2.13's meta kernel of grouped_mm refuses the fp32 operands its CPU kernel takes.
+@torch.compiler.disable
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
                    use_grouped_gemm: bool = True, backend: Optional[str] = None) -> torch.Tensor:
     """Per-group `x_e @ weight[e].T` for rows of `x` grouped by `counts` (E,) summing to x.shape[0].

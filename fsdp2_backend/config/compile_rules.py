@@ -1,0 +1,28 @@
+"""What `optimization.torch_compile` (regional compilation, parallel/compile.py) does for the chosen model, said once.
+
+Every model id's decoder blocks compile (each block once, in place, before FSDP). Measured per model id on the
+tiny configs (dynamo's graph-break counters, one forward and backward): the dense blocks (qwen3, mamba3, a
+transformers causal LM without experts) are one graph each; every block with routed experts compiles in pieces,
+because what a MoE layer does next depends on values, not shapes — the tokens each expert receives are counted
+with `torch.bincount` (its output size is data to dynamo), the experts' grouped GEMM splits its rows by those
+counts on the host (kernels/grouped_gemm.py runs eager for that reason), and transformers' router-logits recorder
+reads a `ContextVar` dynamo cannot trace. Those breaks are not ours to remove without changing the dispatch; the
+attention, norms, router and shared-expert pieces around them are compiled.
+"""
+from __future__ import annotations
+
+from typing import List
+
+from fsdp2_backend.config.model_facts import ModelFacts
+from fsdp2_backend.config.schema import Config
+
+
+def compile_notices(config: Config, facts: ModelFacts) -> List[str]:
+    """The notice for a model whose blocks compile in pieces (routed experts); nothing otherwise."""
+    if not config.optimization.torch_compile or not facts or not facts.num_experts:
+        return []
+    what = config.model.model_id or facts.model_type or "the model"
+    return [f"optimization.torch_compile: {what}'s MoE decoder blocks compile in pieces — the token dispatch and the "
+            f"experts' grouped GEMM run eager between the compiled attention, norm and router graphs (the tokens per "
+            f"expert are data: torch.bincount's output size and the GEMM's group sizes; transformers' router-logits "
+            f"recorder reads a ContextVar); dense blocks compile whole"]
