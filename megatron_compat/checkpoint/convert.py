@@ -22,8 +22,9 @@ The DCP files are read with torch's own ``FileSystemReader`` (``no_dist``: no pr
 (``common.pt``, ``.metadata``, legacy files) through `safe_pickle`'s allow-list; only the
 layout conversion is written here, since no library converts Megatron's layout without Megatron-LM itself.
 Scope: dense GPT models, and MoE GPT models (experts local or grouped, any expert-parallel split; routers, shared
-experts and dense layers as transformers' Qwen3-MoE / Qwen2-MoE / Mixtral have them: `megatron_checkpoint_moe`);
-MLA and MTP layers are declined with the reason. The legacy format is read at any tensor- and expert-parallel
+experts and dense layers as transformers' Qwen3-MoE / Qwen2-MoE / Mixtral have them: `megatron_checkpoint_moe`),
+and multi-latent-attention models with their MTP layers as transformers' DeepSeek-V3 (`checkpoint/mla.py`); MTP
+layers of other models are declined with the reason. The legacy format is read at any tensor- and expert-parallel
 size and one pipeline stage (``mp_rank_TT[_PPP][_EEE]``; pipeline splits are declined; torch_dist reads at any
 split, its tensors being global).
 """
@@ -40,6 +41,7 @@ import torch
 from fsdp2_backend.checkpoint_dirs import LATEST_FILE  # the same marker name as Megatron-LM's
 from megatron_compat.checkpoint.dcp_format import is_plain_dcp, read_dcp_checkpoint
 from megatron_compat.checkpoint.safe_pickle import dcp_load, dcp_metadata, load_torch_file
+from megatron_compat.checkpoint.mla import attach_mtp_layers, is_mla, mla_attention_to_hf, mla_config, mtp_to_hf
 from megatron_compat.checkpoint.moe import is_moe, moe_config, moe_layer_to_hf, normalize_experts
 from fsdp2_backend.usage_errors import UsageError
 
@@ -235,11 +237,10 @@ def hf_config_from_args(args: Any, state: dict[str, torch.Tensor]):
     if args is None:
         raise UsageError("the Megatron-LM checkpoint carries no 'args' — give the model's HF config directory "
                          "(tools/convert_checkpoint.py --hf-config DIR)")
-    for flag, why in (("multi_latent_attention", "multi-latent attention"),
-                      ("mtp_num_layers", "multi-token prediction layers")):
-        if _arg(args, flag):
-            raise UsageError(f"the Megatron-LM checkpoint has {why} (--{flag.replace('_', '-')}) — importing "
-                             f"them is not supported yet; only dense GPT checkpoints convert")
+    if _arg(args, "mtp_num_layers") and not is_mla(args):
+        raise UsageError("the Megatron-LM checkpoint has multi-token prediction layers (--mtp-num-layers) — the "
+                         "Llama / Qwen HF layouts hold none (only DeepSeek-V3-style MLA checkpoints convert with "
+                         "them); not converted")
     for dest, flag, why in _UNMAPPED_ARGS:  # saved under Megatron-LM's argparse dests (its arguments.py)
         value = getattr(args, dest, None)
         if value not in (None, False, 0, 0.0, "vanilla") and value != []:
@@ -272,6 +273,8 @@ def hf_config_from_args(args: Any, state: dict[str, torch.Tensor]):
     if _arg(args, "rotary_percent", 1.0) != 1.0 or _arg(args, "use_rope_scaling", False):
         raise UsageError("the Megatron-LM checkpoint uses --rotary-percent < 1 or --use-rope-scaling — not "
                          "converted yet (the HF config would compute different rotary embeddings)")
+    if is_mla(args):  # DeepSeek-V3, MoE and MTP included (checkpoint/mla.py)
+        return mla_config(args, state)
     if is_moe(args, state):  # Qwen3-MoE / Qwen2-MoE / Mixtral (megatron_checkpoint_moe)
         if not _arg(args, "num_experts"):
             raise UsageError("the Megatron-LM checkpoint has MoE layers but its args carry no --num-experts — "
@@ -307,45 +310,58 @@ def _first(layer: dict, *names: str) -> Optional[torch.Tensor]:
     return None
 
 
+def _split_qkv(t: torch.Tensor, config) -> tuple[torch.Tensor, ...]:
+    """linear_qkv rows: per query group, the group's query heads, then one key and one value head."""
+    heads, groups, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    per_group = heads // groups
+    grouped = t.reshape(groups, per_group + 2, head_dim, *t.shape[1:])
+    q = grouped[:, :per_group].reshape(heads * head_dim, *t.shape[1:])
+    return q, grouped[:, per_group].reshape(groups * head_dim, *t.shape[1:]), \
+        grouped[:, per_group + 1].reshape(groups * head_dim, *t.shape[1:])
+
+
+def _layer_to_hf(layer: dict, p: str, config) -> dict[str, torch.Tensor]:
+    """One decoder layer (keys inside the layer) in HF names under prefix ``p`` (the main layers' and MTP's)."""
+    out: dict[str, torch.Tensor] = {}
+    mla = "self_attention.linear_kv_down_proj.weight" in layer
+    if mla:  # q/kv latents and their norms (checkpoint/mla.py)
+        out.update(mla_attention_to_hf(layer, p))
+    for suffix in ("weight", "bias"):
+        qkv = layer.get(f"self_attention.linear_qkv.{suffix}")
+        if qkv is not None:
+            for proj, part in zip("qkv", _split_qkv(qkv, config)):
+                out[f"{p}self_attn.{proj}_proj.{suffix}"] = part.contiguous()
+    out[f"{p}self_attn.o_proj.weight"] = layer["self_attention.linear_proj.weight"]
+    norms = {"input_layernorm.weight": ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+             "post_attention_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")}
+    if not mla:  # an MLA layer's q_layernorm is its q latent's norm (above)
+        norms.update({"self_attn.q_norm.weight": ("self_attention.q_layernorm.weight",),
+                      "self_attn.k_norm.weight": ("self_attention.k_layernorm.weight",)})
+    for hf_name, names in norms.items():
+        found = _first(layer, *names)
+        if found is not None:
+            out[p + hf_name] = found
+    if "mlp.router.weight" in layer:  # an MoE layer: router, experts, shared expert
+        out.update(moe_layer_to_hf(layer, p, config))
+        return out
+    gate, up = layer["mlp.linear_fc1.weight"].chunk(2, dim=0)
+    out[f"{p}mlp.gate_proj.weight"] = gate.contiguous()
+    out[f"{p}mlp.up_proj.weight"] = up.contiguous()
+    out[f"{p}mlp.down_proj.weight"] = layer["mlp.linear_fc2.weight"]
+    return out
+
+
 def to_hf_state_dict(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    """Megatron GPT weights in the HF Llama / Qwen layout ``config`` describes."""
-    heads, groups = config.num_attention_heads, config.num_key_value_heads
-    head_dim, per_group = config.head_dim, config.num_attention_heads // config.num_key_value_heads
+    """Megatron GPT weights in the HF layout ``config`` describes (Llama / Qwen / their MoE kinds / DeepSeek-V3,
+    whose MTP layers come as this project's ``mtp.layers.{k}.*``)."""
     out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
            "model.norm.weight": state["decoder.final_layernorm.weight"]}
     if "output_layer.weight" in state and not config.tie_word_embeddings:
         out["lm_head.weight"] = state["output_layer.weight"]
     for i, layer in enumerate(_layers(state, config.num_hidden_layers)):
-        p = f"model.layers.{i}."
-
-        def split_qkv(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            # rows: per query group, `per_group` query heads, then one key and one value head
-            grouped = t.reshape(groups, per_group + 2, head_dim, *t.shape[1:])
-            q = grouped[:, :per_group].reshape(heads * head_dim, *t.shape[1:])
-            return q, grouped[:, per_group].reshape(groups * head_dim, *t.shape[1:]), \
-                grouped[:, per_group + 1].reshape(groups * head_dim, *t.shape[1:])
-
-        for suffix in ("weight", "bias"):
-            qkv = layer.get(f"self_attention.linear_qkv.{suffix}")
-            if qkv is not None:
-                for proj, part in zip("qkv", split_qkv(qkv)):
-                    out[f"{p}self_attn.{proj}_proj.{suffix}"] = part.contiguous()
-        out[f"{p}self_attn.o_proj.weight"] = layer["self_attention.linear_proj.weight"]
-        norms = {"input_layernorm.weight": ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
-                 "post_attention_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
-                 "self_attn.q_norm.weight": ("self_attention.q_layernorm.weight",),
-                 "self_attn.k_norm.weight": ("self_attention.k_layernorm.weight",)}
-        for hf_name, names in norms.items():
-            found = _first(layer, *names)
-            if found is not None:
-                out[p + hf_name] = found
-        if "mlp.router.weight" in layer:  # an MoE layer: router, experts, shared expert
-            out.update(moe_layer_to_hf(layer, p, config))
-            continue
-        gate, up = layer["mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out[f"{p}mlp.gate_proj.weight"] = gate.contiguous()
-        out[f"{p}mlp.up_proj.weight"] = up.contiguous()
-        out[f"{p}mlp.down_proj.weight"] = layer["mlp.linear_fc2.weight"]
+        out.update(_layer_to_hf(layer, f"model.layers.{i}.", config))
+    if getattr(config, "num_nextn_predict_layers", 0):  # MTP layers as models/mtp.py holds them (checkpoint/mla.py)
+        out.update(mtp_to_hf(state, config, lambda layer, prefix: _layer_to_hf(layer, prefix, config)))
     return out
 
 
@@ -366,6 +382,7 @@ def convert_megatron_checkpoint(path: os.PathLike | str, out_dir: os.PathLike | 
         config.dtype = hf_state["model.embed_tokens.weight"].dtype
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    attach_mtp_layers(model, config)  # its MTP layers: written as the HF layout keeps them (models/mtp_layouts.py)
     expected = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     if set(hf_state) != expected:
         raise UsageError(f"{path}: the Megatron-LM weights do not fill {type(model).__name__}: missing "

@@ -10,7 +10,9 @@ Which HF model (from the saved ``args``): a shared expert (``--moe-shared-expert
 softmax over the k) is transformers' softmax / top-k / renormalise (``norm_topk_prob=True``);
 ``--moe-router-pre-softmax`` (softmax over all experts, then top-k) is ``norm_topk_prob=False``. Other router
 options (sigmoid scores, expert bias, group-limited top-k, a top-k scaling factor, probabilities on the input)
-have no counterpart in those HF models: declined with the reason.
+have no counterpart in those HF models: declined with the reason. For an MLA model (DeepSeek-V3, `checkpoint/mla.py`)
+the sigmoid router and its expert bias (``mlp.router.expert_bias`` → ``mlp.gate.e_score_correction_bias``) and the
+ungated shared experts (``mlp.shared_experts``) map too.
 
 Expert layouts megatron-core writes (0.16.1 ``transformer/moe/experts.py``), all read into one per-expert form
 (``mlp.experts.local_experts.{global e}.linear_fc1.weight`` [2F, H] = [gate; up], ``linear_fc2.weight`` [H, F]):
@@ -183,18 +185,42 @@ def moe_layer_to_hf(layer: dict, prefix: str, config) -> dict[str, torch.Tensor]
     if any(k.startswith("mlp.experts.") and k.endswith(".bias") for k in layer) or "mlp.router.bias" in layer:
         raise UsageError("the Megatron-LM checkpoint's experts or router have biases — the HF MoE layouts have none")
     out = {f"{prefix}mlp.gate.weight": layer["mlp.router.weight"]}
+    deepseek = getattr(config, "model_type", None) == "deepseek_v3"
+    if "mlp.router.expert_bias" in layer and not deepseek:
+        raise UsageError("the Megatron-LM checkpoint's router has an expert bias — only the DeepSeek-V3 layout holds "
+                         "one (e_score_correction_bias)")
     for fc, name in (("linear_fc1", "gate_up_proj"), ("linear_fc2", "down_proj")):
         stacked = _stacked_experts(layer, fc, num_experts)
         if stacked is None or stacked.shape[0] != num_experts:
             raise UsageError(f"the Megatron-LM checkpoint's {prefix.replace('model.', 'decoder.')}mlp.experts lack "
                              f"{fc} weights for {num_experts} experts — a checkpoint written by a partial save?")
         out[f"{prefix}mlp.experts.{name}"] = stacked.contiguous()
-    if getattr(config, "shared_expert_intermediate_size", None):
+    if deepseek:
+        out.update(_deepseek_router_and_shared(layer, prefix, num_experts))
+    elif getattr(config, "shared_expert_intermediate_size", None):
         gate, up = layer["mlp.shared_experts.linear_fc1.weight"].chunk(2, dim=0)
         out.update({f"{prefix}mlp.shared_expert.gate_proj.weight": gate.contiguous(),
                     f"{prefix}mlp.shared_expert.up_proj.weight": up.contiguous(),
                     f"{prefix}mlp.shared_expert.down_proj.weight": layer["mlp.shared_experts.linear_fc2.weight"],
                     f"{prefix}mlp.shared_expert_gate.weight": layer["mlp.shared_experts.gate_weight"]})
+    return out
+
+
+def _deepseek_router_and_shared(layer: dict, prefix: str, num_experts: int) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's expert bias and ungated shared experts: megatron-core's ``mlp.router.expert_bias`` (the
+    aux-loss-free balancing bias added to the sigmoid scores for the top-k choice only) is transformers'
+    ``mlp.gate.e_score_correction_bias`` (zeros when the run had none: the same choice); ``mlp.shared_experts``'
+    fc1 = [gate; up] as a dense MLP's."""
+    if "mlp.shared_experts.gate_weight" in layer:
+        raise UsageError("the Megatron-LM checkpoint's shared expert is gated (--moe-shared-expert-gate) — "
+                         "DeepSeek-V3's shared experts have no gate; not converted")
+    bias = layer.get("mlp.router.expert_bias")
+    out = {f"{prefix}mlp.gate.e_score_correction_bias": torch.zeros(num_experts) if bias is None else bias}
+    if "mlp.shared_experts.linear_fc1.weight" in layer:
+        gate, up = layer["mlp.shared_experts.linear_fc1.weight"].chunk(2, dim=0)
+        out.update({f"{prefix}mlp.shared_experts.gate_proj.weight": gate.contiguous(),
+                    f"{prefix}mlp.shared_experts.up_proj.weight": up.contiguous(),
+                    f"{prefix}mlp.shared_experts.down_proj.weight": layer["mlp.shared_experts.linear_fc2.weight"]})
     return out
 
 
