@@ -21,6 +21,14 @@ DATA = os.path.join(REPO, "tests", "data", "mindspeed_fsdp2")
 EXAMPLES = os.path.join(DATA, "head", "examples__fsdp2__step35__pretrain_step_3p5_flash_196b_4K_fsdp2_A3.yaml")
 PIPELINE = os.path.join(DATA, "head", "tests__pipeline__st__step35-flash__pretrain_step_3p5_flash_4K_fsdp2.yaml")
 OLD = os.path.join(DATA, "f88dd26d", "examples__fsdp2__step35__pretrain_step_3p5_flash_196b_4K_fsdp2_A3.yaml")
+# Step-3.5-Flash's published sizes that the layout checks read (heads, groups, experts, layers, vocabulary)
+STEP35_FLASH = dict(
+    vocab_size=128896, hidden_size=4096, num_hidden_layers=45, num_attention_heads=64, num_attention_groups=8,
+    head_dim=128, moe_num_experts=288, moe_top_k=8, moe_intermediate_size=1280, share_expert_dim=1280,
+    intermediate_size=11264, moe_layers_enum=",".join(map(str, range(3, 45))), num_nextn_predict_layers=3,
+    layer_types=["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"] * 12,
+    attention_other_setting={"attention_type": "sliding_attention", "num_attention_heads": 96,
+                             "num_attention_groups": 8, "head_dim": 128, "true_head_dim": 128})
 
 
 @pytest.fixture(scope="module")
@@ -107,13 +115,7 @@ def test_f88dd26d_step35_yaml_dry_runs_at_its_world_size(assets, tmp_path):
     real = tmp_path / "Step-3.5-Flash"  # the published model's sizes that the layout checks read
     shutil.copytree(assets["model"], real)
     (real / "model.safetensors").unlink()
-    (real / "config.json").write_text(json.dumps(step35_config_dict(
-        vocab_size=128896, hidden_size=4096, num_hidden_layers=45, num_attention_heads=64, num_attention_groups=8,
-        head_dim=128, moe_num_experts=288, moe_top_k=8, moe_intermediate_size=1280, share_expert_dim=1280,
-        intermediate_size=11264, moe_layers_enum=",".join(map(str, range(3, 45))), num_nextn_predict_layers=3,
-        layer_types=["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"] * 12,
-        attention_other_setting={"attention_type": "sliding_attention", "num_attention_heads": 96,
-                                 "num_attention_groups": 8, "head_dim": 128, "true_head_dim": 128})))
+    (real / "config.json").write_text(json.dumps(step35_config_dict(**STEP35_FLASH)))
     command = [sys.executable, os.path.join(REPO, "pretrain_fsdp2.py"), OLD, "--model.model_name_or_path",
                str(real), "--model.tokenizer_name_or_path", str(real), "--data.dataset",
                assets["dataset"], "--training.output_dir", str(tmp_path / "out"), "--dry-run"]
