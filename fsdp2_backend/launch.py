@@ -165,6 +165,24 @@ def compact_report(report: List[str]) -> List[str]:
     return (head if mapped else []) + [line for line in report if not line.startswith("mapped: ")]
 
 
+def _memory_estimate(config: Config, world: int, dry_run: bool) -> str:
+    """The memory estimate's line (training/memory_estimate.py), before anything is built; a run that cannot fit
+    is refused (UsageError). An estimate that cannot be made (the model is not readable yet) checks nothing: the
+    build says what is wrong."""
+    from fsdp2_backend.build import effective_model_args
+    from fsdp2_backend.checkpoint_dirs import resume_checkpoint
+    from fsdp2_backend.training.memory_estimate import estimate_memory, fit_errors
+
+    try:
+        estimate = estimate_memory(config, effective_model_args(config, resume_checkpoint(config)), world)
+    except Exception as exc:  # noqa: BLE001 - never blocks a run the build would run; the build reports it
+        return f"memory estimate: not made ({type(exc).__name__}: {str(exc)[:200]})"
+    errors = fit_errors(estimate, world)
+    if errors and not dry_run:
+        raise UsageError(errors)
+    return "\n# ".join([estimate.line()] + [f"warning: {e}" for e in errors])
+
+
 def world_size_from_env(default: Optional[int] = 1) -> Optional[int]:
     if "WORLD_SIZE" not in os.environ:
         return default
@@ -189,6 +207,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     with exit_on_usage_error():
         dry_run = DRY_RUN_FLAG in argv
         config, report, world = parse_for_world(argv, world_size_from_env(None if dry_run else 1), not dry_run)
+    with exit_on_usage_error():
+        memory = _memory_estimate(config, world, dry_run)
     if dry_run:
         sys.stdout.write(f"# pretrain_fsdp2.py --dry-run for WORLD_SIZE={world}: this file runs as it is at that world "
                          f"size only (the batch split and the layout were derived for it) — for another, rerun "
@@ -196,6 +216,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.stdout.write(to_yaml(config))
         for line in report:
             sys.stdout.write(f"# {line}\n")
+        sys.stdout.write(f"# {memory}\n")
         return 0
     if os.environ.get("RANK", "0") == "0":  # one report per job, not one per rank
         for line in compact_report(report):
