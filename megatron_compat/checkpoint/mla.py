@@ -100,6 +100,7 @@ def mla_config(args: Any, state: dict[str, torch.Tensor]):
                          f"{getattr(args, dest, None)!r}: {why} — not converted")
     if keys.pop("model_type", None) != "deepseek_v3":
         raise UsageError("the Megatron-LM checkpoint's MLA args describe no DeepSeek-V3-style model; not converted")
+    keys.pop("attention_dropout", None)  # the run's own (its flags), as for dense checkpoints: no model fact
     num_layers = int(args.num_layers)
     if not _arg(args, "num_experts"):
         keys["first_k_dense_replace"] = num_layers  # every layer dense

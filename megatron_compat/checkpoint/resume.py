@@ -258,7 +258,9 @@ def _legacy_optimizer(it_dir: Path, files: list[dict]) -> tuple[dict, int]:
 def _legacy_param_names(model: dict, groups: list[dict], where: Path) -> dict[int, str]:
     """{optimizer index: parameter name}: Megatron's groups hold the parameters in model order, those without
     weight decay (1-D, or ``.bias``) in the groups whose ``wd_mult`` is 0."""
-    params = [(k, v) for k, v in model.items() if isinstance(v, torch.Tensor) and "_extra_state" not in k]
+    # the router's expert bias (--moe-router-enable-expert-bias) is a buffer in the state dict, not a parameter
+    params = [(k, v) for k, v in model.items() if isinstance(v, torch.Tensor) and "_extra_state" not in k
+              and not k.endswith("router.expert_bias")]
     names: dict[int, str] = {}
     for group in groups:
         no_wd = float(group.get("wd_mult", 1.0)) == 0.0
