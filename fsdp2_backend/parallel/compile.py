@@ -5,10 +5,11 @@ the same code, so dynamo traces one graph and the other blocks reuse it (one com
 what breaks graphs outside the blocks (the embedding, the loss, the data path, FSDP's root hooks) stays eager.
 
 Where it sits in the plan (`parallel.apply`): after TP, EP, CP, recompute and ChunkMBS, before FSDP — the order
-torch's composability rules and torchtitan use. The compiled region then holds the DTensor (TP) ops, the
-checkpointed forward (recompute, traced as a higher-order op) and the context-parallel attention, while FSDP2's
-per-unit hooks, registered afterwards around the block's call, run outside it (dynamo skips FSDP hooks,
-`torch._dynamo.config.skip_fsdp_hooks`).
+torch's composability rules and torchtitan use. The compiled region then holds the DTensor (TP) ops and the
+context-parallel attention, while FSDP2's per-unit hooks, registered afterwards around the block's call, run
+outside it (dynamo skips FSDP hooks, `torch._dynamo.config.skip_fsdp_hooks`). A block recomputed whole keeps its
+checkpoint outside the compiled forward (see `apply_compile`); selective recompute of a piece inside the block
+is a graph break at that piece, which then runs eager.
 
 In place: `nn.Module.compile()` keeps the module where it was, so parameter names, state-dict keys, checkpoints
 and every later plan pattern are unchanged (a `torch.compile(block)` wrapper would add `_orig_mod.` to them).
@@ -23,6 +24,8 @@ from typing import List, Tuple
 
 import torch
 from torch import nn
+
+from fsdp2_backend.parallel.recompute import wrap_recomputed
 
 
 def decoder_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -39,10 +42,12 @@ def apply_compile(model: nn.Module) -> List[str]:
     # MoE routing reads counts back as Python ints (tokens per expert): without this each such read is a graph
     # break (torchtitan sets it for its token-choice MoE too)
     torch._dynamo.config.capture_scalar_outputs = True
-    # Every block is a distinct module instance: dynamo guards on the instance, so with its default cache size of
-    # 8 a 9th block would fall back to eager. One entry per block (the graph itself is shared through the cache).
     blocks = decoder_blocks(model)
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(blocks))
     for _, block in blocks:
-        block.compile()
+        # A recomputed block (full recompute): the checkpoint stays outside and runs the compiled forward, once
+        # in forward and again in backward. Inside a compiled region the checkpoint would be traced as a
+        # higher-order op that refuses side effects, and transformers' attention sets a ContextVar (the `kernels`
+        # package's forward wrapper): dynamo would give up on the whole block and run it eager.
+        if not wrap_recomputed(block, torch.compile):
+            block.compile()
     return [name for name, _ in blocks]

@@ -8,7 +8,7 @@ all-gathered parameters.
 from __future__ import annotations
 
 import functools
-from typing import List, Sequence
+from typing import Callable, List, Sequence
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -34,6 +34,16 @@ def _respelled(model: nn.Module, patterns: Sequence[str]) -> List[str]:
 
 def _checkpointed(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def wrap_recomputed(module: nn.Module, wrap: Callable[[Callable], Callable]) -> bool:
+    """When `module`'s forward is recomputed (`apply_recompute`), wraps the function the checkpoint runs with
+    `wrap` (e.g. `torch.compile`), the checkpoint staying outermost, and returns True; False otherwise."""
+    forward = module.__dict__.get("forward")
+    if not (isinstance(forward, functools.partial) and forward.func is _checkpointed):
+        return False
+    module.forward = functools.partial(_checkpointed, wrap(forward.args[0]))
+    return True
 
 
 def apply_recompute(model: nn.Module, patterns: Sequence[str]) -> List[str]:
