@@ -5,7 +5,7 @@ and ep_fsdp 2 on 2 ranks print the lm loss of one rank (no EP) at every step, wi
 step 4 continues at one rank through steps 5-8 as the one-rank run; Ulysses context parallel 2 prints the one-rank
 losses too (the q/k RMSNorm spans all heads of one token, which Ulysses keeps on each rank: it splits tokens before
 attention and heads only inside it); the export loads in transformers as its MiniMaxM2ForCausalLM with the
-checkpoint's correction bias."""
+checkpoint's correction bias. MindSpeed-LLM v26.1.0's copy of the example gives the same losses under EP 2."""
 import json
 import os
 import shutil
@@ -19,6 +19,8 @@ from tests.e2e.test_mindspeed_yaml import LOG_LINE_START, _failure, _run
 
 YAML = os.path.join(REPO, "tests", "data", "mindspeed_fsdp2", "head",
                     "examples__fsdp2__minimax_m27__pretrain_minimax_m2p7_229b_8K_fsdp2_A3.yaml")
+# MindSpeed-LLM v26.1.0's copy of the same example (its paths, sizes and optimization switches in the YAML)
+RELEASE_YAML = YAML.replace(os.sep + "head" + os.sep, os.sep + "v26.1.0" + os.sep)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def assets(tmp_path_factory):
             "bias": hf.model.layers[1].mlp.e_score_correction_bias.clone()}
 
 
-def _train(assets, out, ranks, ep, ep_fsdp=1, *extra, accumulate=None, steps=8):
+def _train(assets, out, ranks, ep, ep_fsdp=1, *extra, accumulate=None, steps=8, yaml_file=YAML):
     from fsdp2_backend.training.logging import parse_train_line
 
     args = ["--model.model_name_or_path", assets["model"], "--data.dataset", assets["dataset"],
@@ -58,7 +60,7 @@ def _train(assets, out, ranks, ep, ep_fsdp=1, *extra, accumulate=None, steps=8):
             "--training.max_steps", str(steps), "--data.cutoff_len", "64", "--training.save_steps", "4",
             "--training.lr", "1e-3", *extra]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), YAML, *args]
+               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), yaml_file, *args]
     result = _run(command, {}, timeout=600)
     assert result.returncode == 0, _failure(result, command)
     log = result.stdout + result.stderr
@@ -107,3 +109,11 @@ def test_ulysses_context_parallel_2_equals_one_rank(assets, one_rank, tmp_path):
     cp2, log = _train(assets, tmp_path / "cp2", 2, 1, 1, "--parallel.cp_size", "2", "--parallel.cp_type", "ulysses",
                       accumulate=2)
     _same(cp2, one_rank)
+
+
+def test_release_yaml_expert_parallel_2_prints_the_one_rank_losses(assets, one_rank, tmp_path):
+    """MindSpeed-LLM v26.1.0's copy of the example (paths, sizes and kernel switches written in the YAML, where
+    master's launcher passes them; the paths and sizes overridden as a user pointing it at their files would)
+    trains as master's: under EP 2 it prints the one-rank losses of master's YAML at every step."""
+    ep2, log = _train(assets, tmp_path / "release", 2, 2, yaml_file=RELEASE_YAML)
+    _same(ep2, one_rank)
