@@ -38,9 +38,12 @@ What maps onto what (megatron-core 0.16.1 ``dist_checkpointing`` / ``optimizer``
 
 ``--finetune``: weights only, iteration 0. ``--no-load-optim``: no Adam state, scheduler or loss scale (the
 iteration and consumed samples still load, as in Megatron). ``--no-load-rng``: no RNG. Not mapped, each declined
-with one line: MLA / MTP checkpoints, pipeline-split and expert-parallel legacy checkpoints, per-parameter Adam
-steps. MoE checkpoints (router, experts local or grouped, shared expert, dense layers) map weights and moments through
-the same conversion (`megatron_checkpoint_moe`) onto the Qwen3-MoE / Qwen2-MoE / Mixtral model their args describe.
+with one line: pipeline-split and expert-parallel legacy checkpoints, per-parameter Adam steps, what the
+conversion declines. MoE checkpoints (router, experts local or grouped, shared expert, dense layers) map weights and
+moments through the same conversion (`megatron_checkpoint_moe`) onto the Qwen3-MoE / Qwen2-MoE / Mixtral model their
+args describe; MLA checkpoints onto DeepSeek-V3 (`checkpoint/mla.py`), their MTP layers onto this project's
+``mtp.layers.*`` (the run gives --mtp-num-layers, as its Megatron-LM script did) and the router's ``expert_bias``
+buffer onto ``e_score_correction_bias`` (a buffer: no Adam state, and no member of a legacy optimizer's groups).
 """
 from __future__ import annotations
 
