@@ -1,13 +1,16 @@
 """The qwen3_next model id through the entry point as users run it:
 - MindSpeed-LLM's Gated DeltaNet hybrid flags (its qwen3_next launch script's flag set, scaled down) build a
   Qwen3-Next from scratch when no HF directory is given, and train on 2 gloo ranks with expert parallel 2;
-- MindSpeed-LLM's own qwen3_next pretraining YAML (tests/data/mindspeed_fsdp2), paths replaced by a tiny
-  Qwen3-Next HF directory and a raw-text parquet, trains 3 steps on 2 gloo ranks.
+- MindSpeed-LLM's own qwen3_next pretraining YAML (tests/data/mindspeed_fsdp2; master's launcher and the v26.1.0
+  release's, each with its copy), paths replaced by a tiny Qwen3-Next HF directory and a raw-text parquet, trains
+  3 steps on 2 gloo ranks.
 """
 import json
 import math
 import os
 import sys
+
+import pytest
 
 from tests.helpers import REPO, free_port, run_pretrain, train_bytelevel_tokenizer
 from tests.e2e.test_mindspeed_yaml import (DATA, _failure, _run, _with_paths, _yaml_file, assets,  # noqa: F401
@@ -52,12 +55,14 @@ def _tiny_next_dir(path):
     return str(path)
 
 
-def test_mindspeed_qwen3_next_yaml_trains_on_two_ranks(assets, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("commit", ["head", "v26.1.0"])
+def test_mindspeed_qwen3_next_yaml_trains_on_two_ranks(assets, tmp_path, commit):  # noqa: F811
     from fsdp2_backend.training.logging import parse_train_line
 
     table = json.loads((DATA / "launchers.json").read_text())
-    entry = table["head"]["examples__fsdp2__qwen3_next__pretrain_qwen3_next_16k_fsdp2_A3.sh"]
-    yaml_file = _yaml_file("head", entry["yaml"])  # head's launcher runs the (unchanged) f88dd26d copy
+    entry = table[commit]["examples__fsdp2__qwen3_next__pretrain_qwen3_next_16k_fsdp2_A3.sh"]
+    yaml_file = _yaml_file(commit, entry["yaml"])
+    assert yaml_file.parent.name == commit  # each version's own copy
     model = _tiny_next_dir(tmp_path / "qwen3-next")
     dataset = json.dumps({"file_name": assets["parquet"]})
     output = str(tmp_path / "output")
