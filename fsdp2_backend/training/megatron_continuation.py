@@ -55,6 +55,12 @@ def _set_states(model, optimizer, hf_weights: dict, config, moments: Optional[di
     if config.tie_word_embeddings and "lm_head.weight" in expected:
         hf_weights["lm_head.weight"] = hf_weights["model.embed_tokens.weight"]
     missing, extra = sorted(expected - set(hf_weights)), sorted(set(hf_weights) - expected)
+    mtp = sorted({int(k.split(".")[2]) for k in extra if k.startswith("mtp.layers.")})
+    if mtp and not missing and all(k.startswith("mtp.layers.") for k in extra):  # trained MTP layers this run lacks
+        built = len({k.split(".")[2] for k in expected if k.startswith("mtp.layers.")})
+        raise UsageError(f"--mtp-num-layers: the Megatron-LM checkpoint has {len(mtp)} MTP layer(s), this run builds "
+                         f"{built} — give --mtp-num-layers {len(mtp)} as its run did (Megatron-LM, too, loads every "
+                         f"saved layer)")
     if missing or extra:
         raise UsageError(f"the Megatron-LM checkpoint does not fill this model: missing {missing[:3]}, unexpected "
                          f"{extra[:3]} — drop the model flags that add layers (e.g. --mtp-num-layers)")

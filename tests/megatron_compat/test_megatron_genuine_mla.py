@@ -166,6 +166,17 @@ def test_a_genuine_mla_checkpoint_converts_to_deepseek_v3_with_megatron_cores_lo
         assert f"model.layers.2.{ours}" in keys, sorted(keys)[:8]
         if theirs:
             assert torch.equal(keys[f"model.layers.2.{ours}"], reference[theirs]), ours
+    # and this project's MTP layer reads it back from there (an HF --load with --mtp-num-layers 1)
+    from fsdp2_backend.models.mtp import attach_mtp, load_mtp_weights
+
+    attach_mtp(hf, 1, seed=0)
+    assert load_mtp_weights(hf, str(tmp_path / "hf")) > 0
+    mtp = hf.mtp.layers[0]
+    assert torch.equal(mtp.hnorm.weight, reference["mtp.layers.0.hnorm.weight"])
+    assert torch.equal(mtp.transformer_layer.self_attn.kv_b_proj.weight,
+                       reference["mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.weight"])
+    assert torch.equal(mtp.transformer_layer.mlp.experts.down_proj, torch.stack(
+        [reference[f"mtp.layers.0.transformer_layer.mlp.experts.local_experts.{e}.linear_fc2.weight"] for e in range(8)]))
     print(f"\n{fmt}: |HF loss - megatron-core loss| / loss = {abs(got - expected) / expected:.1e}")
 
 
@@ -263,3 +274,18 @@ def test_load_continues_a_genuine_mla_run_as_megatron_core_does(mla_megatron, tm
                           "model.layers.2.mlp.gate.e_score_correction_bias")):
         torch.testing.assert_close(ours[name].float(), biases[theirs], rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m} ours {ours[name].tolist()} theirs {biases[theirs].tolist()}")
     print(f"\n{fmt}: |loss - megatron-core| at K+1, K+2 = {[abs(got[i][2] - reference[i]) for i in (K + 1, K + 2)]}")
+
+
+def test_a_continuation_without_the_runs_mtp_layers_is_one_line():
+    """The checkpoint's MTP layers are trained on, never dropped: a run built without them (no --mtp-num-layers)
+    is told which flag to give."""
+    from types import SimpleNamespace
+
+    from fsdp2_backend.training.megatron_continuation import _set_states
+    from fsdp2_backend.usage_errors import UsageError
+
+    model = torch.nn.Linear(4, 4, bias=False)
+    weights = {"weight": torch.ones(4, 4), "mtp.layers.0.enorm.weight": torch.ones(4),
+               "mtp.layers.0.eh_proj.weight": torch.ones(4, 8)}
+    with pytest.raises(UsageError, match=re.escape("has 1 MTP layer(s), this run builds 0 — give --mtp-num-layers 1")):
+        _set_states(model, None, weights, SimpleNamespace(tie_word_embeddings=False), None, None)
