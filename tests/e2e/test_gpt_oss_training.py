@@ -1,6 +1,7 @@
 """MindSpeed-LLM's gpt_oss pretraining YAML (its launcher's arguments, paths replaced, sizes scaled to 2 CPU ranks)
 trains a tiny GPT-OSS with the gpt_oss model id: expert parallel 2 on 2 ranks prints the lm loss of one rank
-(no EP) at every step, within 1e-4; the export loads in transformers."""
+(no EP) at every step, within 1e-4; the export loads in transformers. The copy MindSpeed-LLM v26.1.0 ships
+(f88dd26d's) gives the same losses."""
 import json
 import os
 import sys
@@ -13,6 +14,8 @@ from tests.e2e.test_mindspeed_yaml import LOG_LINE_START, _failure, _run
 
 YAML = os.path.join(REPO, "tests", "data", "mindspeed_fsdp2", "head",
                     "examples__fsdp2__gpt_oss__pretrain_gpt_oss_20b_4k_fsdp2_A3.yaml")
+# f88dd26d's copy, which MindSpeed-LLM v26.1.0 ships unchanged: master's YAML with its launcher's switches inside
+RELEASE_YAML = YAML.replace(os.sep + "head" + os.sep, os.sep + "f88dd26d" + os.sep)
 # head's launcher: --optimization.* switches it gives (fused rmsnorm / rotary, grouped GEMM)
 LAUNCHER_SWITCHES = ["--optimization.use_fused_rmsnorm", "True", "--optimization.moe_grouped_gemm", "True",
                      "--optimization.use_fused_rotary_pos_emb", "True"]
@@ -44,7 +47,7 @@ def assets(tmp_path_factory):
     return {"model": str(model), "dataset": json.dumps({"file_name": str(parquet)})}
 
 
-def _train(assets, out, ranks, ep):
+def _train(assets, out, ranks, ep, yaml_file=YAML):
     from fsdp2_backend.training.logging import parse_train_line
 
     args = ["--model.model_name_or_path", assets["model"], "--data.dataset", assets["dataset"],
@@ -53,7 +56,7 @@ def _train(assets, out, ranks, ep):
             "--training.output_dir", str(out), *LAUNCHER_SWITCHES, "--training.max_steps", "4",
             "--data.cutoff_len", "64", "--training.save_steps", "4", "--training.lr", "1e-3"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), YAML, *args]
+               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), yaml_file, *args]
     result = _run(command, {}, timeout=600)
     assert result.returncode == 0, _failure(result, command)
     log = result.stdout + result.stderr
@@ -62,9 +65,15 @@ def _train(assets, out, ranks, ep):
     return {line["iteration"]: line["losses"]["lm loss"] for line in lines}, log
 
 
-def test_mindspeed_yaml_ep2_equals_one_rank_and_exports(assets, tmp_path):
-    one, log = _train(assets, tmp_path / "one", ranks=1, ep=1)
+@pytest.fixture(scope="module")
+def one_rank(assets, tmp_path_factory):
+    one, log = _train(assets, tmp_path_factory.mktemp("gpt_oss_one"), ranks=1, ep=1)
     assert sorted(one) == [1, 2, 3, 4], log[-3000:]
+    return one
+
+
+def test_mindspeed_yaml_ep2_equals_one_rank_and_exports(assets, one_rank, tmp_path):
+    one = one_rank
     ep2, log = _train(assets, tmp_path / "ep2", ranks=2, ep=2)
     assert sorted(ep2) == [1, 2, 3, 4], log[-3000:]
     for it in one:
@@ -73,3 +82,12 @@ def test_mindspeed_yaml_ep2_equals_one_rank_and_exports(assets, tmp_path):
 
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ep2" / "hf"), attn_implementation="eager")
     assert type(exported).__name__ == "GptOssForCausalLM"
+
+
+def test_release_yaml_ep2_prints_the_one_rank_losses(assets, one_rank, tmp_path):
+    """The gpt_oss example as MindSpeed-LLM v26.1.0 (and f88dd26d) ship it — paths, sizes and switches inside — its
+    paths and sizes overridden: under EP 2 it prints master's YAML's one-rank losses."""
+    ep2, log = _train(assets, tmp_path / "release", ranks=2, ep=2, yaml_file=RELEASE_YAML)
+    assert sorted(ep2) == [1, 2, 3, 4], log[-3000:]
+    for it in one_rank:
+        assert ep2[it] == pytest.approx(one_rank[it], rel=1e-4), (it, one_rank[it], ep2[it])

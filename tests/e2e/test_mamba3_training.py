@@ -108,15 +108,17 @@ MINDSPEED = Path(REPO) / "tests" / "data" / "mindspeed_fsdp2"
 # Ours names its embedding `model.embed_tokens`, as transformers' models, the default fsdp_modules and
 # MindSpeed's example YAML do. MindSpeed's CI YAML names `model.embeddings` (its own model's name): that pattern
 # is warned about and skipped, as other plan fields' unmatched patterns are, and the rest shards.
-@pytest.mark.parametrize("name", ["examples__fsdp2__mamba3__pretrain_mamba3_demo_1b_2K_fsdp2_A2",
-                                  "tests__pipeline__st__mamba3__pretrain_mamba3_2k_fsdp2"])
-def test_mindspeed_mamba3_yaml_trains_on_two_cpu_ranks(tmp_path, name):
+# f88dd26d's example: the copy MindSpeed-LLM v26.1.0 ships, its paths inside (its launcher passes none)
+@pytest.mark.parametrize("commit,name", [("head", "examples__fsdp2__mamba3__pretrain_mamba3_demo_1b_2K_fsdp2_A2"),
+                                         ("head", "tests__pipeline__st__mamba3__pretrain_mamba3_2k_fsdp2"),
+                                         ("v26.1.0", "examples__fsdp2__mamba3__pretrain_mamba3_demo_1b_2K_fsdp2_A2")])
+def test_mindspeed_mamba3_yaml_trains_on_two_cpu_ranks(tmp_path, commit, name):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from fsdp2_backend.cli.demo_assets import stdlib_texts
 
-    launcher = json.loads((MINDSPEED / "launchers.json").read_text())["head"][f"{name}.sh"]
+    launcher = json.loads((MINDSPEED / "launchers.json").read_text())[commit][f"{name}.sh"]
     model = _mindspeed_model_dir(tmp_path / "model")
     parquet = tmp_path / "train-00000-of-00001.parquet"
     pq.write_table(pa.table({"text": stdlib_texts(max_files=16, max_chars=2000)}), str(parquet))
@@ -124,8 +126,11 @@ def test_mindspeed_mamba3_yaml_trains_on_two_cpu_ranks(tmp_path, name):
     replace = {"--model.model_name_or_path": model, "--data.dataset": json.dumps({"file_name": str(parquet)}),
                "--training.output_dir": str(tmp_path / "output"), "--parallel.fsdp_size": "2"}
     for flag, value in replace.items():
-        args[args.index(flag) + 1] = value
-    yaml_file = MINDSPEED / "head" / f"{name}.yaml"
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:  # the release's launcher gives none: the YAML's own paths overridden
+            args += [flag, value]
+    yaml_file = MINDSPEED / ("head" if commit == "head" else "f88dd26d") / f"{name}.yaml"
     if "tokenizer_name_or_path" in yaml.safe_load(yaml_file.read_text())["model"]:
         args += ["--model.tokenizer_name_or_path", model]
     # a CPU-sized run: short sequences, a few steps
