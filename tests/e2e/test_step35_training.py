@@ -4,7 +4,8 @@ model id from a checkpoint in Step-3.5's own on-disk layout (meta-device init, s
 (the CI pipeline YAML, recompute on) on 2 ranks train 8 steps in fp32 (see `_train`) and print the same lm loss
 (1e-4) at every step; the EP 2 checkpoint of step 4 continues at one rank, its step 5 = EP 2's step 5; the
 EP 2 run's HF export holds exactly Step-3.5's keys (tests/models/test_step35.py streams such an export back). The
-f88dd26d copy of the examples YAML dry-runs at its launcher's world size (192)."""
+f88dd26d copy of the examples YAML dry-runs at its launcher's world size (192); MindSpeed-LLM v26.1.0's copy of the
+pipeline YAML trains 3 steps under ep_fsdp 2."""
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ DATA = os.path.join(REPO, "tests", "data", "mindspeed_fsdp2")
 EXAMPLES = os.path.join(DATA, "head", "examples__fsdp2__step35__pretrain_step_3p5_flash_196b_4K_fsdp2_A3.yaml")
 PIPELINE = os.path.join(DATA, "head", "tests__pipeline__st__step35-flash__pretrain_step_3p5_flash_4K_fsdp2.yaml")
 OLD = os.path.join(DATA, "f88dd26d", "examples__fsdp2__step35__pretrain_step_3p5_flash_196b_4K_fsdp2_A3.yaml")
+RELEASE_PIPELINE = PIPELINE.replace(os.sep + "head" + os.sep, os.sep + "v26.1.0" + os.sep)  # MindSpeed v26.1.0's
 # Step-3.5-Flash's published sizes that the layout checks read (heads, groups, experts, layers, vocabulary)
 STEP35_FLASH = dict(
     vocab_size=128896, hidden_size=4096, num_hidden_layers=45, num_attention_heads=64, num_attention_groups=8,
@@ -107,6 +109,14 @@ def test_step35_yamls_train_under_ep2_and_ep_fsdp2_and_continue_at_one_rank(asse
     assert sorted(continued) == [5, 6, 7, 8], log[-3000:]
     assert continued[5] == pytest.approx(ep2[5], rel=1e-5), (continued, ep2)
     assert all(0 < loss < 10 for loss in continued.values()), continued
+
+
+def test_release_pipeline_yaml_trains_under_ep_fsdp2(assets, tmp_path):
+    """MindSpeed-LLM v26.1.0's copy of the CI pipeline YAML (its paths, sizes and ep layout inside, overridden as a
+    user pointing it at their files would) trains 3 steps under ep_fsdp 2 with recompute."""
+    release, log = _train(assets, RELEASE_PIPELINE, tmp_path / "release", 2, 1, 2, "--parallel.recompute", "True",
+                          steps=3)
+    assert sorted(release) == [1, 2, 3] and all(0 < loss < 10 for loss in release.values()), log[-3000:]
 
 
 def test_f88dd26d_step35_yaml_dry_runs_at_its_world_size(assets, tmp_path):
