@@ -5,8 +5,9 @@
 Layers, in order: the YAML file, the Megatron translation, the `--group.field` overrides (which may override
 the YAML). A field set both by a Megatron flag and natively to different values is an error naming both.
 `--dry-run` validates against WORLD_SIZE (unset: the smallest world the layout fits) and prints the config as YAML (the flag report as YAML
-comments, so the whole output loads back) without touching devices, data or model files. Torch is imported
-only when training starts. `-h` / `--help` prints a short usage, `--help-flags` every Megatron flag,
+comments, so the whole output loads back, then the memory estimate); it checks that the model, tokenizer and
+data files are there and open (a truncated .idx/.bin), loading none of them and touching no device.
+`-h` / `--help` prints a short usage, `--help-flags` every Megatron flag,
 `--help-config` every native field; no arguments at all is the usage line and exit code 2.
 """
 from __future__ import annotations
@@ -36,8 +37,9 @@ Trains a model with Megatron-LM / MindSpeed-LLM flags (as pretrain_gpt.py takes 
   --group.field VALUE   sets one native field, e.g. --training.lr 3e-4 --parallel.tp_size 2 (overrides the YAML)
   Megatron flags        e.g. --num-layers 24 --hidden-size 1024 --data-path ... --save DIR (docs/migration_table.md);
                         each is mapped, accepted without effect (listed at start) or declined with the reason
-  --dry-run             checks everything without touching devices, data or model files and prints the config as
-                        YAML, the flag report as comments (WORLD_SIZE=N checks an N-rank layout)
+  --dry-run             checks everything (the model, tokenizer and data files exist; nothing is loaded, no device is
+                        touched) and prints the config as YAML, the flag report and the memory estimate as comments
+                        (WORLD_SIZE=N checks an N-rank layout)
   --help-flags          lists every Megatron-LM / MindSpeed-LLM flag this parser knows
   --help-config         lists every native field with its default
 
@@ -112,7 +114,7 @@ def parse_for_world(argv: List[str], world_size: Optional[int],
 
     `world_size` None (a dry run without WORLD_SIZE) validates for the smallest world the layout fits.
     `check_files`: also check the input files (model and data; `config.input_files`), reported with the other
-    problems — a run does, a dry run touches no data or model files.
+    problems — a run and a dry run do (they are looked at, not loaded).
     """
     argv = [a for a in argv if a != DRY_RUN_FLAG]
     native: List[Tuple[str, Dict[str, Dict[str, Any]]]] = []
@@ -147,14 +149,19 @@ def parse_for_world(argv: List[str], world_size: Optional[int],
     except UsageError as exc:  # one report: a missing model directory is said once, as such
         missing_model = any(e.startswith("model.model_name_or_path") for e in file_errors)
         messages = [m for m in exc.messages if not (missing_model and m.startswith("model.model_name_or_path"))]
-        if rest:  # a field a Megatron flag set: the message names the flags the user typed too
-            from megatron_compat.translate.named_flags import name_flags
-
-            messages = name_flags(messages, translation.field_flags)
-        raise UsageError(file_errors + messages) from None
+        raise UsageError(_named(file_errors + messages, translation if rest else None)) from None
     if file_errors:
-        raise UsageError(file_errors)
+        raise UsageError(_named(file_errors, translation if rest else None))
     return config, report + [f"notice: {line}" for line in notices], world_size
+
+
+def _named(messages: List[str], translation) -> List[str]:
+    """Messages about fields a Megatron flag set also name the flags the user typed."""
+    if translation is None:
+        return messages
+    from megatron_compat.translate.named_flags import name_flags
+
+    return name_flags(messages, translation.field_flags)
 
 
 def compact_report(report: List[str]) -> List[str]:
@@ -206,7 +213,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     with exit_on_usage_error():
         dry_run = DRY_RUN_FLAG in argv
-        config, report, world = parse_for_world(argv, world_size_from_env(None if dry_run else 1), not dry_run)
+        config, report, world = parse_for_world(argv, world_size_from_env(None if dry_run else 1), True)
     with exit_on_usage_error():
         memory = _memory_estimate(config, world, dry_run)
     if dry_run:

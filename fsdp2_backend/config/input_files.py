@@ -4,10 +4,12 @@ a Hugging Face hub message after seconds of imports).
 
 `input_file_errors(config)` returns one message per problem, all at once:
 - the model directory (`model.model_name_or_path`, Megatron `--load`) and the tokenizer directory, when given as
-  a path that does not exist;
+  a path that does not exist; the files Megatron's tokenizer type needs (GPT2BPETokenizer: --vocab-file and
+  --merge-file; SentencePiece and TikTokenizer: --tokenizer-model), missing or not there;
 - the pretraining data (`data.dataset`, Megatron `--data-path`, and the per-split paths): an odd number of blend
-  entries, a weight of 0 or below (Megatron's rule), a `.bin` / `.idx` file named instead of its prefix, a prefix with no `.bin` / `.idx` pair (with "did you
-  mean" among the prefixes beside it), a raw file that does not exist;
+  entries, a weight of 0 or below (Megatron's rule), a `.bin` / `.idx` file named instead of its prefix, a prefix
+  with no `.bin` / `.idx` pair (with "did you mean" among the prefixes beside it), a pair that does not open (a
+  truncated `.idx` or `.bin`: IndexedDataset's own checks), a raw file that does not exist;
 - the folders the data stack writes into: the dataset index caches (`<prefix>/cache/GPTDataset_indices` unless
   `data.data_cache_path`) and the tokenized copy of a raw file (`<name>_tokenized/` unless `data.tokenized_path`),
   which must be creatable — a read-only data folder is named with the field that moves the writes elsewhere.
@@ -50,11 +52,36 @@ def _looks_like_path(value: str) -> bool:
 
 def _model_errors(config: Config) -> List[str]:
     m, errors = config.model, []
-    for field, flag, value in (("model_name_or_path", "--load", m.model_name_or_path),
-                               ("tokenizer_name_or_path", "--tokenizer-name-or-path", m.tokenizer_name_or_path)):
+    for field, what, value in (("model_name_or_path", "model", m.model_name_or_path),
+                               ("tokenizer_name_or_path", "tokenizer", m.tokenizer_name_or_path)):
+        # no flag named here: the launcher names the one the user typed (--load, --tokenizer-model, ...)
         if value and _looks_like_path(str(value)) and not os.path.exists(os.path.expanduser(str(value))):
-            errors.append(f"model.{field} ({flag}): {value} not found — give an existing local Hugging Face model "
-                          f"directory (config.json, tokenizer files, safetensors)")
+            errors.append(f"model.{field}: {value} not found{_did_you_mean_dir(str(value))} — give an existing "
+                          f"local Hugging Face {what} directory (config.json, tokenizer files"
+                          f"{', safetensors' if what == 'model' else ''}){' or a checkpoint' if what == 'model' else ''}")
+    return errors + _tokenizer_file_errors(config)
+
+
+def _tokenizer_file_errors(config: Config) -> List[str]:
+    """Megatron's tokenizer types and the files each reads (megatron_compat.data.tokenizer.build_tokenizer)."""
+    from megatron_compat.data.tokenizer import SENTENCEPIECE_TYPES
+
+    m = config.model
+    kind = m.tokenizer_type
+    if kind == "GPT2BPETokenizer":
+        needed = (("vocab_file", "--vocab-file"), ("merge_file", "--merge-file"))
+    elif kind in SENTENCEPIECE_TYPES or kind == "TikTokenizer":
+        needed = (("tokenizer_model", "--tokenizer-model"),)
+    else:
+        return []
+    errors = []
+    for field, flag in needed:
+        value = getattr(m, field)
+        if not value:
+            errors.append(f"{flag}: required by --tokenizer-type {kind} (model.{field}) — give the path")
+        elif not os.path.isfile(os.path.expanduser(str(value))):
+            errors.append(f"{flag}: {value} not found (model.{field}, read by --tokenizer-type {kind}) — check "
+                          f"the path")
     return errors
 
 
@@ -81,7 +108,10 @@ def _data_errors(what: str, entries: List[str], config: Config) -> List[str]:
             errors.append(f"{what}: {prefix}.bin/.idx not found{_did_you_mean(prefix)} — give the prefix of files "
                           f"written by preprocess_data.py, or a raw .jsonl/.jsonl.gz/.parquet file")
         else:
-            errors += _cache_errors(prefix, config)
+            from megatron_compat.data.indexed_dataset import IndexedDataset
+
+            broken = IndexedDataset.problems(prefix)  # a truncated pair: found before the model is built
+            errors += [f"{what}: {message}" for message in broken] or _cache_errors(prefix, config)
     return errors
 
 
@@ -105,6 +135,19 @@ def _did_you_mean(prefix: str) -> str:
     if not close:
         return ""
     return "; did you mean " + " or ".join(os.path.join(os.path.dirname(prefix), c) for c in close) + "?"
+
+
+def _did_you_mean_dir(path: str) -> str:
+    """"; did you mean P?" with the closest folders beside a missing one (a mistyped `iter_0000300` for
+    `iter_0000030`, `ckpts` for `ckpt`), or ""."""
+    path = os.path.expanduser(path.rstrip("/"))
+    folder = os.path.dirname(path) or "."
+    try:
+        names = sorted(n for n in os.listdir(folder) if os.path.isdir(os.path.join(folder, n)))
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(os.path.basename(path), names, n=3, cutoff=0.6)
+    return "; did you mean " + " or ".join(os.path.join(folder, c) for c in close) + "?" if close else ""
 
 
 def _unwritable(path: str) -> Optional[str]:

@@ -59,6 +59,7 @@ def registered_model_ids() -> List[str]:
 
 def _check_sizes(config: Config, world_size: int, errors: List[str]) -> None:
     p, t = config.parallel, config.training
+    found_before = len(errors)  # other groups' problems do not stop these checks (all problems at once)
     for name in ("tp_size", "cp_size", "ep_size", "ep_fsdp_size", "fsdp_size"):
         if getattr(p, name) < 1:
             errors.append(f"parallel.{name}: must be at least 1, got {getattr(p, name)}")
@@ -68,7 +69,7 @@ def _check_sizes(config: Config, world_size: int, errors: List[str]) -> None:
     elif p.activation_offload_layers and p.recompute:  # as Megatron: offloading and recomputing do not mix
         errors.append("parallel.activation_offload_layers: given with parallel.recompute (Megatron refuses CPU "
                       "offloading with activation recomputation too) — choose one")
-    if errors:
+    if len(errors) > found_before:
         return
     if world_size % (p.tp_size * p.cp_size):
         errors.append(f"parallel.tp_size x parallel.cp_size: the world size {world_size} is not divisible by "

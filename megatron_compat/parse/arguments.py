@@ -308,16 +308,49 @@ def unbracket_lists(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Lis
     return out
 
 
+def _without_failed(parser: argparse.ArgumentParser, argv: List[str], message: str) -> Optional[List[str]]:
+    """argv without the flag argparse failed on (each of its occurrences, with the values it took), so that the
+    parse can go on to the next problem; None when the flag cannot be told."""
+    match = re.match(r"argument (\S+?)(?:/\S+)?: ", message)
+    action = parser._option_string_actions.get(match.group(1)) if match else None
+    if action is None:
+        return None
+    out, index = [], 0
+    while index < len(argv):
+        token = argv[index]
+        index += 1
+        if token.split("=", 1)[0] not in action.option_strings:
+            out.append(token)
+        elif "=" not in token and action.nargs != 0:  # its values: up to the next flag (one unless a list)
+            takes = 1 if action.nargs in (None, "?") else (action.nargs if isinstance(action.nargs, int) else None)
+            while index < len(argv) and (takes is None or takes > 0) and not (
+                    argv[index].startswith("-") and not _is_number(argv[index])):
+                index += 1
+                takes = None if takes is None else takes - 1
+    return out
+
+
 def parse_megatron(argv: Sequence[str]) -> ParsedArgs:
-    """Parses a Megatron/MindSpeed command line; raises UsageError listing every problem."""
+    """Parses a Megatron/MindSpeed command line; raises UsageError listing every problem (argparse stops at the
+    first bad value: the flag it names is set aside and the rest parsed again, for the next one)."""
     parser = _cached_parser()
     argv = unbracket_lists(parser, argv)
-    try:
-        namespace, extras = parser.parse_known_args(argv)
-    except _ParseFailure as exc:
-        raise UsageError(_friendly(str(exc))) from None
+    messages: List[str] = []
+    remaining = list(argv)
+    while True:
+        try:
+            namespace, extras = parser.parse_known_args(remaining)
+            break
+        except _ParseFailure as exc:
+            messages.append(_friendly(str(exc)))
+            shorter = _without_failed(parser, remaining, str(exc))
+            if shorter is None or len(shorter) == len(remaining):
+                raise UsageError(messages) from None
+            remaining = shorter
     if extras:
-        raise UsageError(_unknown_messages(parser, extras))
+        messages += _unknown_messages(parser, extras)
+    if messages:
+        raise UsageError(messages)
     return ParsedArgs(namespace, given_dests(parser, argv))
 
 

@@ -218,14 +218,24 @@ def test_cli_errors_exit_2_without_traceback(tmp_path):
 
 
 def test_cli_dry_run_prints_loadable_yaml(tmp_path):
+    from transformers import Qwen3Config
+
+    from tests.megatron_reference import write_corpus
+
+    # --dry-run checks the input files are there: a model directory's config.json and a data prefix
+    (tmp_path / "model").mkdir()
+    Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8).save_pretrained(tmp_path / "model")
+    paths = {"model": {"model_name_or_path": str(tmp_path / "model")},
+             "data": {"dataset": write_corpus(str(tmp_path / "d"), 4, seed=0, vocab_size=128)}}
     path = tmp_path / "c.yaml"
-    path.write_text(to_yaml(pt_config()))
+    path.write_text(to_yaml(pt_config(**paths)))
     result = run_cli(str(path), "--parallel.fsdp_size", "1", "--training.lr", "3e-4", "--dry-run")
     assert result.returncode == 0, result.stderr
     out = tmp_path / "out.yaml"
     out.write_text(result.stdout)
     again = build_config([(str(out), load_yaml(str(out)))])
-    assert again.training.lr == 3e-4 and again == validate(pt_config(training={"lr": 3e-4}))
+    assert again.training.lr == 3e-4 and again == validate(pt_config(training={"lr": 3e-4}, **paths))
 
 
 def test_megatron_flag_and_native_field_in_conflict_named(tmp_path):

@@ -23,9 +23,10 @@ def qwen3_dir(tmp_path_factory):
 
 
 def _prefix(folder, name):
-    for suffix in (".bin", ".idx"):
-        (folder / f"{name}{suffix}").write_bytes(b"")
-    return str(folder / name)
+    """A small .bin/.idx pair written by megatron-core's builder."""
+    from tests.megatron_reference import write_corpus
+
+    return write_corpus(str(folder / name), 4, seed=0, vocab_size=128)
 
 
 def _errors(argv):
@@ -44,8 +45,8 @@ def test_wrong_data_and_model_paths_reported_at_once(tmp_path):
     messages = _errors(base + ["--load", missing_model, "--data-path", "0.5", f"{data}/corpus_text", "0.5",
                                f"{real}.bin"])
     assert messages == [
-        f"model.model_name_or_path (--load): {missing_model} not found — give an existing local Hugging Face model "
-        f"directory (config.json, tokenizer files, safetensors)",
+        f"model.model_name_or_path (from --load): {missing_model} not found — give an existing local Hugging Face "
+        f"model directory (config.json, tokenizer files, safetensors) or a checkpoint",
         f"data.dataset (--data-path): {data}/corpus_text.bin/.idx not found; did you mean {real}? — give the "
         f"prefix of files written by preprocess_data.py, or a raw .jsonl/.jsonl.gz/.parquet file",
         f"data.dataset (--data-path): {real}.bin names one file of the indexed pair — give its prefix {real} "
@@ -54,7 +55,7 @@ def test_wrong_data_and_model_paths_reported_at_once(tmp_path):
     assert _errors(base + ["--data-path", "0.7", real, "0.3"]) == [
         f"data.dataset (--data-path): an odd number of blend entries (3: 0.7 {real} 0.3) — give weight and prefix "
         f"pairs: W1 PREFIX1 W2 PREFIX2 ..."]
-    # a dry run touches no data or model files; the same command checks the rest
+    # without check_files (a caller that only translates) the files are not looked at
     parse_command_line(base + ["--data-path", f"{data}/corpus_text"], 1)
 
 
