@@ -73,6 +73,7 @@ def _mcore_mla_gpt(args, seed: int):
             super().__init__(*a, **kw)
 
     a = args
+    assert a.v_head_dim == a.kv_channels  # the stand-in's output width (module docstring)
     cfg = MLATransformerConfig(
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
         ffn_hidden_size=a.ffn_hidden_size, kv_channels=a.kv_channels, multi_latent_attention=True,
@@ -113,6 +114,8 @@ def _mcore_mla_gpt(args, seed: int):
 
 
 def _main_loss(logits_or_losses, labels=None) -> float:
+    """The mean main-model loss: of megatron-core's per-token losses, or of transformers' logits against
+    Megatron's labels (already shifted: no shift here)."""
     if labels is None:
         return logits_or_losses.float().mean().item()
     return F.cross_entropy(logits_or_losses.float().flatten(0, 1), labels.flatten()).item()
@@ -289,3 +292,37 @@ def test_a_continuation_without_the_runs_mtp_layers_is_one_line():
                "mtp.layers.0.eh_proj.weight": torch.ones(4, 8)}
     with pytest.raises(UsageError, match=re.escape("has 1 MTP layer(s), this run builds 0 — give --mtp-num-layers 1")):
         _set_states(model, None, weights, SimpleNamespace(tie_word_embeddings=False), None, None)
+
+
+def test_yarn_scaling_in_the_saved_args_gives_megatron_cores_loss(mla_megatron):
+    """--rotary-scaling-factor 4 (hand-set on the genuine namespace; megatron-core's MLA then runs YaRN with the
+    concentration factor and softmax scale of DeepSeek's rule) reaches the HF config through the flags' own YaRN
+    mapping (architecture/mla.py): the same loss in memory, no save needed."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_compat.checkpoint.convert import hf_config_from_args, to_hf_state_dict
+
+    args = _args()
+    args.rotary_scaling_factor, args.mscale, args.mscale_all_dim = 4.0, 0.7, 0.7
+    model = _mcore_mla_gpt(args, seed=5)
+    g = torch.Generator().manual_seed(2)
+    tokens, labels = (torch.randint(0, args.padded_vocab_size, (2, SEQ), generator=g) for _ in range(2))
+    with torch.no_grad():
+        expected = _main_loss(model(tokens, torch.arange(SEQ)[None].expand_as(tokens),
+                                    attention_mask=torch.triu(torch.ones(SEQ, SEQ), 1).bool()[None, None],
+                                    labels=labels))
+    state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    config = hf_config_from_args(args, state)
+    assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] == 4.0
+    from fsdp2_backend.models.mtp import attach_mtp
+
+    def hf_loss(config) -> float:
+        hf = attach_mtp(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval(), 1, seed=0)
+        hf.load_state_dict(to_hf_state_dict(state, config), strict=True)
+        with torch.no_grad():
+            return _main_loss(hf(tokens).logits, labels)
+
+    got = hf_loss(config)
+    assert got == pytest.approx(expected, rel=1e-6), (got, expected)
+    config.rope_parameters = {"rope_type": "default", "rope_theta": config.rope_parameters["rope_theta"]}
+    assert abs(hf_loss(config) - expected) > 1e-4 * expected  # plain RoPE would not pass the comparison
