@@ -145,12 +145,13 @@ def fields_read(attr: DatasetAttr) -> str:
             f"{attr.tag('user_tag')}/{attr.tag('assistant_tag')} and '{attr.tag('content_tag')}')")
 
 
-def likely_format(columns: List[str]) -> Optional[str]:
-    """The format whose default columns a file's columns match, for the hint in the error."""
-    if "instruction" in columns and "output" in columns:
-        return "alpaca"
+def likely_formats(columns: List[str]) -> List[str]:
+    """The formats whose default columns a file's columns match, for the hint in the error."""
+    out = []
     if "conversations" in columns:
-        return "sharegpt"
+        out.append("sharegpt")
     if "messages" in columns:
-        return "openai"
-    return None
+        out.append("openai")
+    if "instruction" in columns and "output" in columns:
+        out.append("alpaca")
+    return out

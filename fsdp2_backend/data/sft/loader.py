@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any, List, Optional
 
-from fsdp2_backend.data.sft.formats import FORMATS, DatasetAttr, convert_example, fields_read, likely_format
+from fsdp2_backend.data.sft.formats import FORMATS, DatasetAttr, convert_example, fields_read, likely_formats
 from fsdp2_backend.usage_errors import UsageError
 
 FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow",
@@ -162,8 +162,8 @@ def _check_rows(attr: DatasetAttr, total: int, kept: int, columns: List[str]) ->
     if not dropped:
         return
     if dropped > MOSTLY_MALFORMED * total:
-        guess = likely_format(columns)
-        hint = (f"its columns look like {guess}: set formatting: {guess}" if guess and guess != attr.formatting
+        guess = next((f for f in likely_formats(columns) if f != attr.formatting), None)
+        hint = (f"its columns look like {guess}: set formatting: {guess}" if guess
                 else "fix its rows (unknown roles, roles out of turn, empty prompts or replies) or map its columns "
                      "in the entry's 'columns' (and 'tags')")
         raise UsageError(f"data.dataset: {attr.file_name} (dataset '{attr.name}'): {dropped} of {total} rows are "
