@@ -230,8 +230,9 @@ _UNMAPPED_ARGS = (
 
 
 def hf_config_from_args(args: Any, state: dict[str, torch.Tensor]):
-    """An HF config for the model Megatron's saved ``args`` describe: Qwen3 with ``--qk-layernorm``, Qwen2 with
-    ``--add-qkv-bias``, else Llama. Shapes the args do not carry are read from the tensors."""
+    """An HF config for the model Megatron's saved ``args`` describe: DeepSeek-V3 with ``--multi-latent-attention``
+    (`checkpoint/mla.py`), Qwen3 with ``--qk-layernorm``, Qwen2 with ``--add-qkv-bias``, else Llama (their MoE kinds
+    with ``--num-experts``). Shapes the args do not carry are read from the tensors."""
     from transformers import AutoConfig
 
     if args is None:

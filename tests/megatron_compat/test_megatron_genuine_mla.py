@@ -10,7 +10,7 @@ local MLA spec (`get_gpt_decoder_block_spec`) and the MTP block spec (`get_gpt_m
 Conversion: transformers' `DeepseekV3ForCausalLM` from `tools/convert_checkpoint.py`'s output gives megatron-core's
 eval loss of the main model on the same tokens (1e-6 relative), and the directory holds the MTP layer as
 DeepSeek-V3's trailing layer. Continuation: megatron-core trains K iterations (its DDP, Adam, scheduler,
-`finalize_model_grads` — which updates the expert bias — and the MTP loss in the backward), saves as Megatron-LM does
+`finalize_model_grads`, which updates the expert bias, and the MTP loss in the backward), saves as Megatron-LM does
 (torch_dist with the distributed optimizer; legacy with the plain one) and trains 2 more; our `--load` prints its
 next two lm losses (the main model's loss: what both print as "lm loss"; the MTP loss enters both backwards).
 
@@ -179,7 +179,8 @@ def test_a_genuine_mla_checkpoint_converts_to_deepseek_v3_with_megatron_cores_lo
     assert torch.equal(mtp.transformer_layer.self_attn.kv_b_proj.weight,
                        reference["mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.weight"])
     assert torch.equal(mtp.transformer_layer.mlp.experts.down_proj, torch.stack(
-        [reference[f"mtp.layers.0.transformer_layer.mlp.experts.local_experts.{e}.linear_fc2.weight"] for e in range(8)]))
+        [reference[f"mtp.layers.0.transformer_layer.mlp.experts.local_experts.{e}.linear_fc2.weight"]
+         for e in range(8)]))
     print(f"\n{fmt}: |HF loss - megatron-core loss| / loss = {abs(got - expected) / expected:.1e}")
 
 
@@ -275,7 +276,8 @@ def test_load_continues_a_genuine_mla_run_as_megatron_core_does(mla_megatron, tm
     for theirs, name in (("decoder.layers.1.mlp.router.expert_bias", "model.layers.1.mlp.gate.e_score_correction_bias"),
                          ("mtp.layers.0.transformer_layer.mlp.router.expert_bias",
                           "model.layers.2.mlp.gate.e_score_correction_bias")):
-        torch.testing.assert_close(ours[name].float(), biases[theirs], rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m} ours {ours[name].tolist()} theirs {biases[theirs].tolist()}")
+        torch.testing.assert_close(ours[name].float(), biases[theirs], rtol=0, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}; ours {ours[name].tolist()}, {biases[theirs].tolist()}")
     print(f"\n{fmt}: |loss - megatron-core| at K+1, K+2 = {[abs(got[i][2] - reference[i]) for i in (K + 1, K + 2)]}")
 
 
@@ -290,7 +292,8 @@ def test_a_continuation_without_the_runs_mtp_layers_is_one_line():
     model = torch.nn.Linear(4, 4, bias=False)
     weights = {"weight": torch.ones(4, 4), "mtp.layers.0.enorm.weight": torch.ones(4),
                "mtp.layers.0.eh_proj.weight": torch.ones(4, 8)}
-    with pytest.raises(UsageError, match=re.escape("has 1 MTP layer(s), this run builds 0 — give --mtp-num-layers 1")):
+    words = "has 1 MTP layer(s), this run builds 0 — give --mtp-num-layers 1"
+    with pytest.raises(UsageError, match=re.escape(words)):
         _set_states(model, None, weights, SimpleNamespace(tie_word_embeddings=False), None, None)
 
 
