@@ -11,8 +11,9 @@ Conversion: transformers' `DeepseekV3ForCausalLM` from `tools/convert_checkpoint
 eval loss of the main model on the same tokens (1e-6 relative), and the directory holds the MTP layer as
 DeepSeek-V3's trailing layer. Continuation: megatron-core trains K iterations (its DDP, Adam, scheduler,
 `finalize_model_grads`, which updates the expert bias, and the MTP loss in the backward), saves as Megatron-LM does
-(torch_dist with the distributed optimizer; legacy with the plain one) and trains 2 more; our `--load` prints its
-next two lm losses (the main model's loss: what both print as "lm loss"; the MTP loss enters both backwards).
+(torch_dist with the distributed optimizer; legacy with the plain one) and trains 2 more; our `--load` (torch_dist on
+2 ranks, legacy on 1) prints its next two lm losses (the main model's loss: what both print as "lm loss"; the MTP
+loss enters both backwards) and ends with megatron-core's expert biases (main and MTP layer).
 
 Hand-made parts, each because no real tool makes it here:
 - The saved namespace is the genuine one with one field changed, `qk_layernorm=True`: the genuine run has no
@@ -258,15 +259,16 @@ def _megatron_run(tmp_path_factory, fmt: str):
     return _RUNS[fmt]
 
 
-@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
-def test_load_continues_a_genuine_mla_run_as_megatron_core_does(mla_megatron, tmp_path_factory, fmt):
+@pytest.mark.parametrize("fmt,ranks", [("torch_dist", 2), ("torch", 1)])
+def test_load_continues_a_genuine_mla_run_as_megatron_core_does(mla_megatron, tmp_path_factory, fmt, ranks):
     from tests.helpers import run_pretrain
 
     root, prefix, reference, biases = _megatron_run(tmp_path_factory, fmt)
-    flags = _flags(root, prefix, *_model_flags(), "--qk-layernorm")  # the saved args' one hand-set field
+    # the saved args' one hand-set field given too; 2 ranks: one sample each, FSDP2 shards the loaded state
+    flags = _flags(root, prefix, *_model_flags(), "--qk-layernorm", mbs=GBS // ranks)
     flags[flags.index("--vocab-size") + 1] = "1000"  # the genuine run's NullTokenizer vocabulary
     out = tmp_path_factory.mktemp(f"out_{fmt}")
-    _, log = run_pretrain(flags, out, ranks=1)
+    _, log = run_pretrain(flags, out, ranks=ranks)
     got = _log(log)
     assert sorted(got) == [K + 1, K + 2], log[-2000:]
     for iteration in (K + 1, K + 2):
