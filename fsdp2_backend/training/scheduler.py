@@ -163,11 +163,11 @@ class ParamScheduler:
         """Restores the position (`num_steps`) and, per `on_resume`, the schedule values."""
         mismatched = [f"{k}: this run {self._count(k, getattr(self, k))}, checkpoint {self._count(k, state[k])}"
                       for k in _SCHEDULE_KEYS if k in state and state[k] != getattr(self, k)]
-        if mismatched and self.on_resume == "check":
-            raise UsageError([f"learning-rate schedule differs from the checkpoint's ({m}) — resume with the "
-                              "same schedule, or choose which one wins with training.lr_scheduler_on_resume (Megatron's "
-                              "--override-opt-param-scheduler / --use-checkpoint-opt-param-scheduler)"
-                              for m in mismatched])
+        if mismatched and self.on_resume == "check":  # one cause, one line; Megatron's flags first
+            raise UsageError(f"learning-rate schedule differs from the checkpoint's ({'; '.join(mismatched)}) — "
+                             "resume with the same schedule, or add --override-opt_param-scheduler (this run's "
+                             "schedule wins) or --use-checkpoint-opt_param-scheduler (the checkpoint's wins); "
+                             "natively training.lr_scheduler_on_resume: override / checkpoint")
         if self.on_resume == "checkpoint":
             for key in _SCHEDULE_KEYS:
                 if key in state:

@@ -2,8 +2,9 @@
 run is finished, exit code 0, and nothing written into --save — for a blended --data-path (it used to exit 2 with
 "consumed samples ... already reach the dataset's ... samples") and for other data (it used to save and export
 again). A rerun after an export that did not complete writes only the export (it used to save the final
-checkpoint again, needing a second checkpoint's space). Three short processes of a 2-layer model (~30 s on
-2 busy cores)."""
+checkpoint again, needing a second checkpoint's space). A longer --train-iters then meets the
+schedule check: one line naming Megatron's --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler.
+Four short processes of a 2-layer model (~40 s on 2 busy cores)."""
 from __future__ import annotations
 
 import os
@@ -59,3 +60,14 @@ def test_a_finished_run_run_again(tmp_path):
     assert {k: v for k, v in after.items() if not k.startswith("hf/")} == {
         k: v for k, v in before.items() if not k.startswith("hf/")}
     assert sorted(k for k in after if k.startswith("hf/")) == sorted(k for k in before if k.startswith("hf/"))
+    # as the line says, a longer --train-iters trains further — its schedule differs from the checkpoint's: one
+    # line naming Megatron's two flags (was one line per schedule value, naming the native field)
+    longer = run(blended[:blended.index("--train-iters")] + ["--train-iters", "6"]
+                 + blended[blended.index("--train-iters") + 2:])
+    errors = [line for line in longer.stderr.splitlines() if line.startswith("error:")]
+    assert longer.returncode == 2 and len(errors) == 1 and errors[0].startswith(
+        "error: learning-rate schedule differs from the checkpoint's (wd_incr_steps: this run 6 iterations (12 "
+        "samples), checkpoint 3 iterations (6 samples)"), longer.stderr[-3000:]
+    assert errors[0].endswith("add --override-opt_param-scheduler (this run's schedule wins) or "
+                              "--use-checkpoint-opt_param-scheduler (the checkpoint's wins); natively "
+                              "training.lr_scheduler_on_resume: override / checkpoint")
