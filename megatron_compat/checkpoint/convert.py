@@ -185,6 +185,11 @@ def _merge_tensor_parallel(shards: list[dict[str, torch.Tensor]], ep_rank: int =
     shards = [normalize_experts(shard, ep_rank, ep_size) for shard in shards]
     if len(shards) == 1:
         return shards[0]
+    if any(k.endswith("self_attention.linear_kv_down_proj.weight") for k in shards[0]):
+        # the latent down-projections are replicated under Transformer Engine's spec, split under the local one
+        raise UsageError(f"a legacy multi-latent-attention checkpoint split over {len(shards)} tensor-parallel ranks "
+                         f"— its latent projections' split depends on the layer spec, which the files do not say; "
+                         f"re-save it with Megatron-LM's --ckpt-format torch_dist (global tensors)")
     merged = {}
     for key, first in shards[0].items():
         parts = [shard[key] for shard in shards]

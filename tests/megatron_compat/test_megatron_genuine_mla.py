@@ -331,3 +331,17 @@ def test_yarn_scaling_in_the_saved_args_gives_megatron_cores_loss(mla_megatron):
     assert got == pytest.approx(expected, rel=1e-6), (got, expected)
     config.rope_parameters = {"rope_type": "default", "rope_theta": config.rope_parameters["rope_theta"]}
     assert abs(hf_loss(config) - expected) > 1e-4 * expected  # plain RoPE would not pass the comparison
+
+
+def test_a_tensor_parallel_legacy_mla_checkpoint_is_declined_in_one_line():
+    """A legacy MLA save split over 2 TP ranks: its latent down-projections are replicated under Transformer
+    Engine's spec and split under the local one, and the files do not say which — declined (torch_dist's global
+    tensors convert). The two shards are written here by hand (two keys): megatron-core's MLA at TP 2 needs two
+    processes and Transformer Engine to show both layouts."""
+    from fsdp2_backend.usage_errors import UsageError
+    from megatron_compat.checkpoint.convert import _merge_tensor_parallel
+
+    shard = {"decoder.layers.0.self_attention.linear_kv_down_proj.weight": torch.zeros(24, 64),
+             "decoder.layers.0.self_attention.linear_proj.weight": torch.zeros(64, 32)}
+    with pytest.raises(UsageError, match="--ckpt-format torch_dist"):
+        _merge_tensor_parallel([shard, dict(shard)])
