@@ -11,6 +11,7 @@ only when complete (written as ``OUT.tmp``, then renamed); a failure on any rank
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -95,7 +96,8 @@ def _write_hf_dir(model: torch.nn.Module, out_dir: Path, write_mine: Callable[[P
     written: list = []
     try:
         # the config files (rank 0), and every rank runs the model's save hooks (e.g. step35's key mapping)
-        model.save_pretrained(str(tmp), state_dict={}, is_main_process=rank == 0)
+        with _no_progress_bar():  # its "Writing model shards: 0it" bar over no shards (ours are written below)
+            model.save_pretrained(str(tmp), state_dict={}, is_main_process=rank == 0)
     except Exception as exc:
         error = exc
     try:
@@ -127,6 +129,19 @@ def _write_hf_dir(model: torch.nn.Module, out_dir: Path, write_mine: Callable[[P
         if stopped is not None:  # a full disk or a lost permission: one line, as for a checkpoint save
             raise stopped from None
         raise
+
+
+@contextlib.contextmanager
+def _no_progress_bar():
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def export_stopped(exc: BaseException, out_dir: Path) -> Optional[Exception]:

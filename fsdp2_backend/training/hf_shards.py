@@ -18,6 +18,7 @@ when there is one) and the index lists every key's file and the total size.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Mapping
@@ -120,7 +121,16 @@ def write_shard(model: torch.nn.Module, tensors: Dict[str, torch.Tensor], path: 
     tensors = revert_weight_conversion(model, tensors)
     tensors = {key: value.contiguous() for key, value in tensors.items()}
     save_file(tensors, str(path), metadata={"format": "pt"})
+    readable_by_others(path)
     return {key: tensor_bytes(value) for key, value in tensors.items()}
+
+
+def readable_by_others(path: Path) -> None:
+    """The mode an ordinary file gets (0666 less the umask: 0644 by default). safetensors creates its files 0600,
+    unreadable to the other users of a shared file system (DESIGN.md)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def write_index(out_dir: Path, written: List[tuple[str, Dict[str, int]]], num_parameters: int) -> None:

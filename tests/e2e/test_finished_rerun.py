@@ -2,7 +2,8 @@
 run is finished, exit code 0, and nothing written into --save — for a blended --data-path (it used to exit 2 with
 "consumed samples ... already reach the dataset's ... samples") and for other data (it used to save and export
 again). A rerun after an export that did not complete writes only the export (it used to save the final
-checkpoint again, needing a second checkpoint's space). A longer --train-iters then meets the
+checkpoint again, needing a second checkpoint's space). The export's shards are mode 0644 (under umask 022) and
+no empty "Writing model shards: 0it" bar is printed. A longer --train-iters then meets the
 schedule check: one line naming Megatron's --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler.
 Four short processes of a 2-layer model (~40 s on 2 busy cores)."""
 from __future__ import annotations
@@ -49,6 +50,13 @@ def test_a_finished_run_run_again(tmp_path):
                        "--save-interval", "2", "--data-cache-path", str(tmp_path / "cache")]
     first = run(blended)
     assert first.returncode == 0 and (save / "iter_0000003").is_dir() and (save / "hf").is_dir(), first.stderr[-3000:]
+    # the export's shards are readable by the other users of a shared file system (safetensors writes 0600), and
+    # transformers' empty "Writing model shards: 0it" bar (its config-only save) is not shown
+    umask = os.umask(0)
+    os.umask(umask)
+    shards = list((save / "hf").glob("*.safetensors"))
+    assert shards and {oct(p.stat().st_mode & 0o777) for p in shards} == {oct(0o666 & ~umask)}
+    assert "Writing model shards" not in first.stdout + first.stderr
     before = _files(save)
     _finished(run(blended), save)
     assert _files(save) == before
