@@ -49,7 +49,7 @@ def coerce(value: Any, tp: Any) -> Any:
             if type(None) in args:
                 return None
         members = [a for a in args if a is not type(None)]
-        # A dict-or-string field: JSON text that looks like a mapping is a mapping.
+        # A dict-or-string field: YAML/JSON text that looks like a mapping is a mapping.
         if isinstance(value, str) and any(typing.get_origin(a) in (dict, Dict) for a in members):
             if value.lstrip().startswith("{"):
                 return coerce(value, next(a for a in members if typing.get_origin(a) in (dict, Dict)))
@@ -72,11 +72,12 @@ def coerce(value: Any, tp: Any) -> Any:
             value = [value]
         return [coerce(v, args[0]) for v in value]
     if origin in (dict, Dict):
-        if isinstance(value, str):
+        if isinstance(value, str):  # YAML (a flow mapping `{a: 1}` or `a: 1`), hence JSON too, as the help says
             try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"expected a JSON mapping, got {value!r} ({exc.msg})") from None
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as exc:
+                why = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+                raise ValueError(f"expected a YAML or JSON mapping, got {value!r} ({why})") from None
         if not isinstance(value, dict):
             raise ValueError(f"expected a mapping, got {value!r}")
         return dict(value)

@@ -191,6 +191,16 @@ def test_grouped_overrides_split_from_other_flags():
     assert rest == ["--lr", "1e-4"]
 
 
+def test_mapping_overrides_take_yaml_as_the_help_says():
+    overrides, _ = split_native_overrides(["--model.architecture", "{model_type: qwen3, hidden_size: 48}",
+                                           "--data.dataset", "{file_name: chat.jsonl, formatting: sharegpt}"])
+    config = build_config([("--group.field overrides", overrides)])
+    assert config.model.architecture == {"model_type": "qwen3", "hidden_size": 48}
+    assert config.data.dataset == {"file_name": "chat.jsonl", "formatting": "sharegpt"}
+    with pytest.raises(UsageError, match=r"model.architecture.*expected a YAML or JSON mapping"):
+        build_config([("x", {"model": {"architecture": "{model_type: [qwen3}"}})])
+
+
 def test_yaml_round_trip(tmp_path):
     config = validate(pt_config(parallel={"fsdp_modules": ["model.layers.{*}"]}, data={"dataset": "0.3 /a 0.7 /b"}))
     path = tmp_path / "c.yaml"
