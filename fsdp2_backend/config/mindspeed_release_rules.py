@@ -12,6 +12,8 @@ know (argparse `parse_known_args`, an info line), and refuse a value outside a f
   Applied here; both spellings with different values are refused.
 - Master's fields the release lacks (its parser skips them; listed in MASTER_ONLY) and master's values the release's
   choices refuse (`deepseek_v4`, `kvallgather`, `fused_adamw`): read as master reads them, said in one line.
+- Unset, `training.deterministic` takes master's default (on); the release has no such switch. Not said: a YAML
+  that does not set it cannot tell which version it was written for.
 """
 from __future__ import annotations
 
