@@ -13,7 +13,9 @@ DeepSeek-V3's trailing layer. Continuation: megatron-core trains K iterations (i
 `finalize_model_grads`, which updates the expert bias, and the MTP loss in the backward), saves as Megatron-LM does
 (torch_dist with the distributed optimizer; legacy with the plain one) and trains 2 more; our `--load` (torch_dist on
 2 ranks, legacy on 1) prints its next two lm losses (the main model's loss: what both print as "lm loss"; the MTP
-loss enters both backwards) and ends with megatron-core's expert biases (main and MTP layer).
+loss enters both backwards) and ends with megatron-core's expert biases (main and MTP layer). The torch_dist save
+is `fully_reshardable` (--dist-ckpt-optim-fully-reshardable); the genuine args' own default, `dp_reshardable`, is
+saved too: its flat buffers are mapped for dense GPTs only, so it is declined in one line (--no-load-optim loads it).
 
 Hand-made parts, each because no real tool makes it here:
 - The saved namespace is the genuine one with one field changed, `qk_layernorm=True`: the genuine run has no
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 from tests.megatron_compat.test_megatron_import import _save, megatron  # noqa: F401 (fixture)
 from tests.megatron_compat.test_megatron_resume import (GBS, K, SEQ, _CpuForCuda, _dataset, _flags, _hf_weights, _log,
                                                         _save_like_megatron_lm, megatron_training_stack)
+from tests.megatron_compat.test_megatron_resume_distopt import _save_like_megatron_lm as _save_dp_reshardable
 from tests.megatron_genuine import genuine_args, listing, megatron_padded_vocab
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
@@ -254,6 +257,9 @@ def _megatron_run(tmp_path_factory, fmt: str):
                 args.consumed_train_samples, args.consumed_valid_samples = K * GBS, 0
                 _save_like_megatron_lm(root / "mg", fmt, model, optimizer, scheduler, args, dist_checkpointing,
                                        ShardedObject)
+                if fmt == "torch_dist":  # the genuine run's own default: no --dist-ckpt-optim-fully-reshardable
+                    _save_dp_reshardable(root / "mg_dp", "dp_reshardable", 0, model, optimizer, scheduler, args,
+                                         dist_checkpointing, ShardedObject)
     biases = {k: v.clone() for k, v in model.state_dict().items() if k.endswith("expert_bias")}
     _RUNS[fmt] = root, prefix, losses, biases
     return _RUNS[fmt]
@@ -345,3 +351,23 @@ def test_a_tensor_parallel_legacy_mla_checkpoint_is_declined_in_one_line():
              "decoder.layers.0.self_attention.linear_proj.weight": torch.zeros(64, 32)}
     with pytest.raises(UsageError, match="--ckpt-format torch_dist"):
         _merge_tensor_parallel([shard, dict(shard)])
+
+
+
+def test_the_genuine_runs_default_optimizer_layout_is_one_line(mla_megatron, tmp_path_factory):
+    """The genuine args save the distributed optimizer dp_reshardable (no --dist-ckpt-optim-fully-reshardable):
+    flat per-bucket buffers, mapped for dense GPTs only (`checkpoint/distopt.py`; MoE's expert buffers are a
+    second optimizer). One line says what to do, and --no-load-optim loads the model and the run's counters."""
+    from fsdp2_backend.usage_errors import UsageError
+    from megatron_compat.checkpoint.resume import read_megatron_state
+
+    root, _, _, _ = _megatron_run(tmp_path_factory, "torch_dist")
+    it_dir = root / "mg_dp" / f"iter_{K:07d}"
+    with pytest.raises(UsageError, match="--dist-ckpt-optim-fully-reshardable, or resume with --no-load-optim"):
+        read_megatron_state(it_dir)
+    state = read_megatron_state(it_dir, load_optim=False)
+    full = read_megatron_state(root / "mg" / f"iter_{K:07d}")
+    assert state.moments is None and (state.iteration, state.consumed_train_samples) == (K, K * GBS)
+    assert sorted(state.weights) == sorted(full.weights)
+    for name, value in full.weights.items():
+        assert torch.equal(state.weights[name], value), name
