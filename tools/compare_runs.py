@@ -1,9 +1,13 @@
 #!/usr/bin/env python
 """A migration report: lay a new run over an old one, metric by metric, with a verdict and a plot.
 
-The code is fsdp2_backend/cli/compare_runs.py (installed with the project); this script runs it as Megatron users expect.
+The code is fsdp2_backend/cli/compare_runs.py; this script runs it, installed or not, as Megatron users expect.
 """
+import os
 import runpy
+import sys
 
 if __name__ == "__main__":
+    # a checkout whose package is not installed: its root first, as `python pretrain_fsdp2.py` has it
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     runpy.run_module("fsdp2_backend.cli.compare_runs", run_name="__main__", alter_sys=True)

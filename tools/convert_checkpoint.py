@@ -1,9 +1,14 @@
 #!/usr/bin/env python
-"""Converts one of our training checkpoints, or a Megatron-LM one (torch_dist or legacy torch format, dense or MoE:
+"""Converts one of our training checkpoints, or a Megatron-LM one (torch_dist or legacy torch format, dense or MoE),
+to a Hugging Face directory.
 
-The code is fsdp2_backend/cli/convert_checkpoint.py (installed with the project); this script runs it as Megatron users expect.
+The code is fsdp2_backend/cli/convert_checkpoint.py; this script runs it, installed or not, as Megatron users expect.
 """
+import os
 import runpy
+import sys
 
 if __name__ == "__main__":
+    # a checkout whose package is not installed: its root first, as `python pretrain_fsdp2.py` has it
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     runpy.run_module("fsdp2_backend.cli.convert_checkpoint", run_name="__main__", alter_sys=True)

@@ -1,7 +1,6 @@
 #!/usr/bin/env python
 """Converts one of our training checkpoints, or a Megatron-LM one (torch_dist or legacy torch format, dense or MoE:
-see fsdp2_backend/megatron_compat/checkpoint/convert.py and megatron_checkpoint_moe.py), to a Hugging Face directory,
-offline, in one process.
+see megatron_compat/checkpoint/convert.py and moe.py), to a Hugging Face directory, offline.
 
     python tools/convert_checkpoint.py CKPT_DIR OUT_DIR [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]
     torchrun --nproc_per_node 8 tools/convert_checkpoint.py CKPT_DIR OUT_DIR    # the shards split over 8 ranks
