@@ -4,13 +4,18 @@ whether they come from a command line or from a checkpoint.
 
 A saved namespace holds every argparse dest, given or not; the flags "given" are taken to be the dests whose value
 differs from Megatron-LM's parser default (its own table, `megatron_lm_arguments.json`), so defaults get the
-same disposition as flags left out of a script. Declines of given flags come back with their reasons; the
+same disposition as flags left out of a script; the run's training settings (dropouts, init std) are not read. Declines of given flags come back with their reasons; the
 checkpoint reader (`megatron_compat.checkpoint.mla`) refuses the conversion with them.
 """
 from __future__ import annotations
 
 import json
 from typing import Any, Dict, List, Tuple
+
+
+# How the run trained the model, not what the model is: no checkpoint reader takes them as given (a continuation's own
+# flags set them; a conversion holds weights only), so a dropout the HF model type lacks declines nothing here.
+_RUN_SETTINGS = frozenset({"hidden_dropout", "attention_dropout", "init_method_std"})
 
 
 def _given(args: Any) -> set:
@@ -20,7 +25,7 @@ def _given(args: Any) -> set:
         defaults = {entry["dest"]: entry["default"] for entry in json.load(f)}
     given = set()
     for dest, value in vars(args).items():
-        if dest not in defaults:
+        if dest not in defaults or dest in _RUN_SETTINGS:
             continue
         default = defaults[dest]
         if isinstance(value, tuple):

@@ -202,6 +202,19 @@ def test_the_exact_genuine_namespace_is_declined_for_its_unnormalised_latents(ml
         hf_config_from_args(args, state)
 
 
+def test_training_settings_in_the_saved_args_decline_nothing():
+    """A run trained with --hidden-dropout 0.05 (hand-set: a non-default value; HF DeepSeek-V3 has no hidden
+    dropout) converts all the same: dropouts and the init std are how it trained, not what its weights compute."""
+    from megatron_compat.checkpoint.convert import hf_config_from_args
+
+    args = _args()
+    args.hidden_dropout, args.attention_dropout, args.init_method_std = 0.05, 0.2, 0.006
+    shapes = {"embedding.word_embeddings.weight": (1024, 64),
+              "decoder.layers.0.self_attention.linear_kv_down_proj.weight": (24, 64)}
+    config = hf_config_from_args(args, {k: torch.empty(s, device="meta") for k, s in shapes.items()})
+    assert (config.model_type, config.attention_dropout) == ("deepseek_v3", 0.0)
+
+
 def _training_step(ddp, optimizer, scheduler, batch) -> float:
     """One Megatron-LM iteration: the main loss's mean (MTP's loss joins the backward inside the model), then
     `finalize_model_grads` (gradient sync and the expert-bias update), the optimizer and the scheduler."""
