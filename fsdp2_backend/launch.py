@@ -155,6 +155,21 @@ def parse_for_world(argv: List[str], world_size: Optional[int],
     return config, report + [f"notice: {line}" for line in notices], world_size
 
 
+def _set_fields(config: Config) -> str:
+    """The fields whose value is not the default, as commented YAML: what a user reads first in a dry run (a
+    Megatron line sets ~40 of ~360 fields; the full config, loadable as it is, follows)."""
+    import yaml
+
+    defaults, values = Config().to_dict(), config.to_dict()
+    changed = {group: {k: v for k, v in fields_.items() if v != defaults[group][k]}
+               for group, fields_ in values.items()}
+    changed = {group: fields_ for group, fields_ in changed.items() if fields_}
+    count, total = sum(map(len, changed.values())), sum(map(len, values.values()))
+    text = yaml.safe_dump(changed, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    return (f"# the {count} fields (of {total}) not at their default; the full config, every default filled in, "
+            f"follows:\n" + "".join(f"#   {line}\n" for line in text.splitlines()))
+
+
 def _named(messages: List[str], translation) -> List[str]:
     """Messages about fields a Megatron flag set also name the flags the user typed."""
     if translation is None:
@@ -220,6 +235,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.stdout.write(f"# pretrain_fsdp2.py --dry-run for WORLD_SIZE={world}: this file runs as it is at that world "
                          f"size only (the batch split and the layout were derived for it) — for another, rerun "
                          f"--dry-run with that WORLD_SIZE\n")
+        sys.stdout.write(_set_fields(config))
         sys.stdout.write(to_yaml(config))
         for line in report:
             sys.stdout.write(f"# {line}\n")

@@ -106,9 +106,16 @@ def estimate_memory(config, model_args, world_size: int) -> MemoryEstimate:
     """One rank's memory for a training step of `config` at `world_size` (see the module docstring)."""
     from fsdp2_backend.models.loading import build_model
 
+    from transformers.utils import logging as hf_logging
+
     layout = parallel_layout(config.parallel, world_size)
-    hf_config = _hf_config(config, model_args, layout.tp)
-    model = build_model(model_args, hf_config, on_meta=True)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the config's warnings are the build's to say, once
+    try:
+        hf_config = _hf_config(config, model_args, layout.tp)
+        model = build_model(model_args, hf_config, on_meta=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     dense, experts, ends, layer = _counts(model)
     shards = layout.tp * max(layout.dp_shard, 1) * layout.cp
     expert_shards = layout.ep * layout.ep_fsdp if layout.ep > 1 else shards

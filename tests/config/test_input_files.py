@@ -5,6 +5,8 @@ mean" among the files beside it), a missing --load directory — all in one repo
 translation facts a newcomer meets: GPT-2-style flags checked against a loaded Qwen3, the --dry-run header."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -109,6 +111,14 @@ def test_dry_run_header_names_its_world_size(monkeypatch, capsys):
                                    "world size only (the batch split and the layout were derived for it) — for "
                                    "another, rerun --dry-run with that WORLD_SIZE")
     assert yaml.safe_load(out)["training"]["max_steps"] == 3
+    # what the command sets comes first (commented: the output still loads as the full config)
+    lines = out.splitlines()
+    assert re.fullmatch(r"# the (\d+) fields \(of (\d+)\) not at their default; the full config, every default "
+                        r"filled in, follows:", lines[1])
+    head = lines[2:lines.index("model:")]
+    assert all(line.startswith("#   ") for line in head) and "#     max_steps: 3" in head
+    assert "#     tp_size: 1" not in head and "  tp_size: 1" in lines  # a default: in the full config only
+    assert yaml.safe_load("\n".join(line[4:] for line in head))["training"]["lr"] == 1e-3
 
 
 def test_blend_weight_of_zero_or_below_is_refused_before_anything_loads(tmp_path):
