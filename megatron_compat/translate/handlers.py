@@ -78,7 +78,15 @@ def _mask_in_loader(ctx, value):
 _direct("torch_fsdp2_reshard_after_forward", "parallel.reshard_after_forward")
 _direct("check_for_nan_in_loss_and_grad", "training.check_for_nan_in_loss_and_grad")  # on by default, as Megatron
 _direct("exit_signal_handler", "training.exit_signal_handler")
-_direct("exit_signal", "training.exit_signal", lambda v: str(v))
+def _signal_name(value) -> str:
+    """Megatron's default is signal.SIGTERM (its table stores 15): the name, as a user writes it (was '15')."""
+    from fsdp2_backend.config.signal_names import resolve_signal
+
+    resolved = resolve_signal(str(int(value)) if isinstance(value, int) else str(value))
+    return resolved.name if resolved is not None else str(value)
+
+
+_direct("exit_signal", "training.exit_signal", _signal_name)
 _direct("tokenizer_hf_no_use_fast", "model.use_fast_tokenizer", lambda v: not v)
 
 

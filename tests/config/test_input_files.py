@@ -118,6 +118,7 @@ def test_dry_run_header_names_its_world_size(monkeypatch, capsys):
     head = lines[2:lines.index("model:")]
     assert all(line.startswith("#   ") for line in head) and "#     max_steps: 3" in head
     assert "#     tp_size: 1" not in head and "  tp_size: 1" in lines  # a default: in the full config only
+    assert "  exit_signal: SIGTERM" in lines  # Megatron's default signal.SIGTERM by name (was '15', and listed)
     assert yaml.safe_load("\n".join(line[4:] for line in head))["training"]["lr"] == 1e-3
 
 
