@@ -22,9 +22,11 @@ Layout facts (megatron-core 0.16.1, ``optimizer/distrib_optimizer.py`` ``sharded
   with the Adam ``step``; ``...grad_scaler`` under fp16): not in common.pt.
 
 How the layout is reproduced here: the parameter order is megatron-core's GPTModel module order (embedding,
-each layer, final norm, output layer), the per-layer order being the local spec's (input norm before the
-attention) or Transformer Engine's (the input norm inside ``linear_qkv``, after ``linear_proj``) — the checkpoint's
-keys name both alike. The bucket boundaries are not recomputed from flags (the bucket size, overlap and padding
+each layer, final norm, MTP layers, output layer), the per-layer order being the local spec's (input norm before
+the attention) or Transformer Engine's (the input norm inside ``linear_qkv``, after ``linear_proj``) — the
+checkpoint's keys name both alike; multi-latent attention, MoE layers (router, each expert's fc1 and fc2, shared
+experts: one buffer with the rest at expert-parallel size 1, as megatron-core 0.16.1 saves it) and MTP layers have
+their places too. The bucket boundaries are not recomputed from flags (the bucket size, overlap and padding
 options, the DP size, pipeline stage): they are read from the saved unpadded bucket sizes (a bucket ends exactly
 where its last parameter ends, parameter starts being 64-aligned). The order candidate whose ``param`` slices
 equal the saved model weights bit for bit (the model weights are the main weights cast to the model's dtype) is
@@ -56,16 +58,30 @@ _ALIGN = 64  # _ParamAndGradBuffer._pad_start_of_param_if_needed
 # [linear_proj, linear_qkv, q_layernorm, k_layernorm], pre_mlp_layernorm, mlp: [linear_fc1, linear_fc2]); the
 # Transformer Engine spec has the input norm inside linear_qkv, registered after linear_proj (SelfAttention
 # builds linear_qkv after Attention built linear_proj); a norm's / linear's bias follows its weight.
+# Multi-latent attention (MLASelfAttention, after linear_proj): the q projection(s), kv down and up, then the latent
+# norms (fused into the up projections under Transformer Engine, their norm first). MoE (MoELayer): router, the
+# experts (per expert fc1 then fc2: `_EXPERTS`), the shared experts (fc1, fc2, gate).
+_MLA = ("self_attention.linear_q_proj.weight", "self_attention.linear_q_down_proj.weight",
+        "self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.linear_q_up_proj.weight",
+        "self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.layer_norm_weight",
+        "self_attention.linear_kv_up_proj.weight")
+_EXPERTS = "mlp.experts.experts."  # torch_dist's global [E, ...] tensors: expert e's fc1 and fc2 follow expert e-1's
 _LOCAL = ("input_layernorm.weight", "input_layernorm.bias", "self_attention.linear_qkv.layer_norm_weight",
           "self_attention.linear_qkv.layer_norm_bias", "self_attention.linear_proj.weight",
           "self_attention.linear_proj.bias", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-          "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias", "self_attention.k_layernorm.weight",
-          "self_attention.k_layernorm.bias", "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+          *_MLA, "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+          "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias", "self_attention.kv_layernorm.weight",
+          "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
           "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc1.weight",
-          "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+          "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias", "mlp.router.weight", _EXPERTS,
+          "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight",
+          "mlp.shared_experts.gate_weight")
 _TE = _LOCAL[:2] + _LOCAL[4:6] + _LOCAL[2:4] + _LOCAL[6:]
 _BEFORE = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
-_AFTER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight", "output_layer.bias")
+_AFTER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias")
+_MTP = ("enorm.weight", "hnorm.weight", "eh_proj.weight")  # MultiTokenPredictionLayer, then its layer, its norm
+_HEAD = ("output_layer.weight", "output_layer.bias")
+_BUFFERS = ("router.expert_bias",)  # in the model's tensors, not parameters: no place in the buffers
 
 
 def _decline(it_dir: Path, why: str) -> UsageError:
@@ -73,19 +89,49 @@ def _decline(it_dir: Path, why: str) -> UsageError:
                       f"with Megatron-LM's --dist-ckpt-optim-fully-reshardable, or resume with --no-load-optim")
 
 
+def _layer_entries(weights: dict[str, torch.Tensor], prefix: str, index, layer_order: tuple) -> list:
+    """[(model key, index into it)] of one layer under ``prefix``: its own keys (``decoder.layers.3.``, index None) or
+    its slice ``index`` of the stacked ones (``decoder.layers.``); experts expand to one entry per expert."""
+    out = []
+    for name in layer_order:
+        if name != _EXPERTS:
+            if prefix + name in weights:
+                out.append((prefix + name, index))
+            continue
+        fc1, fc2 = prefix + _EXPERTS + "linear_fc1.weight", prefix + _EXPERTS + "linear_fc2.weight"
+        if fc1 in weights:
+            stacked = weights[fc1] if index is None else weights[fc1][index]
+            for e in range(stacked.shape[0]):
+                at = e if index is None else (index, e)
+                out += [(fc1, at), (fc2, at)]
+    return out
+
+
 def _param_order(weights: dict[str, torch.Tensor], layer_order: tuple, it_dir: Path) -> list[tuple[str, Any]]:
-    """[(model key, layer index or None)] in megatron-core's named_parameters() order."""
-    layer_keys = {k[len("decoder.layers."):] for k in weights if k.startswith("decoder.layers.")}
-    known = set(_BEFORE) | set(_AFTER) | {f"decoder.layers.{k}" for k in _LOCAL}
-    unknown = sorted(k for k in weights if k not in known)
-    if unknown:
-        raise _decline(it_dir, f"is laid out in parameter order, and {unknown[0]} has no known place in it (dense GPT "
-                               f"layers only: MoE / MLA / MTP are not mapped in this format)")
-    num_layers = {weights[f"decoder.layers.{k}"].shape[0] for k in layer_keys}
+    """[(model key, index into it or None)] in megatron-core's named_parameters() order: embedding, the decoder
+    layers (stacked under one key, or one key per layer), the final norm, the MTP layers, the output layer."""
     order = [(k, None) for k in _BEFORE if k in weights]
-    for i in range(num_layers.pop() if num_layers else 0):
-        order += [(f"decoder.layers.{k}", i) for k in layer_order if k in layer_keys]
-    return order + [(k, None) for k in _AFTER if k in weights]
+    per_layer = sorted({int(k.split(".")[2]) for k in weights if re.match(r"^decoder\.layers\.\d+\.", k)})
+    stacked = {k for k in weights if k.startswith("decoder.layers.") and not re.match(r"^decoder\.layers\.\d+\.", k)}
+    if per_layer and stacked:
+        raise _decline(it_dir, "mixes stacked and per-layer decoder keys")
+    if stacked:
+        for i in range(weights[next(iter(stacked))].shape[0]):
+            order += _layer_entries(weights, "decoder.layers.", i, layer_order)
+    for i in per_layer:
+        order += _layer_entries(weights, f"decoder.layers.{i}.", None, layer_order)
+    order += [(k, None) for k in _AFTER if k in weights]
+    for k in sorted({int(key.split(".")[2]) for key in weights if key.startswith("mtp.layers.")}):
+        p = f"mtp.layers.{k}."
+        order += [(p + name, None) for name in _MTP if p + name in weights]
+        order += _layer_entries(weights, p + "transformer_layer.", None, layer_order)
+        order += [(p + "final_layernorm.weight", None)] if p + "final_layernorm.weight" in weights else []
+    order += [(k, None) for k in _HEAD if k in weights]
+    placed = {key for key, _ in order}
+    unknown = sorted(k for k in weights if k not in placed and not k.endswith(_BUFFERS))
+    if unknown:
+        raise _decline(it_dir, f"is laid out in parameter order, and {unknown[0]} has no known place in it")
+    return order
 
 
 def _place(order, weights, unpadded: list[int]) -> list[tuple[str, Any, int, int, int]] | None:
@@ -95,7 +141,7 @@ def _place(order, weights, unpadded: list[int]) -> list[tuple[str, Any, int, int
     for key, layer in reversed(order):
         if bucket >= len(unpadded):
             return None
-        numel = (weights[key][layer] if layer is not None else weights[key]).numel()
+        numel = (weights[key][layer] if layer is not None else weights[key]).numel()  # layer: an index
         start = math.ceil(pos / _ALIGN) * _ALIGN  # bucket starts are multiples of 128: same alignment
         end = start + numel
         if end > unpadded[bucket]:
@@ -154,6 +200,7 @@ def read_dp_reshardable(it_dir: Path, weights: dict[str, torch.Tensor]) -> tuple
         buckets[int(bucket)][kind] = value
     if any(set(b) != set(_KINDS) for b in buckets):
         raise _decline(it_dir, "lacks a bucket's param / exp_avg / exp_avg_sq (not Adam?)")
+    weights = {k: v for k, v in weights.items() if not k.endswith(_BUFFERS)}  # buffers have no optimizer state
     trained = {k: v for k, v in weights.items() if str(v.dtype) == param_dtype}
     if len(trained) != len(weights):
         raise _decline(it_dir, f"holds one {param_dtype} grad buffer, the model tensors have dtypes "
@@ -170,11 +217,11 @@ def read_dp_reshardable(it_dir: Path, weights: dict[str, torch.Tensor]) -> tuple
                                f"spec)")
     out: dict[str, dict] = {kind: {} for kind in _KINDS}
     for kind in _KINDS:
-        parts: dict[str, dict] = {}
-        for key, layer, bucket, start, end in placed:
-            shape = weights[key].shape[1:] if layer is not None else weights[key].shape
-            parts.setdefault(key, {})[layer] = buckets[bucket][kind][start:end].reshape(shape).clone()
-        for key, by_layer in parts.items():
-            out[kind][key] = (by_layer[None] if None in by_layer
-                              else torch.stack([by_layer[i] for i in range(len(by_layer))]))
+        for key, index, bucket, start, end in placed:
+            values = buckets[bucket][kind][start:end]
+            if index is None:
+                out[kind][key] = values.reshape(weights[key].shape).clone()
+                continue
+            full = out[kind].setdefault(key, torch.empty(weights[key].shape, dtype=values.dtype))
+            full[index] = values.reshape(full[index].shape)  # one layer's (or expert's) slice of a stacked tensor
     return out, {k: v for k, v in extra.items() if k in ("optimizer", "grad_scaler")}

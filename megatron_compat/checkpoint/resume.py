@@ -17,8 +17,8 @@ What maps onto what (megatron-core 0.16.1 ``dist_checkpointing`` / ``optimizer``
   several padded buckets shifts them and the moments: declined). The step is one counter shared by all parameters
   (``common_step`` or the param groups' ``step`` in ``common.pt``). The distributed optimizer's default
   ``dp_reshardable`` format stores flat per-bucket buffers (and the step as a ShardedObject): ``megatron_distopt``
-  maps them back to per-parameter tensors in the same keys (dense GPT, one TP/PP domain; other layouts declined
-  there, one line). Legacy
+  maps them back to per-parameter tensors in the same keys (dense, MoE at EP 1, MLA, MTP; one TP/PP domain; others
+  declined there, one line). Legacy
   ``torch``: ``model_optim_rng.pt['optimizer']`` is the torch optimizer's state dict; its parameter indices are
   matched to names by Megatron's param-group rule (groups by ``wd_mult``; 1-D and ``.bias`` parameters take no
   weight decay; parameters in model order), each shape checked; legacy ``distrib_optim.pt`` is declined.

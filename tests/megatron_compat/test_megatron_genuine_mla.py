@@ -15,7 +15,7 @@ DeepSeek-V3's trailing layer. Continuation: megatron-core trains K iterations (i
 2 ranks, legacy on 1) prints its next two lm losses (the main model's loss: what both print as "lm loss"; the MTP
 loss enters both backwards) and ends with megatron-core's expert biases (main and MTP layer). The torch_dist save
 is `fully_reshardable` (--dist-ckpt-optim-fully-reshardable); the genuine args' own default, `dp_reshardable`, is
-saved too: its flat buffers are mapped for dense GPTs only, so it is declined in one line (--no-load-optim loads it).
+saved too and reads back as the same state.
 
 Hand-made parts, each because no real tool makes it here:
 - The saved namespace is the genuine one with one field changed, `qk_layernorm=True`: the genuine run has no
@@ -367,20 +367,21 @@ def test_a_tensor_parallel_legacy_mla_checkpoint_is_declined_in_one_line():
 
 
 
-def test_the_genuine_runs_default_optimizer_layout_is_one_line(mla_megatron, tmp_path_factory):
+def test_the_genuine_runs_default_optimizer_layout_reads_as_the_fully_reshardable_one(mla_megatron,
+                                                                                       tmp_path_factory):
     """The genuine args save the distributed optimizer dp_reshardable (no --dist-ckpt-optim-fully-reshardable):
-    flat per-bucket buffers, mapped for dense GPTs only (`checkpoint/distopt.py`; MoE's expert buffers are a
-    second optimizer). One line says what to do, and --no-load-optim loads the model and the run's counters."""
-    from fsdp2_backend.usage_errors import UsageError
+    flat per-bucket buffers in megatron-core's parameter order (`checkpoint/distopt.py`: MLA, the experts, the
+    shared expert and the MTP layer in their places). Read back, the main weights and both Adam moments equal
+    those of the fully_reshardable save of the same optimizer at the same step, bit for bit."""
     from megatron_compat.checkpoint.resume import read_megatron_state
 
     root, _, _, _ = _megatron_run(tmp_path_factory, "torch_dist")
-    it_dir = root / "mg_dp" / f"iter_{K:07d}"
-    with pytest.raises(UsageError, match="--dist-ckpt-optim-fully-reshardable, or resume with --no-load-optim"):
-        read_megatron_state(it_dir)
-    state = read_megatron_state(it_dir, load_optim=False)
+    default = read_megatron_state(root / "mg_dp" / f"iter_{K:07d}")
     full = read_megatron_state(root / "mg" / f"iter_{K:07d}")
-    assert state.moments is None and (state.iteration, state.consumed_train_samples) == (K, K * GBS)
-    assert sorted(state.weights) == sorted(full.weights)
-    for name, value in full.weights.items():
-        assert torch.equal(state.weights[name], value), name
+    assert (default.step, default.iteration, default.consumed_train_samples) == (full.step, K, K * GBS)
+    for what in ("weights", "exp_avg", "exp_avg_sq"):
+        ours = default.weights if what == "weights" else default.moments[what]
+        theirs = full.weights if what == "weights" else full.moments[what]
+        assert sorted(ours) == sorted(theirs), what
+        for name, value in theirs.items():
+            assert torch.equal(ours[name], value), (what, name)
