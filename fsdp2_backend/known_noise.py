@@ -7,6 +7,11 @@ everything else from the same logger still shows.
   here calls them).
 - torch's pytree: "<enum …> is an Enum subclass and is now natively supported by torch.compile …" — a deprecation
   note about torchao's own `register_constant` calls, not about this project's code.
+- torch's DTensor redistribution: "While redistributing from (_StridedShard…, Shard…) to (Replicate(), Replicate()),
+  2 sequential all_gather operations will be performed. This is suboptimal … may give inconsistent results between
+  ranks due to different reduction orders", once per rank at every HF export under TP (the export gathers each
+  weight whole). All-gathers copy bytes and reduce nothing: the ranks get the same values; the note about
+  reduction orders does not apply, and the cost is the export's own. Redistributions that reduce still show.
 Torch-free at install time: the filters look at torch only when a record arrives (torch is loaded by then).
 """
 from __future__ import annotations
@@ -29,9 +34,17 @@ class _PytreeEnumFilter(logging.Filter):
         return "is an Enum subclass and is now natively supported" not in record.getMessage()
 
 
+class _SequentialAllGatherFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("While redistributing from") and "to (Replicate()" in message
+                    and "all_gather operations will be performed" in message)
+
+
 def install() -> None:
     """Adds the filters (idempotent)."""
-    for name, kind in (("torchao", _TorchaoExtensionFilter), ("torch.utils._pytree", _PytreeEnumFilter)):
+    for name, kind in (("torchao", _TorchaoExtensionFilter), ("torch.utils._pytree", _PytreeEnumFilter),
+                       ("torch.distributed.tensor._redistribute", _SequentialAllGatherFilter)):
         logger = logging.getLogger(name)
         if not any(isinstance(f, kind) for f in logger.filters):
             logger.addFilter(kind())
