@@ -30,6 +30,10 @@ Hand-made parts, each because no real tool makes it here:
   the args' v_head_dim equals kv_channels, so its output width is right); `multi_latent_attention.HAVE_TE` is
   False (the module sees a stubbed Transformer Engine and `isinstance`s against a mock); the router's
   `te_general_gemm` is None (test_megatron_import_moe's stand-in).
+- The reference model's initial norms, router weights and expert biases are drawn away from their defaults, and its
+  q-up / kv-down projections scaled, so that a misplaced tensor or the rope layout shows in the loss.
+- Single tests hand-set what no genuine run here has (each docstring says why): YaRN factors, non-default dropouts,
+  two legacy TP shard dicts, a tiny model lacking MTP layers.
 """
 import re
 import warnings
