@@ -22,6 +22,8 @@ Hand-made parts, each because no real tool makes it here:
   `--qk-layernorm`, so its MLA latents are not normalised, which transformers' DeepSeek-V3 cannot express
   (`q_a_layernorm` / `kv_a_layernorm` always apply); that exact namespace is declined in one line (tested below).
   Megatron-LM's own `parse_args` cannot be run here (megatron-core ships no `megatron.training`).
+- The continuation runs are fp32: their saved namespaces say so (`bf16` False, `params_dtype` float32, and for the
+  legacy save `use_distributed_optimizer` False), as the parser would for the line without those flags.
 - Dropouts are 0 in the reference model (the args' 0.1 stays saved): the continuation run gives
   `--hidden-dropout 0 --attention-dropout 0`, so both sides are deterministic.
 - Runtime stand-ins for megatron-core on CPU (no file edited), besides test_megatron_import's: the local
@@ -261,6 +263,10 @@ def _megatron_run(tmp_path_factory, fmt: str):
     prefix = write_corpus(str(root / "data" / "text_document"), 120, seed=7, vocab_size=1000)
     data = _dataset(prefix, str(root / "mcore_cache"))
     args = _args()
+    # the parser's namespace for the same line without --bf16 (this run is fp32), and without
+    # --use-distributed-optimizer for the legacy save (Megatron-LM's legacy format holds the plain optimizer's state)
+    args.bf16, args.params_dtype = False, torch.float32
+    args.use_distributed_optimizer = fmt == "torch_dist"
     model = _mcore_mla_gpt(args, seed=11).train()
     losses = {}
     with _CpuForCuda():
