@@ -14,6 +14,9 @@ is a graph break at that piece, which then runs eager.
 In place: `nn.Module.compile()` keeps the module where it was, so parameter names, state-dict keys, checkpoints
 and every later plan pattern are unchanged (a `torch.compile(block)` wrapper would add `_orig_mod.` to them).
 
+The loss head (cross entropy over the logits, `training.loss.masked_loss_sum`) is compiled once as well, by the
+trainer that calls it.
+
 Not fullgraph: a block that hits a graph break (an op dynamo cannot trace) still runs, its traceable pieces
 compiled; the model ids whose blocks cannot be captured usefully at all are declared by their `ModelSpec`
 (`compile_declined`, a reason) and stay eager, said once by config validation.

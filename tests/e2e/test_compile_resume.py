@@ -1,6 +1,7 @@
-"""Compiled decoder blocks through the real entry point (Megatron flags + `--optimization.torch_compile True`): the
-printed lm losses are the eager run's within 1e-5 relative, and a run stopped by --exit-interval and restarted with
-the same command prints the straight compiled run's losses bit for bit (resume stays exact under compile)."""
+"""Compiled decoder blocks through the real entry point (Megatron flags + `--optimization.torch_compile True`): a run
+stopped by --exit-interval and restarted with the same command prints the straight compiled run's losses bit for
+bit (resume stays exact under compile). That compiled equals eager (1e-5) is tests/parallel/test_compile_parity.py's;
+each process here compiles (tens of seconds on CPU), so there are only the three runs resume needs."""
 from tests.helpers import run_pretrain
 
 FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
@@ -13,13 +14,9 @@ FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-
 COMPILE = ("--optimization.torch_compile", "True")
 
 
-def test_compiled_run_prints_eager_losses_and_resumes_bit_exactly(tmp_path):
-    eager, _ = run_pretrain(FLAGS, tmp_path / "eager")
+def test_compiled_run_resumes_bit_exactly(tmp_path):
     straight, _ = run_pretrain(FLAGS, tmp_path / "straight", *COMPILE)
     assert sorted(straight) == list(range(1, 7))
-    for it in range(1, 7):
-        assert straight[it][0] == eager[it][0]
-        assert abs(float(straight[it][1]) - float(eager[it][1])) <= 1e-5 * abs(float(eager[it][1])), it
     first, _ = run_pretrain(FLAGS, tmp_path / "stopped", "--exit-interval", "3", *COMPILE)
     second, log = run_pretrain(FLAGS, tmp_path / "stopped", "--exit-interval", "3", *COMPILE)
     assert "resuming from the newest complete checkpoint" in log
