@@ -9,8 +9,8 @@ world and arguments as those scripts give them). A YAML no launcher runs (upstre
 file) validates at the world its own `parallel.fsdp_size` names (MindSpeed's fsdp_size is the world size), else
 2. The DeepSeek-V4 example's launcher turns on expert parallel 128 under the YAML's `ep_dispatcher: mc2` (Ascend's
 MC2 kernels): that one is declined, with that reason and no other (DECLINED). Validation is the entry point's own (`parse_command_line`, what `--dry-run`
-prints), in process: cheap (~0.1 s a file). The qwen3 / qwen3_moe YAMLs run through `--dry-run` in
-test_mindspeed_yaml.py (the real models' config.json); the others here.
+prints), in process: cheap (~0.1 s a file). The qwen3 / qwen3_moe YAMLs a launcher runs go through `--dry-run` in
+test_mindspeed_yaml.py (the real models' config.json); the others here (the qwen3 ones with the same config.json).
 
 The config.json: the published model's sizes that the layout rules read (heads, key/value heads, experts,
 layers, vocabulary). transformers' own config classes default to the reference checkpoint of their family
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.test_mindspeed_yaml import FALLBACK, PATH_FIELDS, _in_scope, _with_paths
+from tests.e2e.test_mindspeed_yaml import FALLBACK, PATH_FIELDS, _in_scope, _real_model, _with_paths
 from tests.helpers import REPO
 
 DATA = Path(REPO) / "tests" / "data" / "mindspeed_fsdp2"
@@ -70,10 +70,13 @@ LAUNCHERS = _launcher_table()
 DECLINED = {("head_newer_ids", "examples__fsdp2__deepseek4__pretrain_deepseek4_flash_284b_4k_fsdp2_A3.yaml"):
             "parallel.ep_dispatcher: mc2 needs Ascend NPUs (torch_npu MC2 kernels) — use eager or fused"}
 EVERY = [(folder, p.name) for folder in FOLDERS for p in sorted((DATA / folder).glob("*.yaml"))]
-HERE = [case for case in EVERY if not _in_scope(case[1])]  # the qwen3 / qwen3_moe ones: test_mindspeed_yaml.py
+# the qwen3 / qwen3_moe ones a launcher runs: test_mindspeed_yaml.py (through --dry-run); the rest here
+HERE = [case for case in EVERY if not _in_scope(case[1]) or case not in LAUNCHERS]
 
 
 def _family(name: str) -> str:
+    if _in_scope(name):
+        return "qwen3"
     for key, family in (("gpt_oss", "gpt_oss"), ("mamba3", "mamba3"), ("minimax", "minimax_m27"),
                         ("qwen3_next", "qwen3_next"), ("qwen3-next", "qwen3_next"), ("step", "step35"),
                         ("glm52", "glm52"), ("longcat", "longcat_flash_ngram"), ("deepseek4", "deepseek_v4")):
@@ -86,6 +89,10 @@ def _sized_config(family: str) -> dict:
     """The config.json of the model a family's YAMLs are written for (see the module docstring)."""
     import transformers
 
+    if family.startswith("Qwen3"):  # the published config.json test_mindspeed_yaml.py's dry runs use
+        from tests.e2e.test_mindspeed_yaml import REAL_MODELS
+
+        return REAL_MODELS[family]
     if family == "step35":
         from tests.e2e.test_step35_training import STEP35_FLASH
         from tests.models.test_step35 import step35_config_dict
@@ -133,7 +140,7 @@ def test_every_copied_yaml_is_validated_here_or_in_test_mindspeed_yaml():
 
     there = {(path.parent.name, path.name) for _, _, _, path in MAPPED}
     unlaunched = sorted(case for case in EVERY if case not in LAUNCHERS)
-    assert set(EVERY) == set(HERE) | there | {c for c in unlaunched if _in_scope(c[1])}, set(EVERY) - set(HERE) - there
+    assert set(EVERY) == set(HERE) | there, set(EVERY) - set(HERE) - there
     assert len(EVERY) == 64
     # upstream's own gaps: launchers that name a file no commit has, and the GLM-5.2 example (a chat launcher only)
     assert unlaunched == [
@@ -152,7 +159,8 @@ def test_yaml_validates_at_its_launchers_world_size(assets, tmp_path, folder, na
     yaml_file = DATA / folder / name
     own_world = (yaml.safe_load(yaml_file.read_text())["parallel"] or {}).get("fsdp_size", 2)
     world, args = LAUNCHERS.get((folder, name), (own_world, []))
-    model = assets["model"](_family(name))
+    family = _family(name)
+    model = assets["model"](_real_model(name) if family == "qwen3" else family)
     dataset = json.dumps({"file_name": assets["parquet"]})
     paths = (model, model, dataset, str(tmp_path / "output"))
     args = _with_paths(yaml_file, args, paths)
