@@ -187,9 +187,10 @@ def test_deepseek_v4_cp2_yaml_trains_with_the_one_rank_losses(assets, tmp_path):
 
 @pytest.mark.parametrize("model_id", sorted(RELEASE_YAMLS))
 def test_release_yaml_trains_on_two_ranks(assets, model_id, tmp_path):
-    """The release's glm52 pipeline YAML (indexer KL loss weighted 0.1, its spelling) and its LongCat YAML
-    (model_id longcat_flash) on weights merged offline as MindSpeed's moe_hf_param_merge_experts.sh does
-    (tests/models/test_merged_experts_loading.py's writer), each said once in the log, train on 2 ranks."""
+    """The release's glm52 pipeline YAML (indexer KL loss weighted 0.1, its spelling: its step-1 indexer loss is a
+    tenth of master's copy's, weighted 1.0) and its LongCat YAML (model_id longcat_flash) on weights merged offline as
+    MindSpeed's moe_hf_param_merge_experts.sh does (tests/models/test_merged_experts_loading.py's writer), each said
+    once in the log, train on 2 ranks."""
     import math
 
     extra = ()
@@ -206,4 +207,15 @@ def test_release_yaml_trains_on_two_ranks(assets, model_id, tmp_path):
             "model.model_id: longcat_flash is MindSpeed-LLM v26.1.0's name of longcat_flash_ngram")
     assert log.count(said) == 1, log[-3000:]
     if model_id == "glm52":
-        assert "indexer loss:" in log, log[-3000:]
+        # master's copy of the pipeline YAML, given the release's switches but not its indexer_loss_coeff spelling:
+        # the weight is master's 1.0. The same step-1 forward, so the logged indexer loss (coefficient included)
+        # is ten times the release's 0.1-weighted one.
+        switches = [arg for name in ("use_fused_rmsnorm", "moe_grouped_gemm", "use_fused_rotary_pos_emb",
+                                     "use_sparse_flash_attn", "use_fused_lightning_indexer",
+                                     "use_fused_lightning_indexer_loss") for arg in (f"--optimization.{name}", "true")]
+        master_yaml = RELEASE_YAMLS[model_id]  # the same file name in head_newer_ids/
+        master, master_log = _train(assets, model_id, tmp_path / "master", 2, *switches, yaml_name=master_yaml)
+        assert "optimization.indexer_loss_coeff" not in master_log
+        assert master[1] == pytest.approx(losses[1], rel=1e-6), (master, losses)
+        indexer, master_indexer = _losses(log, "indexer loss"), _losses(master_log, "indexer loss")
+        assert indexer[1] == pytest.approx(0.1 * master_indexer[1], rel=1e-5), (indexer, master_indexer)
