@@ -108,5 +108,6 @@ def group_score_notices(config: "Config", facts: "ModelFacts") -> List[str]:
                 f"its top 2, so the routing differs from transformers' model"]
     return [f"model.model_id {m.model_id}: group-limited routing ({groups} groups, {group_topk} chosen) scores each "
             f"group by the sum of its top 2 scores, as transformers' {known[1]} defines it; megatron-core's rule "
-            f"would sum the top {top_k // group_topk} (top-k {top_k} / {group_topk}) — set model.moe_router_num_groups"
-            f" and moe_router_group_topk (--moe-router-num-groups / --moe-router-group-topk) for Megatron's"]
+            f"would sum the top {top_k // group_topk} (top-k {top_k} / {group_topk}) — set "
+            f"model.moe_router_num_groups and moe_router_group_topk (--moe-router-num-groups / "
+            f"--moe-router-group-topk) for Megatron's"]

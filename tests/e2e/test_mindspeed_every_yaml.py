@@ -1,6 +1,7 @@
 """Every MindSpeed-LLM FSDP2 YAML copied under tests/data/mindspeed_fsdp2 (f88dd26d, head = master c77308a1,
 head_newer_ids, v26.1.0 = the release) validates at its launcher's world size, with its launcher's arguments and
-only the paths replaced (model → a directory holding the model's config.json, data → a parquet file, output → tmp).
+only the paths replaced (model → a directory holding the model's config.json, data → a parquet file, output →
+tmp).
 
 The launcher: the entry of `launchers.json` (the shared copy of the `.sh` launchers of f88dd26d, master and v26.1.0)
 whose YAML is the file (head's and the release's unchanged files are f88dd26d's copies, byte for byte); for the
@@ -8,9 +9,10 @@ newer ids' YAMLs, which launchers.json lacks, the `.sh` beside them in MindSpeed
 world and arguments as those scripts give them). A YAML no launcher runs (upstream's launcher names another
 file) validates at the world its own `parallel.fsdp_size` names (MindSpeed's fsdp_size is the world size), else
 2. The DeepSeek-V4 example's launcher turns on expert parallel 128 under the YAML's `ep_dispatcher: mc2` (Ascend's
-MC2 kernels): that one is declined, with that reason and no other (DECLINED). Validation is the entry point's own (`parse_command_line`, what `--dry-run`
-prints), in process: cheap (~0.1 s a file). The qwen3 / qwen3_moe YAMLs a launcher runs go through `--dry-run` in
-test_mindspeed_yaml.py (the real models' config.json); the others here (the qwen3 ones with the same config.json).
+MC2 kernels): that one is declined, with that reason and no other (DECLINED). Validation is the entry point's own
+(`parse_command_line`, what `--dry-run` prints), in process: cheap (~0.1 s a file). The qwen3 / qwen3_moe YAMLs a
+launcher runs go through `--dry-run` in test_mindspeed_yaml.py (the real models' config.json); the others here (the
+qwen3 ones with the same config.json).
 
 The config.json: the published model's sizes that the layout rules read (heads, key/value heads, experts,
 layers, vocabulary). transformers' own config classes default to the reference checkpoint of their family

@@ -27,8 +27,9 @@ DEEPSEEK_V4_CP2 = "tests__st__shell_scripts__pretrain_deepseek4_flash_1k_fsdp2_c
 # MindSpeed-LLM v26.1.0 (the release): its copies of these ids' YAMLs (model_id longcat_flash, the LongCat weights
 # merged offline, optimization.indexer_loss_coeff 0.1: config/mindspeed_release_rules.py)
 RELEASE = DATA.parent / "v26.1.0"
-RELEASE_YAMLS = {"glm52": "tests__pipeline__st__glm52__pretrain_glm52_38b_4k_fsdp2_A3.yaml",
-                 "longcat_flash_ngram": "examples__fsdp2__longcat_flash_lite__pretrain_longcat_flash_lite_4k_fsdp2_A3.yaml"}
+RELEASE_YAMLS = {
+    "glm52": "tests__pipeline__st__glm52__pretrain_glm52_38b_4k_fsdp2_A3.yaml",
+    "longcat_flash_ngram": "examples__fsdp2__longcat_flash_lite__pretrain_longcat_flash_lite_4k_fsdp2_A3.yaml"}
 
 
 @pytest.fixture(scope="module")

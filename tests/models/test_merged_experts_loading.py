@@ -7,9 +7,10 @@ The merged directory is written by `merge_like_mindspeed` below, which follows o
 `tests/tools/fsdp2/moe_hf_param_merge_experts.py` at tag v26.1.0 (`fuse_layer`: gate and up stacked over experts,
 concatenated on the rows, transposed — "3d" `[E, H, 2I]`, or reshaped "2d" `[E·H, 2I]`; down transposed; the other
 keys and files copied), from the per-expert keys of an HF LongCat checkpoint (`per_expert`: transformers' save of
-this tiny model writes its experts stacked). MindSpeed's script itself needs the Ascend stack and lists no LongCat spec (only qwen3_moe
-and minimax_m27, and the release's LongCat launcher names a conversion script the release does not ship), so it
-cannot write this fixture here.
+this tiny model writes its experts stacked). MindSpeed's script itself (torch and safetensors) has no LongCat spec:
+its MODEL_SPECS name qwen3_moe and minimax_m27 only, and the release's LongCat launcher runs a conversion script
+(longcat_flash_lite_moe_hf_weight_convert.sh) the release does not ship; "3d" is the layout of MindSpeed's own
+LongcatFlashExperts parameters ([E, H, 2I], [E, I, H]). So no real tool writes this fixture here.
 """
 import json
 import re
@@ -69,7 +70,8 @@ def per_expert(tensors):
         if key.endswith("mlp.experts.gate_up_proj"):
             base, inter = key[:-len("gate_up_proj")], value.shape[1] // 2
             for e in range(value.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = value[e, :inter], value[e, inter:]
+                out[f"{base}{e}.gate_proj.weight"] = value[e, :inter]
+                out[f"{base}{e}.up_proj.weight"] = value[e, inter:]
         elif key.endswith("mlp.experts.down_proj"):
             for e in range(value.shape[0]):
                 out[f"{key[:-len('down_proj')]}{e}.down_proj.weight"] = value[e]
