@@ -188,21 +188,20 @@ def compact_report(report: List[str]) -> List[str]:
 
 
 def _memory_estimate(config: Config, world: int, dry_run: bool) -> str:
-    """The memory estimate's line (training/memory_estimate.py), before anything is built; a run that cannot fit
-    is refused (UsageError). An estimate that cannot be made (the model is not readable yet) checks nothing: the
-    build says what is wrong."""
-    from fsdp2_backend.build import effective_model_args
-    from fsdp2_backend.checkpoint_dirs import resume_checkpoint
-    from fsdp2_backend.training.memory_estimate import estimate_memory, fit_errors
+    """The memory estimate's line (config/memory_estimate.py), before anything is built; a run that cannot fit
+    is refused (UsageError). A dry run only prints it (it may run elsewhere than the job). An estimate that cannot
+    be made (the model's config is not there yet) checks nothing: the build says what is wrong."""
+    from fsdp2_backend.config.memory_estimate import estimate_memory, fit_errors
 
     try:
-        estimate = estimate_memory(config, effective_model_args(config, resume_checkpoint(config)), world)
-    except Exception as exc:  # noqa: BLE001 - never blocks a run the build would run; the build reports it
-        return f"memory estimate: not made ({type(exc).__name__}: {str(exc)[:200]})"
-    errors = fit_errors(estimate, world)
-    if errors and not dry_run:
-        raise UsageError(errors)
-    return "\n# ".join([estimate.line()] + [f"warning: {e}" for e in errors])
+        estimate = estimate_memory(config, world)
+    except (ValueError, TypeError, OSError, ZeroDivisionError) as exc:  # the build reports a model it cannot read
+        return f"memory estimate: not made ({exc})"
+    if not dry_run:
+        errors = fit_errors(estimate, world)
+        if errors:
+            raise UsageError(errors)
+    return estimate.line()
 
 
 def world_size_from_env(default: Optional[int] = 1) -> Optional[int]:

@@ -1,7 +1,8 @@
 """Memory per rank, estimated from the config before anything is built, and the refusal of what cannot fit.
 
-`estimate_memory(config, model_args, world_size)` counts the model's parameters on the meta device (exact for
-any model id: no formula per architecture, nothing allocated) and prices one rank's share of a training step:
+`estimate_memory(config, world_size)` counts the model's parameters from its config keys (`parameter_counts`: as
+Megatron-LM estimates from its arguments; torch-free, so --dry-run prints it in a fraction of a second) and
+prices one rank's share of a training step:
 
 - model states, sharded by FSDP2 over tp × the FSDP shard group (× cp, which FSDP shards over too; experts over
   ep × ep_fsdp): fp32 parameters (the optimizer's master copy: parallel/fsdp.py keeps parameters fp32), fp32
@@ -14,24 +15,22 @@ any model id: no formula per architecture, nothing allocated) and prices one ran
   layer's full set; the logits (compute dtype plus fp32 for the loss and its gradient), split by tp.
 
 It leaves out the runtime (interpreter, CUDA context, allocator caches, communication buffers): a lower bound of
-what the step needs, so a refusal is never for a run that would have fit. `check_fits` refuses an estimate
+what the step needs, so a refusal is never for a run that would have fit. `fit_errors` refuses an estimate
 over the device's memory (CUDA) or over the host memory available to each of this host's ranks (CPU; and the
 host part under cpu_offload), with the numbers. benchmarks/bench_memory_estimate.py prints the estimate beside
-a measured peak.
+a measured peak, and the parameter count beside the built model's. Torch-free but for the device probe.
 """
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from fsdp2_backend.config.layout import parallel_layout
-from fsdp2_backend.usage_errors import UsageError
+from fsdp2_backend.config.model_facts import model_facts
 
 GIB = float(1 << 30)
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-LAYER = re.compile(r"(^|\.)layers\.\d+$")
 
 
 @dataclass(frozen=True)
@@ -71,30 +70,69 @@ def size(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.1f} MiB"
 
 
-def _counts(model) -> Tuple[int, int, int, int]:
-    """(dense parameters, expert parameters, embedding + output parameters, largest decoder layer's)."""
-    dense = experts = 0
-    for name, p in model.named_parameters():  # tied weights once
-        if ".experts." in name:
-            experts += p.numel()
-        else:
-            dense += p.numel()
-    ends = {id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings())
-            if m is not None and getattr(m, "weight", None) is not None}
-    layers = [sum(p.numel() for p in m.parameters()) for n, m in model.named_modules() if LAYER.search(n)]
-    return dense, experts, sum(ends.values()), max(layers, default=0)
+def _model_values(config) -> Dict[str, Any]:
+    """The model's HF config keys as validation reads them (config.json, the resumed checkpoint's, the
+    architecture flags over them); a multimodal config's text part."""
+    facts = model_facts(config, [])
+    values = {**(facts.config_json or {}), **{k: v for k, v in (config.model.architecture or {}).items()
+                                               if v is not None}}
+    text = values.get("text_config")
+    return {**values, **text} if isinstance(text, dict) else values
 
 
-def _hf_config(config, model_args, tp: int):
-    from fsdp2_backend.data.tokenizer import load_tokenizer, model_vocab_size
-    from fsdp2_backend.models.loading import load_hf_config, weights_available
+def _get(values: Dict[str, Any], *keys: str) -> Optional[int]:
+    for key in keys:
+        if values.get(key) is not None:
+            return values[key]
+    return None
 
-    hf_config = load_hf_config(model_args)
-    arch = config.model.architecture or {}
-    if not weights_available(model_args) and arch and not arch.get("vocab_size"):  # sized by its tokenizer
-        hf_config.vocab_size = model_vocab_size(model_args, None, load_tokenizer(model_args), from_checkpoint=False,
-                                                tp_size=tp)
-    return hf_config
+
+def parameter_counts(values: Dict[str, Any], vocab_fallback: Optional[int] = None) -> Dict[str, int]:
+    """Parameters of a decoder-only HF model from its config keys (biases and per-head norms left out): dense,
+    experts, the embedding and output layer, the largest decoder layer; and the widths activations need. The way
+    Megatron-LM estimates from its arguments (training/theoretical_memory_usage.py), over HF's key names."""
+    h = _get(values, "hidden_size", "n_embd", "d_model")
+    layers = _get(values, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _get(values, "num_attention_heads", "n_head")
+    if not (h and layers and heads):
+        raise ValueError("the model config names no hidden size, layer count or head count")
+    kv_heads = _get(values, "num_key_value_heads", "num_attention_groups") or heads
+    head_dim = _get(values, "head_dim") or h // heads
+    vocab = _get(values, "vocab_size") or vocab_fallback or 0
+    ffn = _get(values, "intermediate_size", "n_inner", "ffn_hidden_size") or 4 * h
+    mats = 2 if values.get("model_type") in ("gpt2", "gpt_bigcode", "gpt_neox", "opt") else 3  # gated: gate+up+down
+    kv_lora = _get(values, "kv_lora_rank")
+    if kv_lora:  # multi-head latent attention (DeepSeek-V3 keys)
+        rope, nope = _get(values, "qk_rope_head_dim") or 0, _get(values, "qk_nope_head_dim") or head_dim
+        v_dim, q_lora = _get(values, "v_head_dim") or head_dim, _get(values, "q_lora_rank")
+        attention = ((h * q_lora + q_lora * heads * (nope + rope)) if q_lora else h * heads * (nope + rope))
+        attention += h * (kv_lora + rope) + kv_lora * heads * (nope + v_dim) + heads * v_dim * h
+        kv_width = kv_lora + rope
+    else:
+        attention = h * head_dim * (heads + 2 * kv_heads) + heads * head_dim * h
+        kv_width = 2 * kv_heads * head_dim
+    experts = _get(values, "n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts") or 0
+    expert_ffn = _get(values, "moe_intermediate_size") or ffn
+    shared = (_get(values, "n_shared_experts") or 0) * mats * h * expert_ffn
+    shared += mats * h * (_get(values, "shared_expert_intermediate_size") or 0)
+    dense_layers = min(_get(values, "first_k_dense_replace") or 0, layers) if experts else layers
+    moe_layers = layers - dense_layers
+    dense_layer = attention + mats * h * ffn + 2 * h
+    moe_layer_dense_part = attention + 2 * h + h * experts + shared  # attention, norms, router, shared experts
+    ends = vocab * h * (1 if values.get("tie_word_embeddings", False) else 2)
+    positions = (_get(values, "n_positions") or 0) * h if mats == 2 else 0  # GPT-2's learned positions
+    top_k = _get(values, "num_experts_per_tok", "moe_topk") or 0
+    return {
+        "dense": dense_layers * dense_layer + moe_layers * moe_layer_dense_part + h + ends + positions,
+        "experts": moe_layers * experts * mats * h * expert_ffn,
+        "ends": ends,
+        "largest_layer": max(dense_layer if dense_layers else 0,
+                             moe_layer_dense_part + experts * mats * h * expert_ffn if moe_layers else 0),
+        "hidden": h, "layers": layers, "vocab": vocab, "kv_width": kv_width,
+        # the widths one token's MLP saves: the dense one, or its routed and shared experts'
+        "ffn_width": (top_k * expert_ffn + (shared // (mats * h) if shared else 0)) if moe_layers and top_k
+        else ffn,
+    }
 
 
 def _optimizer_states(name: str) -> int:
@@ -102,46 +140,26 @@ def _optimizer_states(name: str) -> int:
     return 1 if name.lower() in ("sgd", "muon") else 2
 
 
-def estimate_memory(config, model_args, world_size: int) -> MemoryEstimate:
-    """One rank's memory for a training step of `config` at `world_size` (see the module docstring)."""
-    from fsdp2_backend.models.loading import build_model
-
-    from transformers.utils import logging as hf_logging
-
+def estimate_memory(config, world_size: int) -> MemoryEstimate:
+    """One rank's memory for a training step of `config` at `world_size` (see the module docstring). ValueError
+    when the model's config is not there to read."""
     layout = parallel_layout(config.parallel, world_size)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the config's warnings are the build's to say, once
-    try:
-        hf_config = _hf_config(config, model_args, layout.tp)
-        model = build_model(model_args, hf_config, on_meta=True)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    dense, experts, ends, layer = _counts(model)
+    counts = parameter_counts(_model_values(config), config.model.vocab_size)
     shards = layout.tp * max(layout.dp_shard, 1) * layout.cp
     expert_shards = layout.ep * layout.ep_fsdp if layout.ep > 1 else shards
-    sharded = dense / shards + experts / expert_shards
+    sharded = counts["dense"] / shards + counts["experts"] / expert_shards
     p, t = config.parallel, config.training
     cb = DTYPE_BYTES.get(p.param_dtype, 4)
-    text = getattr(hf_config, "text_config", None) or hf_config
-    h = text.hidden_size
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or h // heads
-    kv = (getattr(text, "num_key_value_heads", None) or heads) * head_dim
-    ffn = getattr(text, "intermediate_size", None) or 4 * h
-    topk, expert_ffn = getattr(text, "num_experts_per_tok", None), getattr(text, "moe_intermediate_size", None)
-    if topk and expert_ffn:  # a token's routed and shared experts
-        ffn = (topk + (getattr(text, "n_shared_experts", None) or 0)) * expert_ffn
-    num_layers = text.num_hidden_layers
+    h = counts["hidden"]
     mbs, seq = t.per_device_train_batch_size, -(-config.data.cutoff_len // layout.cp)
     tokens = mbs * seq
-    per_layer = tokens * (7 * h + 2 * kv + 4 * ffn) * cb // layout.tp
+    per_layer = tokens * (7 * h + counts["kv_width"] + 4 * counts["ffn_width"]) * cb // layout.tp
     if p.recompute:
-        activations = num_layers * tokens * h * cb + per_layer
+        activations = counts["layers"] * tokens * h * cb + per_layer
     else:
-        activations = num_layers * per_layer
-    vocab = text.vocab_size
-    logits = tokens * vocab // layout.tp * (cb + 8)
-    gathered = (2 * layer + ends) // layout.tp * cb * 2
+        activations = counts["layers"] * per_layer
+    logits = tokens * counts["vocab"] // layout.tp * (cb + 8)
+    gathered = (2 * counts["largest_layer"] + counts["ends"]) // layout.tp * cb * 2
     return MemoryEstimate(parameters=int(sharded * 4), gradients=int(sharded * 4),
                           optimizer=int(sharded * 4 * _optimizer_states(t.optimizer)), gathered=int(gathered),
                           activations=int(activations), logits=int(logits), shards=shards, tokens=(mbs, seq),

@@ -8,10 +8,8 @@ import sys
 
 import pytest
 
-from fsdp2_backend.build import effective_model_args
-from fsdp2_backend.checkpoint_dirs import resume_checkpoint
+from fsdp2_backend.config.memory_estimate import GIB, estimate_memory, fit_errors
 from fsdp2_backend.launch import main, parse_command_line
-from fsdp2_backend.training.memory_estimate import GIB, estimate_memory, fit_errors
 from tests.e2e.test_faults_processes import ENV, FLAGS
 from tests.helpers import REPO
 
@@ -45,7 +43,7 @@ def test_dry_run_prints_the_estimate(capsys):
 
 def _estimate(world, *extra):
     config, _ = parse_command_line(_flags(*extra), world)
-    return estimate_memory(config, effective_model_args(config, resume_checkpoint(config)), world)
+    return estimate_memory(config, world)
 
 
 def test_states_divide_by_the_shards_and_activations_by_tp():
@@ -62,3 +60,36 @@ def test_states_divide_by_the_shards_and_activations_by_tp():
         "(training.per_device_train_batch_size) or --seq-length (data.cutoff_len), shard more (more ranks, "
         "--tensor-model-parallel-size, --context-parallel-size), or set --recompute-activations (parallel.recompute)")
     assert fit_errors(one, 1, device=one.total, host=one.total, on_cpu=False) == []
+
+
+@pytest.mark.parametrize("name, values", [
+    ("llama", dict(model_type="llama", hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                   num_key_value_heads=4, intermediate_size=2816, vocab_size=32000, tie_word_embeddings=False)),
+    ("qwen3 tied", dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=32000,
+                        tie_word_embeddings=True)),
+    ("gpt2", dict(model_type="gpt2", n_embd=768, n_layer=4, n_head=12, vocab_size=32000)),
+    ("qwen3_moe", dict(model_type="qwen3_moe", hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                       num_key_value_heads=4, head_dim=64, intermediate_size=2816, moe_intermediate_size=512,
+                       num_experts=16, num_experts_per_tok=4, vocab_size=32000, tie_word_embeddings=False)),
+    ("deepseek_v3", dict(model_type="deepseek_v3", hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                         num_key_value_heads=16, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
+                         qk_rope_head_dim=32, v_head_dim=64, intermediate_size=2816, moe_intermediate_size=512,
+                         n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, first_k_dense_replace=1,
+                         n_group=1, topk_group=1, vocab_size=32000, tie_word_embeddings=False)),
+])
+def test_parameter_count_from_the_config_is_the_built_models(name, values):
+    """The config-derived count (torch-free, what --dry-run prints) against transformers' model of that config,
+    built on the meta device: within 0.5% (biases and per-head norms are left out)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp2_backend.config.memory_estimate import parameter_counts
+
+    values = dict(values)
+    hf_config = AutoConfig.for_model(values.pop("model_type"), **values)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    built = sum(p.numel() for p in model.parameters())
+    counts = parameter_counts(hf_config.to_dict())
+    assert counts["dense"] + counts["experts"] == pytest.approx(built, rel=5e-3), name
