@@ -1,5 +1,6 @@
 """Start-up: seconds from the command to the first iteration's log line of a 1-rank tiny run, next to the floor
-(`python -c "import torch, transformers"`), measured in the same run, and where the run's time goes.
+(`python -c "import torch, transformers"`), measured in the same run, and where the run's time goes; the same
+run with compiled blocks (`--optimization.torch_compile True`) on a warm compile cache (a warm-up run first).
 
 The run: `pretrain_fsdp2.py` with Megatron flags, a 2-layer Llama-style model of hidden 64, mock data with the
 NullTokenizer, one iteration, no save. Rounds alternate the commands (this machine is shared: all see the
@@ -36,7 +37,12 @@ PHASES_MODE = "--phases"
 COMMANDS = {
     "import torch, transformers": [sys.executable, "-c", "import torch, transformers"],
     "tiny run, first iteration line": [sys.executable, os.path.join(REPO, "pretrain_fsdp2.py"), *FLAGS],
+    # optimization.torch_compile on a rerun: inductor's FX graph cache (and AOT autograd's) from the warm-up run
+    # hold the compiled block and loss, so what remains is dynamo's tracing and the cache lookups
+    "tiny run, compiled, warm cache": [sys.executable, os.path.join(REPO, "pretrain_fsdp2.py"), *FLAGS,
+                                       "--optimization.torch_compile", "True"],
 }
+WARM_UP = "tiny run, compiled, warm cache"  # run once before the rounds (fills the compile cache), not counted
 BREAKDOWN_COMMAND = [sys.executable, "-m", "benchmarks.bench_startup", PHASES_MODE]
 # (phase, what ends it): the stamps the --phases child takes, in order
 PHASES = (
@@ -155,6 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     results = {name: [] for name in COMMANDS}
     phases = []
+    cold = _measure(COMMANDS[WARM_UP])  # the first compiled run (cold when the cache is empty) fills the cache
     for _ in range(args.rounds):
         for name, command in COMMANDS.items():
             results[name].append(_measure(command))
@@ -166,6 +173,8 @@ def main() -> None:
         wall, cpu = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
         floor = floor or (wall, cpu)
         print(f"  {name:32s}: {wall:6.2f} s [{cpu:6.2f} s]  ({wall / floor[0]:.2f}x [{cpu / floor[1]:.2f}x] the imports)")
+    print(f"  the warm-up compiled run (before the rounds; cold if the compile cache was empty): {cold[0]:.2f} s "
+          f"[{cold[1]:.2f} s]")
     print("where the tiny run's time goes (the same run, stamped; each phase's own seconds, median):")
     for i, (name, _) in enumerate(PHASES):
         wall = statistics.median(run[i][0] - (run[i - 1][0] if i else 0.0) for run in phases)

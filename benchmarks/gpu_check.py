@@ -12,6 +12,9 @@
    TFLOP/s and MFU.
 3. The same model (transformers' Qwen3ForCausalLM, SDPA) under a bare `fully_shard` loop (bf16 params, fp32
    reduce, AdamW) in this process: the same three figures, measured in the same run, and the ratio engine / bare.
+3b. The engine run of 2. again with --optimization.torch_compile (each decoder block compiled once,
+   parallel/compile.py): the same three figures, its first logging interval (which holds the compile) left out,
+   and the ratio compiled / eager.
 4. Offload: the engine run of 2. again for 4 steps with --optimizer-cpu-offload and --cpu-offloading-num-layers
    (every layer): the device's peak memory with and without (the log lines' figure), and tokens/s.
 """
@@ -156,6 +159,7 @@ def engine_run(shape: dict, dry: bool, extra: str = "", iters: int = 0) -> dict:
 
 # --optimizer-cpu-offload: parameters, gradients and AdamW state on the host (FSDP2 CPUOffloadPolicy), the step
 # there; --cpu-offloading-num-layers: every layer's saved activations on the host
+COMPILE = "--optimization.torch_compile True"  # regional compilation of the decoder blocks
 OFFLOAD = "--optimizer-cpu-offload --cpu-offloading-num-layers {layers}"
 
 
@@ -218,15 +222,19 @@ def main() -> None:
         check_gdn()
         check_conv1d()
     engine = engine_run(shape, dry)
+    compiled = engine_run(shape, dry, COMPILE)
     # a few steps suffice for the memory figure (the host-side AdamW step is slow on a 1.7B-shaped model)
     offloaded = engine_run(shape, dry, OFFLOAD.format(layers=shape["layers"]), iters=min(shape["iters"], 4))
     bare = bare_run(shape, device)
     print(f"model: Qwen3-1.7B-shaped, {shape['layers']} layers, seq {shape['seq']}, micro-batch {shape['mbs']}, "
           f"on {torch.cuda.get_device_name() if not dry else 'cpu (dry)'}")
-    for name, figures in (("engine (pretrain_fsdp2.py)", engine), ("bare fully_shard loop", bare)):
+    for name, figures in (("engine (pretrain_fsdp2.py)", engine), ("engine, compiled blocks", compiled),
+                          ("bare fully_shard loop", bare)):
         mfu = "n/a" if figures["MFU %"] is None else f"{figures['MFU %']:.1f}"
         print(f"{name:<28} tokens/s {figures['tokens/s']:>12.1f}   TFLOP/s {figures['TFLOP/s']:>8.2f}   MFU % {mfu}")
     print(f"engine / bare tokens/s: {engine['tokens/s'] / bare['tokens/s']:.2f}")
+    print(f"compiled / eager tokens/s: {compiled['tokens/s'] / engine['tokens/s']:.2f}; "
+          f"compiled / bare tokens/s: {compiled['tokens/s'] / bare['tokens/s']:.2f}")
     print(f"offload: device peak memory GiB {engine['peak GiB']:.2f} without, {offloaded['peak GiB']:.2f} with "
           f"{OFFLOAD.format(layers=shape['layers'])} (tokens/s {engine['tokens/s']:.1f} vs "
           f"{offloaded['tokens/s']:.1f})")

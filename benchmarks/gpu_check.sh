@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The accelerator check (one CUDA GPU, after `make install`, under 8 minutes): the triton kernels for real and
-# the engine's tokens/s, TFLOP/s and MFU beside a bare fully_shard loop. `--dry` (or GPU_CHECK_DRY=1): on CPU,
+# the engine's tokens/s, TFLOP/s and MFU, eager and with compiled decoder blocks (--optimization.torch_compile),
+# beside a bare fully_shard loop. `--dry` (or GPU_CHECK_DRY=1): on CPU,
 # tiny shapes, for CI. Everything is in benchmarks/gpu_check.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
