@@ -1,7 +1,8 @@
 """The config rules of quantised training (`model.quant_*`, low-precision all-gather), torch-free.
 
 `check_quantization` appends errors: the quant fields without a recipe; unknown converter names (listing the
-known ones); torchao missing; layouts the MXFP8 weights do not support yet (tensor and expert parallel).
+known ones); torchao missing; layouts the MXFP8 weights do not support yet (tensor and expert parallel); FP8
+recipes under context parallel (tensor parallel takes their scales over the tp ranks: `parallel/float8_tp.py`).
 `quant_notices` lists fields with no effect in the chosen mode (reported once).
 """
 from __future__ import annotations
@@ -42,10 +43,10 @@ def check_quantization(config: Config, errors: List[str]) -> None:
         errors.append(f"model.quant_converters: {', '.join(wrong)} do not go with quant_recipe_name "
                       f"{m.quant_recipe_name} — use {FLOAT8_LINEAR_CONVERTER if float8 else ', '.join(MX_CONVERTERS)}")
     if float8:
-        if p.tp_size > 1 or p.cp_size > 1:  # one scale over a tensor (row, block) split across ranks
-            errors.append(f"model.quant_recipe_name: {m.quant_recipe_name} FP8 scales over a tensor that "
-                          f"{'tensor' if p.tp_size > 1 else 'context'} parallel splits across ranks are not "
-                          f"supported yet — use parallel.tp_size 1 and parallel.cp_size 1, or drop quantisation")
+        if p.cp_size > 1:  # tensor parallel takes its scales over the tp ranks (parallel/float8_tp.py)
+            errors.append(f"model.quant_recipe_name: {m.quant_recipe_name} FP8 scales over the tokens that context "
+                          f"parallel splits across ranks (the weight gradient's operands) are not supported yet — "
+                          f"use parallel.cp_size 1, or drop quantisation")
         return
     if m.quant_fp8_format != "e4m3":
         errors.append("model.quant_fp8_format: hybrid (E5M2 gradients) is not part of the mxfp8 recipe — use e4m3, "

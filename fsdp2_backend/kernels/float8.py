@@ -14,14 +14,15 @@ Recipes (Megatron `--fp8-recipe`, torchao `Float8LinearConfig` recipes, DeepSeek
 tensor is zero-padded (zeros change no amax); blockwise weights must be whole 128×128 blocks
 (`blockwise_supported`).
 
-Emulated on every device: each operand is quantised and dequantised (to fp32), then one plain GEMM — what an FP8
-GEMM computes up to accumulation order. Scales depend only on the operand's own values, so a weight quantised after
-FSDP's all-gather (in its parameter dtype) gets the one-process values: torchao's FP8 all-gather, which casts the
-shards with the scale of the all-reduced amax, gives the same elements; here the gather stays high precision.
+Emulated on every device: each operand is quantised and dequantised (to fp32), then one plain GEMM accumulated in
+fp64 (`_gemm`) — what an FP8 GEMM computes up to accumulation order. Scales depend only on the operand's own values,
+so a weight quantised after FSDP's all-gather (in its parameter dtype) gets the one-process values: torchao's FP8
+all-gather, which casts the shards with the scale of the all-reduced amax, gives the same elements; here the gather
+stays high precision.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -32,15 +33,20 @@ BLOCK = 128
 _EPS = 1e-12
 
 
-def fake_quantize(x: torch.Tensor, block: Tuple[int, int], dtype: torch.dtype = E4M3,
-                  pow2: bool = False) -> torch.Tensor:
-    """x (2-D) quantised to `dtype` with one scale per `block` (rows, cols; 0 = the whole dim) and back, in fp32."""
+def fake_quantize(x: torch.Tensor, block: Tuple[int, int], dtype: torch.dtype = E4M3, pow2: bool = False,
+                  amax_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+    """x (2-D) quantised to `dtype` with one scale per `block` (rows, cols; 0 = the whole dim) and back, in fp32.
+
+    `amax_reduce` (in place, on the per-block amax): for a tensor whose whole-dim blocks are split across ranks,
+    the maximum over those ranks (tensor parallel), so that every shard gets the one-process scale."""
     rows, cols = x.shape
     br, bc = block[0] or rows, block[1] or cols
     pad_r, pad_c = -rows % br, -cols % bc
     t = F.pad(x.float(), (0, pad_c, 0, pad_r)) if pad_r or pad_c else x.float()
     tiles = t.reshape(t.shape[0] // br, br, t.shape[1] // bc, bc)
     amax = tiles.abs().amax(dim=(1, 3), keepdim=True)
+    if amax_reduce is not None:
+        amax_reduce(amax)
     fmax = torch.finfo(dtype).max
     scale = fmax / amax.clamp(min=_EPS)
     if pow2:  # rounded down to a power of two (exact to apply and to invert)
@@ -65,37 +71,66 @@ def blockwise_supported(weight_shape) -> bool:
     return all(d % BLOCK == 0 for d in weight_shape)
 
 
+# A quantiser of the six operands: (operand name as in _BLOCKS, 2-D tensor, block, dtype, pow2) → fake-quantised.
+Quantizer = Callable[[str, torch.Tensor, Tuple[int, int], torch.dtype, bool], torch.Tensor]
+
+
+def local_quantizer(name: str, t: torch.Tensor, block: Tuple[int, int], dtype: torch.dtype,
+                    pow2: bool) -> torch.Tensor:
+    """Every operand whole in this process (no tensor parallel)."""
+    return fake_quantize(t, block, dtype, pow2)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b.T of two dequantised operands. Accumulated in fp64 where the device has it: each product of two
+    dequantised FP8 values is exact there, so the sum hardly depends on its order (as an FP8 GEMM's exact
+    products and wide accumulator), and tensor parallel's split GEMMs give one process's numbers — in fp32,
+    tensorwise scales (not powers of two) make the products inexact and the GEMM's blocking (which follows the
+    shapes) moves the rounding, which the next quantisation can turn into a different FP8 value. Ascend NPUs
+    have no fp64 GEMM: fp32 there."""
+    if a.device.type == "npu":
+        return a @ b.t()
+    return a.double() @ b.double().t()
+
+
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: str, grad_format: str) -> torch.Tensor:
-        ctx.recipe, ctx.grad_format, ctx.weight_dtype = recipe, grad_format, weight.dtype
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: str, grad_format: str,
+                quantize: Quantizer, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
+        ctx.recipe, ctx.grad_format, ctx.weight_dtype, ctx.quantize = recipe, grad_format, weight.dtype, quantize
         ctx.save_for_backward(x, weight)
         b, pow2 = _BLOCKS[recipe], recipe != "tensorwise"
         x2 = x.reshape(-1, x.shape[-1])
-        out = fake_quantize(x2, b["x"], E4M3, pow2) @ fake_quantize(weight.detach(), b["w"], E4M3, pow2).t()
-        return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        out = _gemm(quantize("x", x2, b["x"], E4M3, pow2), quantize("w", weight.detach(), b["w"], E4M3, pow2))
+        return out.to(out_dtype or x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        b, pow2 = _BLOCKS[ctx.recipe], ctx.recipe != "tensorwise"
+        b, pow2, quantize = _BLOCKS[ctx.recipe], ctx.recipe != "tensorwise", ctx.quantize
         gdt = E5M2 if ctx.grad_format == "hybrid" else E4M3
         x2, g2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             w_t = weight.detach().t()  # (K, N): the reduction dim N last
-            grad_x = (fake_quantize(g2, b["dy"], gdt, pow2) @ fake_quantize(w_t, b["w_t"], E4M3, pow2).t())
+            grad_x = _gemm(quantize("dy", g2, b["dy"], gdt, pow2), quantize("w_t", w_t, b["w_t"], E4M3, pow2))
             grad_x = grad_x.to(x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1]:
-            grad_w = fake_quantize(g2.t(), b["dy_t"], gdt, pow2) @ fake_quantize(x2.t(), b["x_t"], E4M3, pow2).t()
+            grad_w = _gemm(quantize("dy_t", g2.t(), b["dy_t"], gdt, pow2),
+                           quantize("x_t", x2.t(), b["x_t"], E4M3, pow2))
             grad_w = grad_w.to(ctx.weight_dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  recipe: str = "tensorwise", grad_format: str = "e4m3") -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with its three GEMMs in FP8 under `recipe` (module docstring)."""
+                  recipe: str = "tensorwise", grad_format: str = "e4m3",
+                  quantize: Quantizer = local_quantizer, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with its three GEMMs in FP8 under `recipe` (module docstring).
+
+    `quantize`: how each operand gets its scales; tensor parallel passes one that takes the scales of the whole
+    tensor over the ranks that hold its shards (`parallel/float8_tp.py`). `out_dtype` (default x's): tensor
+    parallel keeps a partial GEMM output in the accumulator's fp64 until the ranks' parts are summed."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown float8 recipe {recipe!r}: one of {', '.join(RECIPES)}")
-    out = _Float8Linear.apply(x, weight, recipe, grad_format)
+    out = _Float8Linear.apply(x, weight, recipe, grad_format, quantize, out_dtype)
     return out if bias is None else out + bias.to(out.dtype)

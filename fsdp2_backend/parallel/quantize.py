@@ -12,7 +12,8 @@ Selection (MindSpeed-LLM's fields): a module is converted when its name or an an
   (`kernels.mx_linear.mx_grouped_linear`) through their `gemm` hook; their weights gather in high precision;
 - `quantize.linear.float8` (recipes tensorwise / rowwise / blockwise, `kernels.float8`): an `nn.Linear`'s
   forward becomes `float8_linear` on the instance (its weight stays a plain parameter, gathered by FSDP in
-  param_dtype and quantised in the call); blockwise needs whole 128×128 weight blocks, others stay high precision.
+  param_dtype and quantised in the call; under tensor parallel `float8_tp` quantises each rank's shards with the
+  whole tensor's scales); blockwise needs whole 128×128 weight blocks, others stay high precision.
 
 Master weights, optimizer state, checkpoints and the HF export stay unquantised: the state dict of a
 converted module holds the plain weight (`unwrap`), which shares storage with the wrapper, so loading into it
@@ -96,7 +97,14 @@ def apply_quantization(model: nn.Module, config: Config) -> List[str]:
 
 
 def _float8_forward(module: nn.Linear, recipe: str, grad_format: str, x):
-    """`module`'s forward with its GEMMs in FP8 (the weight as FSDP hands it in, i.e. gathered)."""
+    """`module`'s forward with its GEMMs in FP8 (the weight as FSDP hands it in, i.e. gathered; under tensor
+    parallel a DTensor on the tp mesh, whose scales `float8_tp` takes over the tp ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(module.weight, DTensor):
+        from fsdp2_backend.parallel.float8_tp import float8_linear_tp
+
+        return float8_linear_tp(x, module.weight, module.bias, recipe, grad_format)
     return float8_linear(x, module.weight, module.bias, recipe=recipe, grad_format=grad_format)
 
 

@@ -21,8 +21,10 @@ from fsdp2_backend.distributed.dtensor import local_tensor
 
 try:  # DTensor placement classes (torch >= 2.4)
     from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # pragma: no cover - older torch keeps them under _tensor
     from torch.distributed._tensor import DTensor, Shard
+    from torch.distributed._tensor.placement_types import _StridedShard
 
 
 def _shard_key(grad: Tensor) -> Tuple:
@@ -32,7 +34,9 @@ def _shard_key(grad: Tensor) -> Tuple:
     if any(p.is_partial() for p in grad.placements):
         raise ValueError("grad_clip: a gradient is still Partial (unreduced) on its mesh — clip after the "
                          "gradient reduction")
-    dims = tuple(i for i, p in enumerate(grad.placements) if isinstance(p, Shard))
+    # FSDP2 over a tensor-parallel weight shards it with _StridedShard, which torch 2.13 no longer derives from
+    # Shard: missing it left the data-parallel shards' squares out of the norm (clipping by a smaller norm)
+    dims = tuple(i for i, p in enumerate(grad.placements) if isinstance(p, (Shard, _StridedShard)))
     return (grad.device_mesh, dims) if dims else ()
 
 

@@ -77,9 +77,11 @@ def test_float8_linear_gemms_follow_the_recipe(recipe, grad_format):
     out.backward(dy)
     x2, d2 = x.detach().reshape(256, 128), dy.reshape(256, 256)
     q = lambda t, b, dt=E4M3: _reference(t.contiguous(), b, dt, pow2)  # noqa: E731
-    want_out = q(x2, blocks["x"]) @ q(w.detach(), blocks["w"]).t() + bias.detach()
-    want_dx = q(d2, blocks["g"], gdt) @ q(w.detach().t(), blocks["w"]).t()
-    want_dw = q(d2.t(), blocks["g"], gdt) @ q(x2.t(), blocks["x"]).t()
+    # an FP8 GEMM: exact products of the dequantised operands, a wide accumulator (fp64 here), one rounding
+    mm = lambda a, b: (a.double() @ b.double().t()).float()  # noqa: E731
+    want_out = mm(q(x2, blocks["x"]), q(w.detach(), blocks["w"])) + bias.detach()
+    want_dx = mm(q(d2, blocks["g"], gdt), q(w.detach().t(), blocks["w"]))
+    want_dw = mm(q(d2.t(), blocks["g"], gdt), q(x2.t(), blocks["x"]))
     torch.testing.assert_close(out.detach().reshape(256, 256), want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad.reshape(256, 128), want_dx, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(w.grad, want_dw, rtol=1e-5, atol=1e-4)

@@ -67,7 +67,10 @@ def test_two_ranks_equal_one_for_each_fp8_recipe(tmp_path):
     for recipe, _ in RUNS[:3]:
         want, got = one[recipe]["losses"], two[recipe]["losses"]
         assert len(want) == STEPS
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=0, msg=recipe)
+        # FSDP's clipping norm is summed over the shards, one process's over whole tensors: the last bit of the
+        # clipped gradients differs, which a recipe can turn into another FP8 value a step later (blockwise: 4e-6)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0,
+                                   msg=f"{recipe} {got} {want}")
         assert all(abs(q - p) > 1e-6 for q, p in zip(want, plain)), recipe  # the recipe is applied
         assert all(abs(q - p) < 0.05 * p for q, p in zip(want, plain)), recipe
         assert two[recipe]["plain"]
