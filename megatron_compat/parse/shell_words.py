@@ -1,8 +1,8 @@
 """Unexpanded shell syntax in launch lines that were read off a script instead of run through bash.
 
 A launch line copied out of a `.sh` file still holds what bash would have expanded or consumed: `${VAR:-x}`
-defaults, `$((8*1))` arithmetic, `if [ ... ]; then ... fi` keywords, `ARGS+=(` array syntax and `<PLACEHOLDER>`
-markers. bash gives these the values below when the variables are unset; anything else (`$1`, `${DATA_PATH}/x`)
+defaults, `$((8*1))` arithmetic, `if [ ... ]; then ... fi` keywords, `ARGS+=(` array syntax, `<PLACEHOLDER>`
+markers and the options of an `nsys profile` command the script runs the launcher under. bash gives these the values below when the variables are unset; anything else (`$1`, `${DATA_PATH}/x`)
 is kept as written, since only the user knows its value. Every change is reported as a warning, never silently.
 """
 from __future__ import annotations
@@ -17,6 +17,12 @@ _KEYWORDS = {"if", "then", "else", "elif", "fi", "[", "]", "];", "[[", "]]", "]]
 _ARRAY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\+?=\(+\)?$")
 _PLACEHOLDER = re.compile(r"^<[A-Z0-9_]+>$")
 _TEST_OPERATORS = {"-f", "-n", "-z", "-d", "-e"}
+# Options of NVIDIA Nsight Systems' `nsys profile` (each with its value), which scripts keep in a profiling
+# command put before the launcher; read off the script they land in the line. None is a Megatron argument.
+_NSYS_OPTIONS = {"--sample", "-s", "--cpuctxsw", "--trace", "-t", "--capture-range", "-c", "--capture-range-end",
+                 "--cuda-graph-trace", "--cuda-memory-usage", "--force-overwrite", "-f", "--stop-on-exit", "-x",
+                 "--output", "-o", "--delay", "-y", "--duration", "-d", "--trace-fork-before-exec",
+                 "--cudabacktrace", "--python-sampling", "--gpu-metrics-devices", "--nic-metrics"}
 
 
 def _expand(token: str) -> str:
@@ -74,13 +80,23 @@ def clean(argv: Sequence[str], takes_value: Callable[[str], bool] = lambda flag:
     out: List[str] = []
     dropped: List[str] = []
     expanded: List[str] = []
-    in_test = False
+    nsys: List[str] = []
+    in_test = nsys_value = False
     for token in argv:
+        if nsys_value and not token.startswith("-"):  # the value of an nsys option
+            nsys.append(token)
+            nsys_value = False
+            continue
+        nsys_value = False
         if in_test and not token.startswith("--"):  # `if [ ... ]`: up to the bracket (a --flag ends it too)
             dropped.append(token)
             in_test = token not in ("]", "];", "]]", "]];")
             continue
         in_test = False
+        if token.split("=", 1)[0] in _NSYS_OPTIONS and not takes_value(token.split("=", 1)[0]):
+            nsys.append(token)
+            nsys_value = "=" not in token
+            continue
         if token in ("[", "[["):
             dropped.append(token)
             in_test = True
@@ -94,6 +110,9 @@ def clean(argv: Sequence[str], takes_value: Callable[[str], bool] = lambda flag:
             expanded.append(f"{token} → {new}")
         out.append(new)
     warnings = []
+    if nsys:
+        warnings.append("ignored Nsight Systems options (nsys profile's, from the script's profiling command; "
+                        "give them to nsys before the launcher): " + " ".join(nsys))
     if dropped:
         warnings.append("ignored shell syntax left in the launch line: " + " ".join(dropped))
     if expanded:

@@ -22,7 +22,6 @@ LINES = json.loads(CORPUS.read_text())
 EXPECTED_DECLINES = {
     "gpt3/train_gpt3_175b_distributed.sh": "--step-batch-size-schedule",
     "gptoss/02_train.sh": "--fp8-format",
-    "megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh": "--sample",
     "gpt_dynamic_inference_tp1_pp1_583m_prefix_caching_chunked_prefill_cuda_graphs": "--prompts",
 }
 
@@ -61,11 +60,12 @@ def test_line_translates_or_is_declined_with_reasons(key):
 
 VALIDATION_DECLINES = ("training.global_batch_size", "model.mtp_num_layers: not available with parallel.",
                        "parallel.tp_size: model_type nemotron_h",  # examples/mamba/train.sh at tp 4
-                       "model.quant_recipe_name: tensorwise FP8 scales over a tensor that tensor parallel")
+                       # the tp4 cp2 FP8 functional test: FP8 under context parallel (tensor parallel is built)
+                       "model.quant_recipe_name: tensorwise FP8 scales over the tokens that context parallel")
 
 
 def test_corpus_figures():
-    """A floor against regressions: 49 of the 60 lines translate today (the rest are declined with reasons)."""
+    """A floor against regressions: 50 of the 60 lines translate today (the rest are declined with reasons)."""
     translated = 0
     for argv in LINES.values():
         try:
@@ -74,7 +74,7 @@ def test_corpus_figures():
         except UsageError:
             pass
     assert len(LINES) == 60
-    assert translated >= 49
+    assert translated >= 50
 
 
 # Lines that needed the decoupled lr, the QK-norm weight decay, the scheduler resume policy or the time-based exit.

@@ -106,3 +106,14 @@ def test_norm_topk_prob_is_what_a_mixtral_style_router_does(extra):
     # without --norm-topk-prob, Megatron's pre-softmax keeps the k scores unnormalised: the router switch
     plain = translate_report(LINE + "--num-experts 6 --moe-router-topk 3 --moe-router-pre-softmax".split())
     assert plain.fields["model"]["moe_router_pre_softmax"] is True
+
+
+def test_nsys_profile_options_read_off_a_script_are_dropped_with_a_warning():
+    # Megatron-LM's megatron_fsdp example runs the launcher under `nsys profile --sample=none ... -o OUT`: read off
+    # the script, those options land in the line; none is a training argument
+    argv = LINE + ["--sample=none", "--trace=cuda,nvtx", "--capture-range=cudaProfilerApi", "-f", "true", "-o",
+                   "nsys_profiles/run", "--log-interval", "3"]
+    t = translate_report(argv)
+    assert not t.report.declined and t.fields["training"]["logging_steps"] == 3
+    (warning,) = [w for w in t.report.warnings if "Nsight Systems" in w]
+    assert "--sample=none" in warning and "-o nsys_profiles/run" in warning
