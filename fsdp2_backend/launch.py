@@ -145,7 +145,9 @@ def parse_for_world(argv: List[str], world_size: Optional[int],
                       f"to check another)")
     file_errors = input_file_errors(config) if check_files else []
     try:
-        config, notices = validate_with_notices(config, world_size)
+        native_fields = {(group, name) for _, groups in native for group, values in groups.items()
+                         if isinstance(values, dict) for name in values}
+        config, notices = validate_with_notices(config, world_size, native_fields)
     except UsageError as exc:  # one report: a missing model directory is said once, as such
         missing_model = any(e.startswith("model.model_name_or_path") for e in file_errors)
         messages = [m for m in exc.messages if not (missing_model and m.startswith("model.model_name_or_path"))]

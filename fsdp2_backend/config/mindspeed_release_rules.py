@@ -18,7 +18,7 @@ know (argparse `parse_known_args`, an info line), and refuse a value outside a f
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import List, Tuple
+from typing import List, Optional, Set, Tuple
 
 from fsdp2_backend.config.schema import MODEL_ID_ALIASES, Config
 
@@ -34,8 +34,11 @@ MASTER_ONLY_VALUES = (("model", "model_id", "deepseek_v4"), ("parallel", "cp_typ
 INDEXER_DEFAULT = 1.0  # MindSpeed's default weight of the indexer's KL loss (both versions)
 
 
-def release_readings(config: Config) -> Tuple[Config, List[str], List[str]]:
-    """(the config with the release's spellings resolved, errors, notices): each difference said once."""
+def release_readings(config: Config, native_fields: Optional[Set[Tuple[str, str]]] = None
+                     ) -> Tuple[Config, List[str], List[str]]:
+    """(the config with the release's spellings resolved, errors, notices): each difference said once.
+    `native_fields`: the (group, field) pairs a YAML or ``--group.field`` set — a master-only field that a
+    Megatron flag (or its default) set concerns no MindSpeed version and is not said; None: every field."""
     errors: List[str] = []
     notices: List[str] = []
     model, training = config.model, config.training
@@ -56,18 +59,21 @@ def release_readings(config: Config) -> Tuple[Config, List[str], List[str]]:
     coeff = next(c for c in (master_coeff, release_coeff, INDEXER_DEFAULT) if c is not None)
     training = replace(training, indexer_loss_coeff=coeff)
     optimization = replace(config.optimization, indexer_loss_coeff=None)  # resolved: a second validation is silent
-    master_only = _master_only_set(config)
+    master_only = _master_only_set(config, native_fields)
     if master_only:
         notices.append(f"{', '.join(master_only)}: read as {MASTER} reads them — {RELEASE} has no such field or "
                        f"value (its parser skips the fields and refuses the values)")
     return replace(config, model=model, training=training, optimization=optimization), errors, notices
 
 
-def _master_only_set(config: Config) -> List[str]:
-    """The master-only fields set to other than their defaults, and the master-only values chosen."""
+def _master_only_set(config: Config, native_fields: Optional[Set[Tuple[str, str]]]) -> List[str]:
+    """The master-only fields set to other than their defaults, and the master-only values chosen (by a native
+    layer, where `native_fields` says which fields those set)."""
     defaults = Config()
+    native = (lambda group, name: True) if native_fields is None else (  # noqa: E731
+        lambda group, name: (group, name) in native_fields)
     named = [f"{group}.{name}" for group, name in MASTER_ONLY
-             if getattr(getattr(config, group), name) != getattr(getattr(defaults, group), name)]
+             if getattr(getattr(config, group), name) != getattr(getattr(defaults, group), name) and native(group, name)]
     named += [f"{group}.{name}: {value}" for group, name, value in MASTER_ONLY_VALUES
-              if getattr(getattr(config, group), name) == value]
+              if getattr(getattr(config, group), name) == value and native(group, name)]
     return named

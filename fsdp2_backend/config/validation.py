@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import re
 from dataclasses import replace
-from typing import List, Tuple
+from typing import List, Optional, Set, Tuple
 
 from fsdp2_backend.config.batch_rules import batch_schedule_errors
 from fsdp2_backend.config.compile_rules import compile_notices
@@ -310,10 +310,12 @@ def _check_model_defined(config: Config, facts: ModelFacts, errors: List[str]) -
                       "checkpoint to resume, or model.architecture to build a model from scratch")
 
 
-def validate_with_notices(config: Config, world_size: int = 1) -> Tuple[Config, List[str]]:
+def validate_with_notices(config: Config, world_size: int = 1,
+                          native_fields: Optional[Set[Tuple[str, str]]] = None) -> Tuple[Config, List[str]]:
     """Checks every rule; returns (the config with derived values filled in, notices to print once), or raises
-    UsageError listing every problem."""
-    config, errors, release_notices = release_readings(config)  # MindSpeed v26.1.0's spellings, resolved first
+    UsageError listing every problem. `native_fields`: the (group, field) pairs a YAML or ``--group.field`` set (the
+    MindSpeed version notes concern those only; None: every field)."""
+    config, errors, release_notices = release_readings(config, native_fields)  # MindSpeed v26.1.0's spellings first
     _check_seed_rules(config, errors)
     _check_optimizer_schedule(config, errors)
     errors.extend(optimizer_errors(config))

@@ -104,3 +104,27 @@ def test_master_only_fields_and_values_are_read_as_master_reads_them(model_dir, 
     # a release YAML sets none of them: nothing said
     _, _, release_notices = release_readings(build_config([("yaml", load_yaml(str(RELEASE_GLM)))]))
     assert not [n for n in release_notices if "read as MindSpeed-LLM master reads them" in n], release_notices
+
+
+def test_a_megatron_line_is_told_nothing_about_mindspeed_versions(tmp_path):
+    """A Megatron launch line sets training.deterministic (Megatron's --deterministic-mode default, off) and
+    parallel.cp_size: no MindSpeed version read them, so nothing is said of one; the same field from a YAML is."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    line = [sys.executable, f"{REPO}/pretrain_fsdp2.py", "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+            "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "3", "--lr", "1e-4",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--mock-data", "--dry-run"]
+    result = subprocess.run(line, capture_output=True, text=True, cwd=REPO, env={"HF_HUB_OFFLINE": "1", "PATH": ""})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "MindSpeed-LLM" not in result.stdout + result.stderr
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("training:\n  deterministic: false\n")
+    result = subprocess.run(line[:2] + [str(yaml_file)] + line[2:], capture_output=True, text=True, cwd=REPO,
+                            env={"HF_HUB_OFFLINE": "1", "PATH": ""})
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = [n for n in (result.stdout + result.stderr).splitlines() if "read as MindSpeed-LLM master reads" in n]
+    assert len(said) == 1 and "training.deterministic" in said[0], said
