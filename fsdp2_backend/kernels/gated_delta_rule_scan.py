@@ -221,6 +221,10 @@ def _block_tail(q, k, v, beta, gc, decay, kk, qk, eg, d_qw, d_k_dec, d_aqk, d_bv
     return d_q, d_k, d_v, d_g, d_beta
 
 
+# Eager inside compiled blocks (optimization.torch_compile): dynamo would unroll the chunk loop and break at every
+# `out=` into a strided buffer (8 breaks and minutes of compiling per Gated DeltaNet layer on CPU, measured with
+# benchmarks/compile_model_ids.py); the hand-written forward and backward are already the fused form.
+@torch.compiler.disable
 def chunked_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int,
                  doc_first_chunks: Optional[List[int]], initial_state: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """The rule on fp32 [B, T, heads, D] tensors (q already scaled), T a multiple of chunk_size: q, k with Hk
