@@ -238,6 +238,10 @@ def translate_report(argv: Sequence[str], world_size: Optional[int] = 1, model_g
         # Megatron's default 0.1 would apply dropout after attention and MLP; HF Llama-style models have none.
         ctx.warn(f"--hidden-dropout: Megatron's default {ctx.get('hidden_dropout')} is not applied — HF "
                  f"{arch.get('model_type')} models have no hidden dropout (give --hidden-dropout 0 to say so)")
+    if from_scratch and arch.get("model_type") == "deepseek_v3" and not ctx.get("qk_layernorm"):
+        # megatron-core's MLA normalises the q / kv latents only under --qk-layernorm; HF DeepSeek-V3 always does
+        ctx.warn("--multi-latent-attention without --qk-layernorm: megatron-core's MLA would have no q/kv latent "
+                 "norms; HF DeepSeek-V3 always has them, so this model does (DeepSeek's recipes give --qk-layernorm)")
     if arch and not (ctx.get("use_checkpoint_args") and loads_checkpoint(ctx)):  # the checkpoint's model wins
         ctx.set("model.architecture", arch)
         given = [ctx.flag_names[d] for d in sorted(active, key=ctx.order.__getitem__)

@@ -96,3 +96,13 @@ def test_yarn_flags_without_mla_are_still_declined():
     with pytest.raises(UsageError) as err:
         translate_megatron(argv + "--rotary-scaling-factor 40".split())
     assert any(m.startswith("--rotary-scaling-factor:") for m in err.value.messages)
+
+
+def test_mla_without_qk_layernorm_says_the_latent_norms_are_there():
+    """megatron-core's MLA without --qk-layernorm has no q/kv latent norms (its layer spec leaves them out);
+    transformers' DeepSeek-V3 always has them: the run says so once, and with the flag says nothing."""
+    from megatron_compat.translate import translate_report
+
+    without = [w for w in translate_report(list(MLA)).report.warnings if "--qk-layernorm" in w]
+    assert len(without) == 1 and "latent norms" in without[0], without
+    assert not [w for w in translate_report([*MLA, "--qk-layernorm"]).report.warnings if "--qk-layernorm" in w]
