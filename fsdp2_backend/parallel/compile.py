@@ -2,7 +2,7 @@
 
 Compiling the repeated block rather than the whole model is torchtitan's way (`apply_compile`): every block has
 the same code, so dynamo traces one graph and the other blocks reuse it (one compile, not one per layer), and
-what breaks graphs outside the blocks (the embedding, the loss, the data path, FSDP's root hooks) stays eager.
+what breaks graphs outside the blocks (the embedding, the data path, FSDP's root hooks) stays eager.
 
 Where it sits in the plan (`parallel.apply`): after TP, EP, CP, recompute and ChunkMBS, before FSDP — the order
 torch's composability rules and torchtitan use. The compiled region then holds the DTensor (TP) ops and the
@@ -18,8 +18,10 @@ The loss head (cross entropy over the logits, `training.loss.masked_loss_sum`) i
 trainer that calls it.
 
 Not fullgraph: a block that hits a graph break (an op dynamo cannot trace) still runs, its traceable pieces
-compiled; the model ids whose blocks cannot be captured usefully at all are declared by their `ModelSpec`
-(`compile_declined`, a reason) and stay eager, said once by config validation.
+compiled. Every model id compiles (benchmarks/compile_model_ids.py lists graphs and breaks per id); blocks with
+routed experts compile in pieces around the token dispatch, said once by config validation (config/
+compile_rules.py). Ops that are already hand-fused or data-dependent run eager inside the compiled region
+(`torch.compiler.disable`: the experts' grouped GEMM, Gated DeltaNet's CPU scan).
 """
 from __future__ import annotations
 
