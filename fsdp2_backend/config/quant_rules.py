@@ -43,10 +43,14 @@ def check_quantization(config: Config, errors: List[str]) -> None:
         errors.append(f"model.quant_converters: {', '.join(wrong)} do not go with quant_recipe_name "
                       f"{m.quant_recipe_name} — use {FLOAT8_LINEAR_CONVERTER if float8 else ', '.join(MX_CONVERTERS)}")
     if float8:
-        if p.cp_size > 1:  # tensor parallel takes its scales over the tp ranks (parallel/float8_tp.py)
-            errors.append(f"model.quant_recipe_name: {m.quant_recipe_name} FP8 scales over the tokens that context "
-                          f"parallel splits across ranks (the weight gradient's operands) are not supported yet — "
-                          f"use parallel.cp_size 1, or drop quantisation")
+        # tensor and context parallel take the scales over their ranks (parallel/float8_tp.py); a blockwise
+        # 128-token block must lie on one rank (ring attention holds 2 chunks of seq / (2 cp) tokens per sample)
+        span = 2 * p.cp_size * 128
+        if p.cp_size > 1 and m.quant_recipe_name == "blockwise" and config.data.cutoff_len % span:
+            errors.append(f"model.quant_recipe_name: blockwise FP8 under context parallel needs the weight "
+                          f"gradient's 128-token blocks whole on one rank: data.cutoff_len {config.data.cutoff_len} "
+                          f"is not a multiple of 2 × cp_size × 128 = {span} — use such a sequence length, or "
+                          f"quant_recipe_name tensorwise / rowwise")
         return
     if m.quant_fp8_format != "e4m3":
         errors.append("model.quant_fp8_format: hybrid (E5M2 gradients) is not part of the mxfp8 recipe — use e4m3, "

@@ -91,7 +91,7 @@ def apply_parallelism(model: nn.Module, config: Config, ctx: ParallelContext) ->
     if quantized:
         from fsdp2_backend.parallel.quantize import apply_quantization
 
-        apply_quantization(model, config)
+        apply_quantization(model, config, ctx.cp_mesh.get_group() if parallel.cp_size > 1 else None)
     apply_fused_ops(model, config.optimization, ctx.device.type)
     if config.data.neat_packing and config.data.data_manager_type == "lf":  # packed rows: varlen attention
         from fsdp2_backend.models.packed_attention import enable_packed_attention

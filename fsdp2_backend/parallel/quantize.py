@@ -49,8 +49,9 @@ def _unwrap_state_dict(module: nn.Module, state_dict, prefix, local_metadata) ->
         state_dict[key] = unwrap(state_dict[key])
 
 
-def apply_quantization(model: nn.Module, config: Config) -> List[str]:
-    """Converts the selected modules in place; returns the names of the converted modules."""
+def apply_quantization(model: nn.Module, config: Config, token_group=None) -> List[str]:
+    """Converts the selected modules in place; returns the names of the converted modules. `token_group`: the
+    context-parallel group that splits the tokens (FP8 scales over tokens are taken over it)."""
     from fsdp2_backend.models.moe.experts import GroupedExperts
     from fsdp2_backend.distributed.console import print_rank0
     from fsdp2_backend.kernels.mx_linear import mx_grouped_linear
@@ -65,7 +66,8 @@ def apply_quantization(model: nn.Module, config: Config) -> List[str]:
             if m.quant_recipe_name == "blockwise" and not blockwise_supported(module.weight.shape):
                 skipped.append(name)
                 continue
-            module.forward = functools.partial(_float8_forward, module, m.quant_recipe_name, m.quant_fp8_format)
+            module.forward = functools.partial(_float8_forward, module, m.quant_recipe_name, m.quant_fp8_format,
+                                               token_group)
             converted.append(name)
         elif LINEAR_CONVERTER in m.quant_converters and isinstance(module, nn.Linear):
             if module.in_features % BLOCK or module.out_features % BLOCK:
@@ -96,15 +98,21 @@ def apply_quantization(model: nn.Module, config: Config) -> List[str]:
     return converted
 
 
-def _float8_forward(module: nn.Linear, recipe: str, grad_format: str, x):
+def _float8_forward(module: nn.Linear, recipe: str, grad_format: str, token_group, x):
     """`module`'s forward with its GEMMs in FP8 (the weight as FSDP hands it in, i.e. gathered; under tensor
-    parallel a DTensor on the tp mesh, whose scales `float8_tp` takes over the tp ranks)."""
+    parallel a DTensor on the tp mesh, whose scales `float8_tp` takes over the tp ranks, and over the cp ranks
+    for the token dim under context parallel)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(module.weight, DTensor):
         from fsdp2_backend.parallel.float8_tp import float8_linear_tp
 
-        return float8_linear_tp(x, module.weight, module.bias, recipe, grad_format)
+        return float8_linear_tp(x, module.weight, module.bias, recipe, grad_format, token_group)
+    if token_group is not None:
+        from fsdp2_backend.parallel.float8_tp import ShardQuantizer
+
+        return float8_linear(x, module.weight, module.bias, recipe=recipe, grad_format=grad_format,
+                             quantize=ShardQuantizer({"M": token_group}))
     return float8_linear(x, module.weight, module.bias, recipe=recipe, grad_format=grad_format)
 
 

@@ -71,3 +71,16 @@ def test_other_fp8_recipes_are_declined_with_a_reason(flags, why):
         translate_megatron(BASE + flags.split())
     line = next(m for m in err.value.messages if m.startswith("--fp8-format:"))
     assert why in line and " — " in line
+
+
+def test_fp8_under_tensor_and_context_parallel_validates_blockwise_needs_whole_token_blocks():
+    for recipe in ("tensorwise", "rowwise"):
+        config = _config(quant_recipe_name=recipe, quant_converters=["quantize.linear.float8"])
+        config.parallel.tp_size, config.parallel.cp_size, config.data.cutoff_len = 2, 2, 96
+        validate(config, 4)
+    config = _config(quant_recipe_name="blockwise", quant_converters=["quantize.linear.float8"])
+    config.parallel.cp_size, config.data.cutoff_len = 2, 768  # 2 chunks of 192 tokens a rank: blocks straddle
+    (message,) = [m for m in _errors(config, world=2) if m.startswith("model.quant_recipe_name")]
+    assert "data.cutoff_len 768 is not a multiple of 2 × cp_size × 128 = 512" in message
+    config.data.cutoff_len = 1024
+    validate(config, 2)

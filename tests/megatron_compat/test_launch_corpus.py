@@ -59,9 +59,7 @@ def test_line_translates_or_is_declined_with_reasons(key):
 
 
 VALIDATION_DECLINES = ("training.global_batch_size", "model.mtp_num_layers: not available with parallel.",
-                       "parallel.tp_size: model_type nemotron_h",  # examples/mamba/train.sh at tp 4
-                       # the tp4 cp2 FP8 functional test: FP8 under context parallel (tensor parallel is built)
-                       "model.quant_recipe_name: tensorwise FP8 scales over the tokens that context parallel")
+                       "parallel.tp_size: model_type nemotron_h")  # examples/mamba/train.sh at tp 4
 
 
 def test_corpus_figures():

@@ -1,7 +1,7 @@
-"""FP8 training recipes under tensor parallel (fsdp2_backend/parallel/float8_tp.py): TP 2, TP 2 with sequence
-parallel and TP 2 × FSDP 2 on gloo give the 1-rank losses of the same recipe (1e-4 relative: the scales are
-the whole tensors', only the order of TP's partial sums differs); a checkpoint saved at TP 2 resumes at 1 rank
-with the losses of an uninterrupted 1-rank run.
+"""FP8 training recipes under tensor and context parallel (fsdp2_backend/parallel/float8_tp.py): TP 2, TP 2 with
+sequence parallel, TP 2 × FSDP 2, CP 2 and TP 2 × CP 2 on gloo give the 1-rank losses of the same recipe (1e-4
+relative: the scales are the whole tensors'); a checkpoint saved at TP 2 resumes at 1 rank with the losses of an
+uninterrupted 1-rank run.
 
 The model (hidden 128, 4 heads of 32, MLP 256) makes both blockwise paths run: gate/up (256 rows → 128 per rank)
 and down (256 inputs → 128) keep whole 128-blocks per shard, q/o (128 → 64 per rank) split blocks across ranks."""
@@ -14,13 +14,15 @@ from tests.helpers import run_distributed, tiny_qwen3_config
 
 STEPS, GBS, MBS, SEQ = 4, 4, 2, 16
 RECIPES = (("tensorwise", "hybrid"), ("rowwise", "e4m3"), ("blockwise", "e4m3"))
+# Under context parallel a blockwise 128-token block lies on one rank: 2 chunks of seq / (2 cp) tokens per rank.
+SEQ_OF = {"tensorwise": SEQ, "rowwise": SEQ, "blockwise": 2 * 2 * 128}
 
 
-def _samples():
+def _samples(seq=SEQ):
     gen = torch.Generator().manual_seed(7)
-    text = torch.randint(0, 24, (GBS * STEPS, SEQ + 1), generator=gen)
-    mask = (torch.rand(GBS * STEPS, SEQ, generator=gen) > 0.3).float()
-    return [dict(tokens=t[:-1], labels=t[1:], loss_mask=m, position_ids=torch.arange(SEQ))
+    text = torch.randint(0, 24, (GBS * STEPS, seq + 1), generator=gen)
+    mask = (torch.rand(GBS * STEPS, seq, generator=gen) > 0.3).float()
+    return [dict(tokens=t[:-1], labels=t[1:], loss_mask=m, position_ids=torch.arange(seq))
             for t, m in zip(text, mask)]
 
 
@@ -35,7 +37,7 @@ class _ConstantLR:
         pass
 
 
-def _train(model_dir, recipe, fp8_format, tp=1, sp=False, steps=(0, STEPS), save=None, load=None):
+def _train(model_dir, recipe, fp8_format, tp=1, sp=False, steps=(0, STEPS), save=None, load=None, cp=1, seq=SEQ):
     """Losses of steps [first, last) of one run; `save` / `load`: a checkpoint directory after / before them."""
     from fsdp2_backend.build import TrainJob
     from fsdp2_backend.distributed.context import ParallelContext
@@ -47,7 +49,8 @@ def _train(model_dir, recipe, fp8_format, tp=1, sp=False, steps=(0, STEPS), save
     config = Config()
     config.model.model_name_or_path = model_dir
     config.parallel.param_dtype = "fp32"
-    config.parallel.tp_size, config.parallel.sequence_parallel = tp, sp
+    config.parallel.tp_size, config.parallel.sequence_parallel, config.parallel.cp_size = tp, sp, cp
+    config.data.cutoff_len = seq
     config.training.per_device_train_batch_size = MBS
     config.model.quant_recipe_name, config.model.quant_fp8_format = recipe, fp8_format
     config.model.quant_converters = ["quantize.linear.float8"]
@@ -58,7 +61,7 @@ def _train(model_dir, recipe, fp8_format, tp=1, sp=False, steps=(0, STEPS), save
     if load:
         load_checkpoint(load, model, optimizer, no_load_rng=True)
     first, last = steps
-    batches = _micro_batches(_samples()[first * GBS:last * GBS], ctx.dp_size, ctx.dp_rank)
+    batches = _micro_batches(_samples(seq)[first * GBS:last * GBS], ctx.dp_size, ctx.dp_rank)
     trainer = Trainer(TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer, scheduler=_ConstantLR(),
                                train_batches=batches, train_iters=last - first,
                                micro_batches=GBS // (MBS * ctx.dp_size)))
@@ -75,6 +78,9 @@ def _layouts(rank, world_size, model_dir, out_path):
         results[f"{recipe} tp2"] = _train(model_dir, recipe, fmt, tp=2)
         if world_size == 2:
             results[f"{recipe} tp2 sp"] = _train(model_dir, recipe, fmt, tp=2, sp=True)
+            results[f"{recipe} cp2"] = _train(model_dir, recipe, fmt, cp=2, seq=SEQ_OF[recipe])
+    if world_size == 4:  # Megatron's functional test layout, tp × cp
+        results["tensorwise tp2 cp2"] = _train(model_dir, "tensorwise", "hybrid", tp=2, cp=2)
     if world_size == 2:  # the checkpoint half of the resume check
         results["saved"] = _train(model_dir, "tensorwise", "hybrid", tp=2, steps=(0, 2), save=out_path + ".ckpt")
     if rank == 0:
@@ -86,11 +92,13 @@ def test_fp8_recipes_under_tensor_parallel_equal_one_rank(tmp_path):
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(3)
-    Qwen3ForCausalLM(tiny_qwen3_config(hidden_size=128, intermediate_size=256, head_dim=32)).save_pretrained(
+    Qwen3ForCausalLM(tiny_qwen3_config(hidden_size=128, intermediate_size=256, head_dim=32,
+                                       max_position_embeddings=512)).save_pretrained(
         tmp_path / "model")
     model = str(tmp_path / "model")
     one = {recipe: _train(model, recipe, fmt) for recipe, fmt in RECIPES}
     one["plain"] = _train(model, None, "e4m3")
+    one["blockwise 512"] = _train(model, "blockwise", "e4m3", seq=SEQ_OF["blockwise"])
     run_distributed(_layouts, 2, model, str(tmp_path / "two.json"))
     run_distributed(_layouts, 4, model, str(tmp_path / "four.json"))  # tp 2 × fsdp 2
     two = json.loads((tmp_path / "two.json").read_text())
@@ -102,6 +110,11 @@ def test_fp8_recipes_under_tensor_parallel_equal_one_rank(tmp_path):
         for got in (two[f"{recipe} tp2"], two[f"{recipe} tp2 sp"], four[f"{recipe} tp2"]):
             torch.testing.assert_close(torch.tensor(got), want, rtol=1e-4, atol=0,
                                        msg=f"{recipe}: {got} {want.tolist()}")
+        want_cp = one["blockwise 512"] if recipe == "blockwise" else one[recipe]
+        torch.testing.assert_close(torch.tensor(two[f"{recipe} cp2"]), torch.tensor(want_cp), rtol=1e-4, atol=0,
+                                   msg=f"{recipe} cp2: {two[f'{recipe} cp2']} {want_cp}")
+    torch.testing.assert_close(torch.tensor(four["tensorwise tp2 cp2"]), torch.tensor(one["tensorwise"]), rtol=1e-4,
+                               atol=0)
     # saved at tp 2 after two steps, resumed at 1 rank for the last two: the uninterrupted 1-rank losses
     resumed = _train(model, "tensorwise", "hybrid", steps=(2, STEPS), load=str(tmp_path / "two.json.ckpt" /
                                                                               "iter_0000002"))
