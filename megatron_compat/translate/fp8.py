@@ -7,7 +7,8 @@
               tensor itself), quant_fp8_format F (hybrid: E5M2 gradients)
   blockwise   model.quant_recipe_name blockwise (TE's Float8BlockScaling, DeepSeek-V3's: 1×128 activations and
               gradients, 128×128 weights), quant_fp8_format F
-  delayed     declined: scales from an amax history reduced over ranks (TE's DelayedScaling) are not available
+  delayed     declined: scales from an amax history (TE's DelayedScaling), updated at TE's own points and kept as TE
+              state; without TE here a reimplementation could not be checked against Megatron's numbers
   custom      declined: a quantizer factory is Python code of the user's
 --fp8-param-gather: model.enable_fsdp_low_precision_all_gather.
 --fp8-margin / --fp8-interval / --fp8-amax-history-len / --fp8-amax-compute-algo: read by the delayed recipe only.
@@ -28,12 +29,19 @@ def _fp8_format(ctx, value):
     if value is None:
         return
     recipe = ctx.get("fp8_recipe")
-    if recipe in ("delayed", "custom"):
-        what = ("scales from an amax history reduced over ranks" if recipe == "delayed"
-                else "a quantizer factory of your own")
-        ctx.decline("fp8", f"--fp8-recipe {recipe}: Transformer Engine's {recipe} FP8 recipe ({what}) is not "
-                           "available (it would change the numerics) — use --fp8-recipe tensorwise, blockwise or "
-                           "mxfp8, or drop the fp8 flags to train in bf16")
+    if recipe == "delayed":  # Megatron's default recipe
+        ctx.decline("fp8", "--fp8-recipe delayed (Megatron's default): Transformer Engine's DelayedScaling takes "
+                           "each tensor's scale from the amax history of earlier iterations, which TE updates at "
+                           "its own points (after each micro-batch's forward inside fp8_autocast, reduced over the "
+                           "amax group) and keeps as TE state in the checkpoint; with no TE to check a "
+                           "reimplementation against, its numbers would differ from Megatron's unnoticed — use "
+                           "--fp8-recipe tensorwise (TE's current scaling: the scale from the tensor itself, under "
+                           "TP and CP too), blockwise or mxfp8, or drop the fp8 flags to train in bf16")
+        return
+    if recipe == "custom":
+        ctx.decline("fp8", "--fp8-recipe custom: Transformer Engine's custom FP8 recipe (a quantizer factory of "
+                           "your own) is not available (it would change the numerics) — use --fp8-recipe "
+                           "tensorwise, blockwise or mxfp8, or drop the fp8 flags to train in bf16")
         return
     if recipe == "mxfp8" and value != "e4m3":
         ctx.decline("fp8", f"--fp8-format {value}: E5M2 gradients are not part of the MXFP8 recipe here (E4M3 for "
