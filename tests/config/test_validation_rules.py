@@ -45,15 +45,19 @@ def refused(args, world, expected):
     (BASE + ["--context-parallel-size", "8", "--context-parallel-algo", "ulysses_cp_algo"], 8,
      "parallel.cp_size (--context-parallel-size): Ulysses needs the attention heads"),
     (BASE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33"], 2,
-     "parallel.sequence_parallel: the sequence length 33"),
-    (MOE + ["--expert-model-parallel-size", "8"], 8, "parallel.ep_size: 8 does not divide the model's 4 experts"),
+     "parallel.sequence_parallel (from --tensor-model-parallel-size, --sequence-parallel): the sequence length 33 "
+     "(data.cutoff_len (from --seq-length))"),
+    (MOE + ["--expert-model-parallel-size", "8"], 8,
+     "parallel.ep_size (from --expert-model-parallel-size): 8 does not divide the model's 4 experts"),
     (MOE + ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--seq-length", "33"], 4,
-     "parallel.ep_size: with tp_size 2 the MoE layers split the sequence 33"),
-    (BASE + ["--expert-model-parallel-size", "2"], 2, "parallel.ep_size: the model (llama) has no experts"),
+     "parallel.ep_size (from --expert-model-parallel-size): with tp_size 2 the MoE layers split the sequence 33"),
+    (BASE + ["--expert-model-parallel-size", "2"], 2,
+     "parallel.ep_size (from --expert-model-parallel-size): the model (llama) has no experts"),
     (BASE + ["--split", "90,5,3,2"], 1, "data.split: '90,5,3,2' has 4 parts"),
     (BASE + ["--train-samples", "100"], 1, "training.max_steps / training.train_samples: give one training length"),
     (BASE + ["--lr", "1e-4", "--min-lr", "1e-3"], 1, "training.min_lr: 0.001 must lie in [0, lr=0.0001]"),
-    (BASE + ["--lr", "1e-4", "--lr-warmup-iters", "4"], 1, "training.lr_warmup_iters: warmup (4 iterations)"),
+    (BASE + ["--lr", "1e-4", "--lr-warmup-iters", "4"], 1,
+     "training.lr_warmup_iters (from --lr-warmup-iters): warmup (4 iterations)"),
 ])
 def test_layout_and_megatron_rules_are_refused_by_the_dry_run(args, world, expected):
     refused(args, world, expected)
