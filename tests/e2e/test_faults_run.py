@@ -101,8 +101,9 @@ def test_resume_with_another_hidden_size_is_refused_in_megatrons_words(runs):
     flags[flags.index("--hidden-size") + 1] = "96"
     code, _, err = pretrain(flags + ["--load", save, "--save", save, "--dry-run"])
     assert code == 2
-    assert ("error: model.architecture.hidden_size: hidden_size value from checkpoint (64) is not equal to the "
-            "input hidden_size value (96) — drop the flag, fix it, or add --use-checkpoint-args") in error_lines(err)
+    assert ("error: model.architecture.hidden_size (from --hidden-size): hidden_size value from checkpoint (64) is "
+            "not equal to the input hidden_size value (96) — drop the flag, fix it, or add --use-checkpoint-args") \
+        in error_lines(err)
 
 
 def _file_size_limit():

@@ -35,11 +35,12 @@ class _Payload:
 
 def _trusted_load(path):  # the test's own genuine file (megatron classes are in this test environment)
     import argparse
+    import signal
 
     from megatron.core.enums import ModelType
     from megatron.core.transformer.enums import AttnBackend
 
-    with torch.serialization.safe_globals([argparse.Namespace, AttnBackend, ModelType]):
+    with torch.serialization.safe_globals([argparse.Namespace, AttnBackend, ModelType, signal.Signals]):
         return torch.load(path, weights_only=True)
 
 
