@@ -17,6 +17,7 @@ import torch
 
 from fsdp2_backend.config import Config
 from tests.helpers import run_distributed, tiny_qwen3_config
+from tests.support.trainer_parity import ConstantLR, masked_samples, rank_micro_batches
 
 STEPS, SEQ, MBS, GBS, VOCAB = 3, 32, 2, 4, 512
 LAYOUTS = {  # name: (model, parallel fields)
@@ -30,22 +31,6 @@ LAYOUTS = {  # name: (model, parallel fields)
 }
 
 
-def _samples():
-    gen = torch.Generator().manual_seed(17)
-    text = torch.randint(0, 24, (GBS * STEPS, SEQ + 1), generator=gen)
-    mask = (torch.rand(GBS * STEPS, SEQ, generator=gen) > 0.3).float()
-    return [dict(tokens=t[:-1], labels=t[1:], loss_mask=m, position_ids=torch.arange(SEQ)) for t, m in zip(text, mask)]
-
-
-def _rank_micro_batches(samples, dp, rank):
-    for start in range(0, len(samples), MBS * dp):
-        chunk = samples[start + rank * MBS:start + (rank + 1) * MBS]
-        yield {k: torch.stack([s[k] for s in chunk]) for k in chunk[0]}
-
-
-class _ConstantLR:
-    def step(self, increment):
-        pass
 
 
 def _compiled(block):
@@ -87,8 +72,9 @@ def _train(model_dir, compiled, model_id=None, **parallel):
     blocks = decoder_blocks(model)
     assert blocks and all(_compiled(b) == compiled for _, b in blocks)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    trainer = Trainer(TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer, scheduler=_ConstantLR(),
-                               train_batches=_rank_micro_batches(_samples(), ctx.dp_size, ctx.dp_rank),
+    trainer = Trainer(TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer, scheduler=ConstantLR(),
+                               train_batches=rank_micro_batches(masked_samples(GBS * STEPS, SEQ, seed=17), ctx.dp_size,
+                                                                ctx.dp_rank, MBS),
                                train_iters=STEPS, micro_batches=GBS // (MBS * ctx.dp_size)))
     result = trainer.train()
     ctx.close()

@@ -11,6 +11,7 @@ import torch
 
 from fsdp2_backend.config import Config
 from tests.helpers import run_distributed, tiny_qwen3_config
+from tests.support.trainer_parity import ConstantLR, masked_samples, rank_micro_batches
 
 STEPS, GBS, MBS, SEQ = 4, 4, 2, 16
 RECIPES = (("tensorwise", "hybrid"), ("rowwise", "e4m3"), ("blockwise", "e4m3"))
@@ -18,23 +19,6 @@ RECIPES = (("tensorwise", "hybrid"), ("rowwise", "e4m3"), ("blockwise", "e4m3"))
 SEQ_OF = {"tensorwise": SEQ, "rowwise": SEQ, "blockwise": 2 * 2 * 128}
 
 
-def _samples(seq=SEQ):
-    gen = torch.Generator().manual_seed(7)
-    text = torch.randint(0, 24, (GBS * STEPS, seq + 1), generator=gen)
-    mask = (torch.rand(GBS * STEPS, seq, generator=gen) > 0.3).float()
-    return [dict(tokens=t[:-1], labels=t[1:], loss_mask=m, position_ids=torch.arange(seq))
-            for t, m in zip(text, mask)]
-
-
-def _micro_batches(samples, dp, rank):
-    for start in range(0, len(samples), MBS * dp):
-        chunk = samples[start + rank * MBS:start + (rank + 1) * MBS]
-        yield {k: torch.stack([s[k] for s in chunk]) for k in chunk[0]}
-
-
-class _ConstantLR:
-    def step(self, increment):
-        pass
 
 
 def _train(model_dir, recipe, fp8_format, tp=1, sp=False, steps=(0, STEPS), save=None, load=None, cp=1, seq=SEQ):
@@ -61,8 +45,9 @@ def _train(model_dir, recipe, fp8_format, tp=1, sp=False, steps=(0, STEPS), save
     if load:
         load_checkpoint(load, model, optimizer, no_load_rng=True)
     first, last = steps
-    batches = _micro_batches(_samples(seq)[first * GBS:last * GBS], ctx.dp_size, ctx.dp_rank)
-    trainer = Trainer(TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer, scheduler=_ConstantLR(),
+    batches = rank_micro_batches(masked_samples(GBS * STEPS, seq, seed=7)[first * GBS:last * GBS], ctx.dp_size,
+                                 ctx.dp_rank, MBS)
+    trainer = Trainer(TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer, scheduler=ConstantLR(),
                                train_batches=batches, train_iters=last - first,
                                micro_batches=GBS // (MBS * ctx.dp_size)))
     losses = trainer.train().losses

@@ -8,7 +8,7 @@ import torch
 
 from fsdp2_backend.config import Config
 from tests.helpers import run_distributed, tiny_qwen3_config
-from tests.parallel.test_fsdp_parity import _ConstantLR, _rank_micro_batches, _samples
+from tests.support.trainer_parity import ConstantLR, masked_samples, rank_micro_batches
 
 STEPS, GBS = 2, 4
 RUNS = (("tensorwise", "hybrid"), ("rowwise", "e4m3"), ("blockwise", "e4m3"), (None, "e4m3"))
@@ -34,8 +34,9 @@ def _train(model_dir, recipe, fp8_format):
     converted = sorted(name for name, m in model.named_modules()
                        if "forward" in vars(m) and getattr(vars(m)["forward"], "func", None).__name__ == "_float8_forward")
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    batches = _rank_micro_batches(_samples()[:STEPS * GBS], ctx.dp_size, ctx.dp_rank, 2)
-    trainer = Trainer(TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer, scheduler=_ConstantLR(),
+    samples = masked_samples(32, 32, seed=11, varying_mask=True)[:STEPS * GBS]  # test_fsdp_parity's samples
+    batches = rank_micro_batches(samples, ctx.dp_size, ctx.dp_rank, 2)
+    trainer = Trainer(TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer, scheduler=ConstantLR(),
                                train_batches=batches, train_iters=STEPS, micro_batches=GBS // (2 * ctx.dp_size)))
     losses = trainer.train().losses
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

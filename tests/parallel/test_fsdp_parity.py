@@ -13,6 +13,7 @@ import torch
 
 from fsdp2_backend.config import Config
 from tests.helpers import run_distributed, tiny_qwen3_config
+from tests.support.trainer_parity import ConstantLR, masked_samples, rank_micro_batches
 
 STEPS, SEQ, MBS, GBS, VOCAB = 8, 32, 2, 4, 512
 IGNORED = ["model.layers.{*}.mlp", "*.q_norm"]
@@ -24,23 +25,7 @@ def _is_ignored(name):
 
 def _samples():
     """GBS x STEPS samples with loss masks of varying token counts (deterministic)."""
-    gen = torch.Generator().manual_seed(11)
-    text = torch.randint(0, 24, (GBS * STEPS, SEQ + 1), generator=gen)  # few distinct tokens: learnable fast
-    mask = (torch.rand(GBS * STEPS, SEQ, generator=gen) > torch.rand(GBS * STEPS, 1, generator=gen) * 0.8).float()
-    return [dict(tokens=t[:-1], labels=t[1:], loss_mask=m, position_ids=torch.arange(SEQ))
-            for t, m in zip(text, mask)]
-
-
-def _rank_micro_batches(samples, dp, rank, mbs=MBS):
-    """Megatron's pretraining sampler: each group of mbs x dp samples, rank r takes its mbs slice."""
-    for start in range(0, len(samples), mbs * dp):
-        chunk = samples[start + rank * mbs:start + (rank + 1) * mbs]
-        yield {k: torch.stack([s[k] for s in chunk]) for k in chunk[0]}
-
-
-class _ConstantLR:
-    def step(self, increment):
-        pass
+    return masked_samples(GBS * STEPS, SEQ, seed=11, varying_mask=True)
 
 
 def _train(model_dir, per_token, world_size, tp=1, cp=1, fsdp_size=1, mbs=MBS, ignored=None, keep=False):
@@ -64,8 +49,8 @@ def _train(model_dir, per_token, world_size, tp=1, cp=1, fsdp_size=1, mbs=MBS, i
     model = create_model(config.model, load_hf_config(config.model), seed=0, device=ctx.device.torch_device,
                          parallelize=lambda m: apply_parallelism(m, config, ctx))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    batches = _rank_micro_batches(_samples(), dp, ctx.dp_rank, mbs)
-    trainer = Trainer(TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer, scheduler=_ConstantLR(),
+    batches = rank_micro_batches(_samples(), dp, ctx.dp_rank, mbs)
+    trainer = Trainer(TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer, scheduler=ConstantLR(),
                                train_batches=batches, train_iters=STEPS, micro_batches=GBS // (mbs * dp)))
     result = trainer.train()
     out = {"losses": result.losses, "grad_norms": result.grad_norms}

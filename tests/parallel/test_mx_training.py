@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from fsdp2_backend.config import Config
 from tests.helpers import run_distributed, tiny_qwen3_config
-from tests.parallel.test_fsdp_parity import _ConstantLR, _rank_micro_batches, _samples
+from tests.support.trainer_parity import ConstantLR, masked_samples, rank_micro_batches
 
 STEPS = 3
 
@@ -48,7 +48,7 @@ def _train(model_dir, steps, *, quant, lp=True, mode="on-demand", dtype="fp32", 
     model = create_model(config.model, load_hf_config(config.model), seed=0, device=ctx.device.torch_device,
                          parallelize=lambda m: apply_parallelism(m, config, ctx))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    batches = _rank_micro_batches(_samples_for(steps, global_batch), dp, ctx.dp_rank, 2)
+    batches = rank_micro_batches(_samples_for(steps, global_batch), dp, ctx.dp_rank, 2)
     gathered = []
     real_all_gather = torch.distributed.all_gather_single
 
@@ -58,7 +58,7 @@ def _train(model_dir, steps, *, quant, lp=True, mode="on-demand", dtype="fp32", 
 
     torch.distributed.all_gather_single = counting_all_gather
     try:
-        trainer = Trainer(TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer, scheduler=_ConstantLR(),
+        trainer = Trainer(TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer, scheduler=ConstantLR(),
                                    train_batches=batches, train_iters=steps, micro_batches=micro_batches))
         losses = trainer.train().losses
     finally:
@@ -80,7 +80,7 @@ def _train(model_dir, steps, *, quant, lp=True, mode="on-demand", dtype="fp32", 
 
 
 def _samples_for(steps, per_step):
-    samples = _samples()
+    samples = masked_samples(32, 32, seed=11, varying_mask=True)  # test_fsdp_parity's samples
     return (samples * (steps * per_step // len(samples) + 1))[:steps * per_step]
 
 
