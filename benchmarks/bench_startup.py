@@ -47,7 +47,7 @@ BREAKDOWN_COMMAND = [sys.executable, "-m", "benchmarks.bench_startup", PHASES_MO
 # (phase, what ends it): the stamps the --phases child takes, in order
 PHASES = (
     ("import torch, transformers", "the imports"),
-    ("validation: flags -> config", "parse_command_line returns"),
+    ("validation: flags -> config", "parse_for_world returns"),
     ("engine imports, process group, seed", "build_model starts"),
     ("model build: tokenizer, HF modules, FSDP2", "build_model returns"),
     ("optimizer, scheduler, checkpointer", "> building train, validation, and test datasets"),
@@ -143,7 +143,7 @@ def _phases_child(stamp_file: str) -> None:
 
         return call
 
-    launch.parse_command_line = wrapped(launch.parse_command_line, before=False)
+    launch.parse_for_world = wrapped(launch.parse_for_world, before=False)
     build.build_model = wrapped(build.build_model, before=True)
     sys.stdout = _StampingStdout(sys.stdout, stamp)
     code = launch.main(list(FLAGS))
