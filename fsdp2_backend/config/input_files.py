@@ -22,6 +22,7 @@ import os
 from typing import List, Optional
 
 from fsdp2_backend.config.schema import Config
+from fsdp2_backend.usage_errors import UsageError
 
 # raw files the pretraining data tokenizes first (data/pretrain.py RAW_SUFFIXES; config/ imports no torch)
 RAW_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
@@ -108,11 +109,20 @@ def _data_errors(what: str, entries: List[str], config: Config) -> List[str]:
             errors.append(f"{what}: {prefix}.bin/.idx not found{_did_you_mean(prefix)} — give the prefix of files "
                           f"written by preprocess_data.py, or a raw .jsonl/.jsonl.gz/.parquet file")
         else:
-            from megatron_compat.data.indexed_dataset import IndexedDataset
-
-            broken = IndexedDataset.problems(prefix)  # a truncated pair: found before the model is built
+            broken = _pair_problems(prefix)  # a truncated pair: found before the model is built
             errors += [f"{what}: {message}" for message in broken] or _cache_errors(prefix, config)
     return errors
+
+
+def _pair_problems(prefix: str) -> List[str]:
+    """What opening the indexed pair refuses (a truncated or mismatched .idx/.bin), as messages; [] when it opens."""
+    from megatron_compat.data.indexed_dataset import IndexedDataset
+
+    try:
+        IndexedDataset(prefix)
+    except UsageError as exc:
+        return exc.messages
+    return []
 
 
 def _is_number(text: str) -> bool:

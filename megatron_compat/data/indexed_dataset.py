@@ -245,16 +245,6 @@ class IndexedDataset:
         logger.info("> total number of sequences: %d", len(self.index))
         logger.info("> total number of documents: %d", self.index.document_count - 1)
 
-    @staticmethod
-    def problems(path_prefix: str, multimodal: bool = False) -> list:
-        """What opening the pair would refuse (a truncated or mismatched .idx/.bin), as messages; [] when it
-        opens. The config's input-file check calls it, so a broken pair is found before any model is built."""
-        try:
-            IndexedDataset(path_prefix, multimodal=multimodal)
-        except UsageError as exc:
-            return exc.messages
-        return []
-
     def __getstate__(self) -> Tuple[str, bool, bool]:
         return self.path_prefix, self.multimodal, self.mmap
 
