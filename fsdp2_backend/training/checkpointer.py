@@ -100,21 +100,22 @@ class Checkpointer:
         # The last iteration may also be a save interval: then "interval" already exported, and "final" must not
         # gather and write the same weights again.
         if finished and self.config.training.save_hf_weights and self._exported_iteration != iteration:
-            self._exported_iteration = iteration
-            export_hf(self.model, Path(self.config.training.output_dir) / HF_EXPORT_SUBDIR, self.hf_tokenizer)
+            self._export(iteration)
 
     def export_if_missing(self, iteration: int) -> bool:
         """A finished run resumed (its rerun): writes the HF export only when the earlier run's is missing (an
         export that failed: a full disk), without saving the checkpoint again. True when it wrote one."""
-        training = self.config.training
-        if self.manager is None or not training.save_hf_weights:
+        if self.manager is None or not self.config.training.save_hf_weights or self._export_dir().is_dir():
             return False
-        out = Path(training.output_dir) / HF_EXPORT_SUBDIR
-        if out.is_dir():
-            return False
-        self._exported_iteration = iteration
-        export_hf(self.model, out, self.hf_tokenizer)
+        self._export(iteration)
         return True
+
+    def _export_dir(self) -> Path:
+        return Path(self.config.training.output_dir) / HF_EXPORT_SUBDIR
+
+    def _export(self, iteration: int) -> None:
+        self._exported_iteration = iteration
+        export_hf(self.model, self._export_dir(), self.hf_tokenizer)
 
     def close(self) -> None:
         """Waits for a pending async save and releases the manager's resources (every rank)."""
