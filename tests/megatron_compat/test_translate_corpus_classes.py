@@ -9,11 +9,9 @@ from fsdp2_backend.launch import parse_for_world
 from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.parse.arguments import parse_megatron
 from megatron_compat.translate import translate_megatron, translate_report
+from tests.support.megatron_lines import SMALL_LLAMA_LINE
 
-LINE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
-        "--micro-batch-size 1 --global-batch-size 12 --train-iters 10 --lr 2e-4 --mock-data "
-        "--tokenizer-type NullTokenizer --vocab-size 1000 --position-embedding-type rope --normalization RMSNorm "
-        "--swiglu --disable-bias-linear --hidden-dropout 0").split()
+LINE = SMALL_LLAMA_LINE
 
 
 def test_dry_run_without_world_size_counts_distributed_optimizer_instances():
