@@ -61,7 +61,7 @@ def _rank(rank, world_size, layout, args, out_dir):
 
     from fsdp2_backend.config import ParallelArguments
     from fsdp2_backend.distributed.context import ParallelContext
-    from fsdp2_backend.models.qwen3_moe import build_qwen3_moe, configure_moe
+    from fsdp2_backend.models.qwen3_moe.modeling import build_qwen3_moe, configure_moe
     from fsdp2_backend.parallel.expert_parallel import apply_expert_parallel
 
     torch.set_num_threads(1)

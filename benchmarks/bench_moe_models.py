@@ -34,7 +34,7 @@ EXPERTS = "model.layers.{*}.mlp.experts"
 def _model(name: str, args):
     from types import SimpleNamespace
 
-    from fsdp2_backend.models.qwen3_moe import configure_moe
+    from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
 
     common = dict(vocab_size=1024, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, num_experts_per_tok=2, max_position_embeddings=args.seq,
@@ -42,28 +42,28 @@ def _model(name: str, args):
     if name == "qwen3_moe":
         from transformers import Qwen3MoeConfig
 
-        from fsdp2_backend.models.qwen3_moe import build_qwen3_moe
+        from fsdp2_backend.models.qwen3_moe.modeling import build_qwen3_moe
 
         model = build_qwen3_moe(Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=64, num_experts=8,
                                                **common))
     elif name == "gpt_oss":
         from transformers import GptOssConfig
 
-        from fsdp2_backend.models.gpt_oss import build_gpt_oss
+        from fsdp2_backend.models.gpt_oss.modeling import build_gpt_oss
 
         model = build_gpt_oss(GptOssConfig(intermediate_size=64, num_local_experts=8, sliding_window=128,
                                            layer_types=["sliding_attention", "full_attention"], **common))
     elif name == "minimax_m27":
         from transformers import MiniMaxM2Config
 
-        from fsdp2_backend.models.minimax_m2 import build_minimax_m2
+        from fsdp2_backend.models.minimax_m27.modeling import build_minimax_m2
 
         model = build_minimax_m2(MiniMaxM2Config(intermediate_size=64, num_local_experts=8, rotary_dim=16,
                                                  bos_token_id=None, eos_token_id=None, **common))
     else:  # step35: Step-3.5's own config.json keys, as tests/models/test_step35.py; both layers sparse (none dense)
         from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
 
-        from fsdp2_backend.models.step35 import build_step35
+        from fsdp2_backend.models.step35.modeling import build_step35
 
         model = build_step35(Step3p7TextConfig(
             intermediate_size=256, moe_num_experts=8, moe_intermediate_size=64, share_expert_dim=64,

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 _BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none", "mindspeed_seq_aux_loss")
 # HF model types whose model id (the same name) is transformers' model with this project's router and stacked
-# experts (models/qwen3_moe.py, models/moe/family_swap.py): selected by normalise() when a run asks for them.
+# experts (models/qwen3_moe/modeling.py, models/moe/family_swap.py): selected by normalise() when a run asks for them.
 ROUTER_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe")
 
 

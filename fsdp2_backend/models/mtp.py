@@ -35,7 +35,7 @@ block, the checkpoint's model is followed (its weights were trained that way): Q
 full-attention layer with the sparse MoE and zero-centred norms, whatever the model's last layer is; Step-3.5
 feeds depth 1 the hidden states before the main final norm and depth k depth k-1's output before its norm
 (`MTPLayout.prenorm_hidden`); DeepSeek-V4's depth is its own module over the mHC residual streams
-(models/deepseek_v4_mtp.py).
+(models/deepseek_v4/mtp.py).
 """
 from __future__ import annotations
 

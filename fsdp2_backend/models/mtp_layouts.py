@@ -11,7 +11,7 @@ the main layers, so the on-disk layout is the released one.
 Layouts (the checkpoint's model decides the facts; Megatron's semantics of `models/mtp.py` hold for all):
 - own (`qwen3`, anything without a released layout): `mtp.layers.{k}.*` as in memory — this project's export.
 - DeepSeek-V3 / Step-3.5: the MTP layers appended to `model.layers` (`TrailingLayersLayout`, `Step35Layout`);
-  DeepSeek-V4: `mtp.{k}.*` with its own depth module (mHC streams; models/deepseek_v4_mtp.py).
+  DeepSeek-V4: `mtp.{k}.*` with its own depth module (mHC streams; models/deepseek_v4/mtp.py).
 - Qwen3-Next (`model_type qwen3_next`; vLLM `qwen3_next_mtp.py`, transformers' Qwen3.5 MTP code, released
   Qwen3-Next-80B-A3B keys): `mtp.pre_fc_norm_embedding` = enorm, `mtp.pre_fc_norm_hidden` = hnorm, `mtp.fc` =
   eh_proj over cat(normed embedding, normed hidden) — embedding first, as Megatron —, `mtp.layers.0.*` = the decoder
@@ -32,9 +32,9 @@ from typing import Callable, Dict, List, Mapping, Optional
 import torch
 from torch import nn
 
-from fsdp2_backend.models.qwen3_moe import checkpoint_keys as expert_keys
-from fsdp2_backend.models.qwen3_moe import param_from_checkpoint as expert_param
-from fsdp2_backend.models.qwen3_moe import param_to_checkpoint as expert_split
+from fsdp2_backend.models.qwen3_moe.modeling import checkpoint_keys as expert_keys
+from fsdp2_backend.models.qwen3_moe.modeling import param_from_checkpoint as expert_param
+from fsdp2_backend.models.qwen3_moe.modeling import param_to_checkpoint as expert_split
 
 _OWN = re.compile(r"^mtp\.layers\.(?P<k>\d+)\.(?P<part>enorm|hnorm|eh_proj|final_layernorm|transformer_layer|hc_head)\."
                   r"(?P<rest>.*)$")
@@ -131,7 +131,7 @@ class Qwen3NextLayout(MTPLayout):
 
         def build(k: int) -> nn.Module:
             layer = cls(mtp_config, index)
-            from fsdp2_backend.models.qwen3_next import Qwen3NextGroupedForCausalLM, _swap_layer
+            from fsdp2_backend.models.qwen3_next.modeling import Qwen3NextGroupedForCausalLM, _swap_layer
 
             if isinstance(model, Qwen3NextGroupedForCausalLM):  # model_id qwen3_next: stacked experts, our router
                 _swap_layer(mtp_config, layer)
@@ -269,7 +269,7 @@ def mtp_layout(config) -> MTPLayout:
     """The layout for an HF config: the released one of its model type, else this project's own."""
     model_type = getattr(config, "model_type", None)
     if model_type == "deepseek_v4":  # its own module (it imports this one)
-        from fsdp2_backend.models.deepseek_v4_mtp import DeepseekV4Layout
+        from fsdp2_backend.models.deepseek_v4.mtp import DeepseekV4Layout
 
         return DeepseekV4Layout()
     return {"qwen3_next": Qwen3NextLayout, "step3p5": Step35Layout, "deepseek_v3": TrailingLayersLayout}.get(

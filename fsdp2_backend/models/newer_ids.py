@@ -1,6 +1,6 @@
 """The specs of the model ids MindSpeed-LLM added after the seed's reference (c77308a1): `deepseek_v4`
-(models/deepseek_v4.py), `glm52` (transformers' glm_moe_dsa through models/moe/family_swap.py) and
-`longcat_flash_ngram` (models/longcat_ngram.py). Imports no torch: each function imports its module on first use.
+(models/deepseek_v4/modeling.py), `glm52` (transformers' glm_moe_dsa through models/moe/family_swap.py) and
+`longcat_flash_ngram` (models/longcat_flash_ngram/modeling.py). Imports no torch: each function imports its module on first use.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _spec(spec_class, module: str, build: str, configure: Callable, **extra):
 
 
 def _configure_family(model, config, *device_type) -> None:
-    from fsdp2_backend.models.qwen3_moe import configure_moe
+    from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
 
     configure_moe(model, moe_grouped_gemm=config.optimization.moe_grouped_gemm,
                   fix_router=config.optimization.fix_router, model_args=config.model)
@@ -38,11 +38,11 @@ def _configure_family(model, config, *device_type) -> None:
 def newer_specs(spec_class) -> Dict[str, object]:
     """{model id: spec} (`spec_class`: the registry's ModelSpec)."""
     return {
-        "deepseek_v4": _spec(spec_class, "deepseek_v4", "build_deepseek_v4",
-                             _configure("deepseek_v4", "configure_deepseek_v4")),
+        "deepseek_v4": _spec(spec_class, "deepseek_v4.modeling", "build_deepseek_v4",
+                             _configure("deepseek_v4.modeling", "configure_deepseek_v4")),
         "glm52": _spec(spec_class, "moe.family_swap", "build", _configure_family),
-        "longcat_flash_ngram": _spec(spec_class, "longcat_ngram", "build_longcat_ngram",
-                                     _configure("longcat_ngram", "configure_longcat"),
-                                     register_hf=_call("longcat_ngram", "register_with_transformers"),
-                                     stored_layout=_call("longcat_ngram", "stored_layout")),  # merged experts
+        "longcat_flash_ngram": _spec(spec_class, "longcat_flash_ngram.modeling", "build_longcat_ngram",
+                                     _configure("longcat_flash_ngram.modeling", "configure_longcat"),
+                                     register_hf=_call("longcat_flash_ngram.modeling", "register_with_transformers"),
+                                     stored_layout=_call("longcat_flash_ngram.modeling", "stored_layout")),  # merged experts
     }

@@ -62,26 +62,26 @@ def _build_qwen3(hf_config) -> nn.Module:
 
 
 def _qwen3_moe_keys(name: str, hf_config) -> List[str]:
-    from fsdp2_backend.models.qwen3_moe import checkpoint_keys
+    from fsdp2_backend.models.qwen3_moe.modeling import checkpoint_keys
 
     return checkpoint_keys(name, hf_config.num_experts)
 
 
 def _qwen3_moe_param(name: str, tensors: Mapping[str, torch.Tensor], hf_config) -> torch.Tensor:
-    from fsdp2_backend.models.qwen3_moe import param_from_checkpoint
+    from fsdp2_backend.models.qwen3_moe.modeling import param_from_checkpoint
 
     return param_from_checkpoint(name, tensors, hf_config.num_experts)
 
 
 def _configure_qwen3_moe(model: nn.Module, config, device_type: str) -> None:  # noqa: ARG001 — the hooks' signature
-    from fsdp2_backend.models.qwen3_moe import configure_moe
+    from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
 
     configure_moe(model, moe_grouped_gemm=config.optimization.moe_grouped_gemm,
                   fix_router=config.optimization.fix_router, model_args=config.model)
 
 
 def _configure_qwen3_next(model: nn.Module, config, device_type: str) -> None:
-    from fsdp2_backend.models.qwen3_next import configure_qwen3_next
+    from fsdp2_backend.models.qwen3_next.modeling import configure_qwen3_next
     from fsdp2_backend.kernels.gated_delta_rule import gdn_implementation
 
     o = config.optimization
@@ -100,20 +100,20 @@ def _configure_with_config(module: str, name: str) -> Callable:
 
 _SPECS: Mapping[str, ModelSpec] = MappingProxyType({
     "qwen3": ModelSpec(build=_build_qwen3),
-    "qwen3_moe": _module_spec("qwen3_moe", "build_qwen3_moe", checkpoint_keys=_qwen3_moe_keys,
+    "qwen3_moe": _module_spec("qwen3_moe.modeling", "build_qwen3_moe", checkpoint_keys=_qwen3_moe_keys,
                               from_checkpoint=_qwen3_moe_param, configure=_configure_qwen3_moe),
-    "qwen3_next": _module_spec("qwen3_next", "build_qwen3_next", checkpoint_keys=_qwen3_moe_keys,  # same expert keys
+    "qwen3_next": _module_spec("qwen3_next.modeling", "build_qwen3_next", checkpoint_keys=_qwen3_moe_keys,  # same expert keys
                                from_checkpoint=_qwen3_moe_param, configure=_configure_qwen3_next),
-    "mamba3": ModelSpec(build=_lazy("mamba3", "build_mamba3"),
-                        register_hf=_lazy("mamba3", "register_with_transformers")),
-    # models/gpt_oss.py: sink attention, grouped experts, the project's router
-    "gpt_oss": _module_spec("gpt_oss", "build_gpt_oss", configure=_configure_qwen3_moe,
-                            from_checkpoint=_lazy("gpt_oss", "param_from_checkpoint", drop_config=True)),
-    # models/minimax_m2.py: grouped experts, sigmoid router + checkpoint bias
-    "minimax_m27": _module_spec("minimax_m2", "build_minimax_m2",
-                                configure=_configure_with_config("minimax_m2", "configure_minimax")),
-    # models/step35.py: transformers' Step-3.5 text model + lm head, grouped experts
-    "step35": _module_spec("step35", "build_step35", configure=_configure_with_config("step35", "configure_step35")),
+    "mamba3": ModelSpec(build=_lazy("mamba3.modeling", "build_mamba3"),
+                        register_hf=_lazy("mamba3.modeling", "register_with_transformers")),
+    # models/gpt_oss/modeling.py: sink attention, grouped experts, the project's router
+    "gpt_oss": _module_spec("gpt_oss.modeling", "build_gpt_oss", configure=_configure_qwen3_moe,
+                            from_checkpoint=_lazy("gpt_oss.modeling", "param_from_checkpoint", drop_config=True)),
+    # models/minimax_m27/modeling.py: grouped experts, sigmoid router + checkpoint bias
+    "minimax_m27": _module_spec("minimax_m27.modeling", "build_minimax_m2",
+                                configure=_configure_with_config("minimax_m27.modeling", "configure_minimax")),
+    # models/step35/modeling.py: transformers' Step-3.5 text model + lm head, grouped experts
+    "step35": _module_spec("step35.modeling", "build_step35", configure=_configure_with_config("step35.modeling", "configure_step35")),
     # deepseek_v3 / mixtral / qwen2_moe: transformers' model with stacked experts and the project's router
     # (models/moe/family_swap.py; the family is the config's model_type)
     **{family: _module_spec("moe.family_swap", "build", configure=_configure_qwen3_moe)

@@ -21,7 +21,7 @@ What each flag means in Megatron-LM / megatron-core 0.16 and where it lands in t
                                   (`yarn_rope_scaling`: factor, beta_fast/slow, original context, mscales).
   --disable-bias-linear           no biases anywhere in Megatron: attention_bias false, and the expert and router
                                   biases that transformers' GPT-OSS always has kept at zero and frozen
-                                  (`mlp_bias: false`, read by models/gpt_oss.py) — the same function.
+                                  (`mlp_bias: false`, read by models/gpt_oss/modeling.py) — the same function.
   --enable-gpt-oss                read only by ModelOpt's model builder (megatron/post_training), which sets YaRN
                                   defaults when a ModelOpt checkpoint is loaded; a pretraining run ignores it →
                                   no effect (this file selects GPT-OSS from it).
@@ -155,7 +155,7 @@ def _biases(a) -> None:
         return
     bias = bool(g("add_bias_linear"))
     a.put("add_bias_linear", "attention_bias", bias)
-    a.keys["mlp_bias"] = bias  # False: expert and router biases zero and frozen (models/gpt_oss.py)
+    a.keys["mlp_bias"] = bias  # False: expert and router biases zero and frozen (models/gpt_oss/modeling.py)
     if g("add_qkv_bias") and not bias:
         a.decline("add_qkv_bias", "GPT-OSS has biases on q/k/v and o together — drop --add-qkv-bias, " + _LOAD)
 

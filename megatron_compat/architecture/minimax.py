@@ -5,7 +5,7 @@ MindSpeed builds that model with MiniMax's own router: sigmoid scores, experts s
 bias (`--moe-router-enable-expert-bias`, the HF checkpoint's `e_score_correction_bias`), the k unbiased scores
 renormalised. Its scripts therefore give no `--moe-router-score-function`; read as a plain Megatron GPT they
 would mean megatron-core's softmax default, which MiniMax-M2 never used. The model id `minimax_m27`
-(`fsdp2_backend/models/minimax_m2.py`) is that router; the expert-bias update moves the checkpoint's bias.
+(`fsdp2_backend/models/minimax_m27/modeling.py`) is that router; the expert-bias update moves the checkpoint's bias.
 
 Its HF config names follow Mixtral's (`num_local_experts`, `intermediate_size` = the expert width). From flags
 alone (no HF directory) the model is declined: its q/k norm over all heads and partial rotary width have no

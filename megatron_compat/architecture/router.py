@@ -1,7 +1,7 @@
 """Megatron's MoE router flags → native `model.moe_router_*` fields or HF config keys (part of `architecture`).
 
 Families in `ROUTER_FAMILIES` (every MoE family the flags build) run this project's router
-(`fsdp2_backend/models/moe/router.py`, megatron-core's routing and losses exactly; `models/qwen3_moe.py`,
+(`fsdp2_backend/models/moe/router.py`, megatron-core's routing and losses exactly; `models/qwen3_moe/modeling.py`,
 `models/moe/family_swap.py`): the flags the script gives become `model.moe_router_*` fields — only those given,
 so Megatron's defaults leave the HF model's own routing in place. `hf_router_keys` (transformers' router and aux
 loss with Megatron's coefficient, the options it lacks declined) is for a family outside that list.

@@ -47,7 +47,7 @@ optimization:
 
 
 def _model_dir(path: Path, **fields) -> str:
-    from fsdp2_backend.models.mamba3 import Mamba3Config
+    from fsdp2_backend.models.mamba3.modeling import Mamba3Config
 
     values = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, state_size=16, head_dim=8, n_groups=2,
                   chunk_size=16, is_mimo=True, mimo_rank=2, is_outproj_norm=True)

@@ -101,7 +101,7 @@ def _sized_config(family: str) -> dict:
 
         return step35_config_dict(**STEP35_FLASH)
     if family == "longcat_flash_ngram":
-        from fsdp2_backend.models.longcat_ngram import LongcatFlashNgramConfig
+        from fsdp2_backend.models.longcat_flash_ngram.modeling import LongcatFlashNgramConfig
 
         return LongcatFlashNgramConfig().to_dict()
     classes = {"gpt_oss": ("GptOssConfig", dict(num_hidden_layers=24, num_local_experts=32,

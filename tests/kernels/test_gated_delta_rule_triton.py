@@ -120,7 +120,7 @@ def test_dispatch_by_device():
 
 def test_the_log_line_names_the_kernel_that_runs():
     from fsdp2_backend.config import OptimizationArguments
-    from fsdp2_backend.models.qwen3_next import build_qwen3_next
+    from fsdp2_backend.models.qwen3_next.modeling import build_qwen3_next
     from fsdp2_backend.parallel.kernel_swaps import apply_fused_ops
     from fsdp2_backend.kernels.gated_delta_rule import fla_importable
     from tests.models.test_qwen3_next import tiny_next_config

@@ -75,7 +75,7 @@ def test_line_minus_fp8_builds_megatrons_gpt_oss():
 
     # The GLU: megatron-core's expert activation (experts.py's glu with quick_gelu, clamp 7, offset 1) on the
     # same gate/linear halves = the model's experts (transformers' interleaved layout: gate even, linear odd).
-    from fsdp2_backend.models.gpt_oss import GptOssGroupedExperts
+    from fsdp2_backend.models.gpt_oss.modeling import GptOssGroupedExperts
 
     small = _hf_config(_edit(LINE, drop=tuple(FP8), hidden_size=16, moe_ffn_hidden_size=8, ffn_hidden_size=8,
                              num_attention_heads=4, num_query_groups=2))[1]
@@ -146,7 +146,7 @@ def test_disable_bias_linear_is_megatrons_bias_free_gpt_oss():
     after an optimizer step too — and the model computes what transformers' GPT-OSS computes with those zeros."""
     from transformers import GptOssForCausalLM
 
-    from fsdp2_backend.models.gpt_oss import build_gpt_oss
+    from fsdp2_backend.models.gpt_oss.modeling import build_gpt_oss
 
     _, hf_config = _hf_config(_edit(LINE, drop=tuple(FP8), num_layers=2, hidden_size=32, moe_ffn_hidden_size=16,
                                     num_attention_heads=4, num_query_groups=2, window_size="3,0",

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's MTP layers (models/deepseek_v4_mtp.py) under `model_id deepseek_v4`: a tiny checkpoint with one MTP
+"""DeepSeek-V4's MTP layers (models/deepseek_v4/mtp.py) under `model_id deepseek_v4`: a tiny checkpoint with one MTP
 layer in DeepSeek's release layout (`mtp.0.*`: the block's `attn.wq_a` / `attn.kv_norm` / `ffn.experts.{e}.w1` /
 `hc_attn_fn` keys, enorm / hnorm / e_proj / h_proj / norm / hc_head_*, MindSpeed's optional embedding and head
 copies), random non-default tensors, loads where the reference below says; the logged MTP loss equals DeepSeek's
@@ -116,7 +116,7 @@ def _reference_loss(path, mtp, full, batch):
 
 
 def test_deepseek_v4_mtp_layer_loads_trains_and_exports_back(v4_dir, tmp_path, capsys):
-    from fsdp2_backend.models.deepseek_v4 import ClampedGroupedExperts
+    from fsdp2_backend.models.deepseek_v4.modeling import ClampedGroupedExperts
     from fsdp2_backend.training.hf_export import write_hf_dir
     from fsdp2_backend.training.logging import parse_train_line
     from fsdp2_backend.training.loss import GlobalBatchLoss
@@ -209,7 +209,7 @@ def test_second_depth_takes_the_first_depths_streams():
 
 
 def test_layouts_the_layout_cannot_hold_are_declined(tmp_path):
-    from fsdp2_backend.models.deepseek_v4_mtp import DeepseekV4Layout
+    from fsdp2_backend.models.deepseek_v4.mtp import DeepseekV4Layout
     from fsdp2_backend.usage_errors import UsageError
 
     config = tiny_config("deepseek_v4")  # num_nextn_predict_layers 1

@@ -59,7 +59,7 @@ def test_kl_loss_matches_a_sequential_loop(block_rows, monkeypatch):
 
 
 def _tiny_v4():
-    from fsdp2_backend.models.deepseek_v4 import build_deepseek_v4
+    from fsdp2_backend.models.deepseek_v4.modeling import build_deepseek_v4
     from tests.models.test_newer_model_ids import tiny_config
 
     config = tiny_config("deepseek_v4")  # layer 0 is compressed sparse attention

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from fsdp2_backend.models.gpt_oss import GptOssGroupedExperts, GptOssRouter, build_gpt_oss
-from fsdp2_backend.models.qwen3_moe import configure_moe
+from fsdp2_backend.models.gpt_oss.modeling import GptOssGroupedExperts, GptOssRouter, build_gpt_oss
+from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
 from fsdp2_backend.kernels.sink_attention import sink_attention, sink_attention_reference
 
 

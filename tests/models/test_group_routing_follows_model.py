@@ -16,7 +16,7 @@ import torch
 
 from fsdp2_backend.models.moe.family_swap import GROUPED_CLASSES
 from fsdp2_backend.models.moe.router import TopKRouter
-from fsdp2_backend.models.qwen3_moe import configure_moe
+from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
 from tests.models.test_router_megatron import E, _megatron_router, megatron  # noqa: F401  (megatron: fixture)
 
 B, S, VOCAB = 2, 12, 96

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fsdp2_backend.models.mamba3 import Mamba3Config, Mamba3ForCausalLM
+from fsdp2_backend.models.mamba3.modeling import Mamba3Config, Mamba3ForCausalLM
 from fsdp2_backend.models.registry import model_spec
 from tests.kernels.test_mamba3_scan import sequential_oracle
 

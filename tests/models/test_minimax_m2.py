@@ -6,7 +6,7 @@ TP declined."""
 import pytest
 import torch
 
-from fsdp2_backend.models.minimax_m2 import MiniMaxM2GroupedForCausalLM, MiniMaxM2Router
+from fsdp2_backend.models.minimax_m27.modeling import MiniMaxM2GroupedForCausalLM, MiniMaxM2Router
 from fsdp2_backend.models.moe.experts import GroupedExperts
 from fsdp2_backend.models.registry import model_spec
 
@@ -137,7 +137,7 @@ def test_expert_bias_update_moves_the_checkpoint_bias():
     with plain sigmoid top-k on scores + bias (megatron-core's formula)."""
     from types import SimpleNamespace
 
-    from fsdp2_backend.models.minimax_m2 import configure_minimax
+    from fsdp2_backend.models.minimax_m27.modeling import configure_minimax
     from fsdp2_backend.models.moe.router import finish_router_step
     from fsdp2_backend.config.validation import validate
     from tests.config.test_config import pt_config

@@ -230,7 +230,7 @@ def test_qwen3_next_mtp_keys_land_where_the_published_layout_says(next_dir, mode
         assert layer.block_type == "full_attention" and hasattr(layer.mlp, "shared_expert_gate")
         if model_id == "qwen3_next":
             from fsdp2_backend.models.moe.experts import GroupedExperts
-            from fsdp2_backend.models.qwen3_next import Qwen3NextRouter
+            from fsdp2_backend.models.qwen3_next.modeling import Qwen3NextRouter
 
             assert isinstance(layer.mlp.experts, GroupedExperts) and isinstance(layer.mlp.gate, Qwen3NextRouter)
         experts = _next_config().num_experts

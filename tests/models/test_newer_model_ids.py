@@ -31,7 +31,7 @@ def tiny_config(model_id):
             num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=8,
             q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, index_topk=4, index_head_dim=8,
             index_n_heads=2, first_k_dense_replace=1, max_position_embeddings=128, tie_word_embeddings=False)
-    from fsdp2_backend.models.longcat_ngram import LongcatFlashNgramConfig
+    from fsdp2_backend.models.longcat_flash_ngram.modeling import LongcatFlashNgramConfig
 
     return LongcatFlashNgramConfig(
         vocab_size=VOCAB, hidden_size=48, num_layers=1, num_attention_heads=2, num_key_value_heads=2,

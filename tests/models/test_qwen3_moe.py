@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fsdp2_backend.models.moe.experts import GroupedExperts
-from fsdp2_backend.models.qwen3_moe import (Qwen3MoeGroupedForCausalLM, Qwen3MoeRouter, build_qwen3_moe,
+from fsdp2_backend.models.qwen3_moe.modeling import (Qwen3MoeGroupedForCausalLM, Qwen3MoeRouter, build_qwen3_moe,
                                             checkpoint_keys, configure_moe, from_hf_checkpoint, param_from_checkpoint,
                                             to_hf_checkpoint)
 

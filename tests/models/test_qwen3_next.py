@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fsdp2_backend.models.moe.experts import GroupedExperts
-from fsdp2_backend.models.qwen3_next import (GatedDeltaNet, Qwen3NextRouter, build_qwen3_next,
+from fsdp2_backend.models.qwen3_next.modeling import (GatedDeltaNet, Qwen3NextRouter, build_qwen3_next,
                                              configure_qwen3_next)
 
 
@@ -237,7 +237,7 @@ def test_a_config_carrying_transformers_experts_choice_builds_our_models_first_i
 import torch
 from tests.models.test_qwen3_next import tiny_next_config
 from tests.models.test_qwen3_moe import tiny_moe_config
-from fsdp2_backend.models.qwen3_next import build_qwen3_next
+from fsdp2_backend.models.qwen3_next.modeling import build_qwen3_next
 from fsdp2_backend.models.registry import model_spec
 for build, config in ((build_qwen3_next, tiny_next_config()), (model_spec("qwen3_moe").build, tiny_moe_config())):
     config._experts_implementation = "grouped_mm"

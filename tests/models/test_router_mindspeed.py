@@ -219,7 +219,7 @@ def test_mindspeed_histc_counts_zeros_and_ones_not_experts():
 
 # -- in a model: DeepSeek-V3 (family_swap) with the DeepSeek-V4 router ------------------------------------------------
 def test_deepseek_v3_model_aux_loss_is_mindspeeds_sum_over_layers():
-    from fsdp2_backend.models.qwen3_moe import configure_moe
+    from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
     from tests.models.test_router_families import B, S, _Fields, _ids, _pair
 
     options = dict(moe_router_score_function="sqrtsoftplus", moe_router_enable_expert_bias=True,

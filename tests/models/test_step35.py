@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from fsdp2_backend.config import ModelArguments
 from fsdp2_backend.models.moe.experts import GroupedExperts
-from fsdp2_backend.models.qwen3_moe import configure_moe
+from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
 from fsdp2_backend.models.registry import model_spec
-from fsdp2_backend.models.step35 import Step35Experts, Step35ForCausalLM, Step35Router
+from fsdp2_backend.models.step35.modeling import Step35Experts, Step35ForCausalLM, Step35Router
 
 LAYER_TYPES = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
 

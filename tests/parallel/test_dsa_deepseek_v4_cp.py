@@ -40,7 +40,7 @@ def _config():
 
 
 def _model():
-    from fsdp2_backend.models.deepseek_v4 import build_deepseek_v4
+    from fsdp2_backend.models.deepseek_v4.modeling import build_deepseek_v4
     from fsdp2_backend.models.dsa_indexer_loss import install_deepseek_v4
 
     torch.manual_seed(0)

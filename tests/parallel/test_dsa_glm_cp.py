@@ -40,7 +40,7 @@ def _config():
 
 def _model():
     from fsdp2_backend.models.dsa_indexer_loss import install_glm52
-    from fsdp2_backend.models.qwen3_moe import configure_moe
+    from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
     from fsdp2_backend.models.registry import model_spec
 
     torch.manual_seed(0)

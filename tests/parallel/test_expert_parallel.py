@@ -22,7 +22,7 @@ EXPERTS = "model.layers.{*}.mlp.experts"
 
 
 def _model():
-    from fsdp2_backend.models.qwen3_moe import build_qwen3_moe, configure_moe
+    from fsdp2_backend.models.qwen3_moe.modeling import build_qwen3_moe, configure_moe
 
     torch.manual_seed(0)
     model = build_qwen3_moe(tiny_moe_config())

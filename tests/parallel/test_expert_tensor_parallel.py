@@ -22,7 +22,7 @@ def _config(tp, ep, sequence_parallel):
 
 
 def _model():
-    from fsdp2_backend.models.qwen3_moe import build_qwen3_moe
+    from fsdp2_backend.models.qwen3_moe.modeling import build_qwen3_moe
 
     torch.manual_seed(0)
     hf_config = tiny_moe_config(output_router_logits=False)

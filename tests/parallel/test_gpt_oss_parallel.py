@@ -32,8 +32,8 @@ def tiny_config():
 
 
 def _model():
-    from fsdp2_backend.models.gpt_oss import build_gpt_oss
-    from fsdp2_backend.models.qwen3_moe import configure_moe
+    from fsdp2_backend.models.gpt_oss.modeling import build_gpt_oss
+    from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
 
     torch.manual_seed(0)
     model = build_gpt_oss(tiny_config())

@@ -64,7 +64,7 @@ def test_fused_rotary_still_patches_the_reference_rope():
 
 
 def test_gdn_flags_say_what_runs():
-    from fsdp2_backend.models.qwen3_next import build_qwen3_next
+    from fsdp2_backend.models.qwen3_next.modeling import build_qwen3_next
 
     native = _swap(_qwen3_next(), use_triton_rmsnormgated=True, gdn_chunk_size=32)
     assert len(native) == 2 and all("transformers' own" in line and "no effect" in line for line in native)

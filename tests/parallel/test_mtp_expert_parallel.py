@@ -1,5 +1,5 @@
 """MTP with expert parallel: the qwen3_next and deepseek_v4 model ids with one MTP depth (their MTP layers are
-sparse: stacked experts; DeepSeek-V4's runs over the mHC streams, models/deepseek_v4_mtp.py), on 2 gloo ranks at
+sparse: stacked experts; DeepSeek-V4's runs over the mHC streams, models/deepseek_v4/mtp.py), on 2 gloo ranks at
 EP 2 (the engine's `build._with_mtp` + `apply_parallelism`), give one process's losses (both ranks' micro-batches,
 lm loss + factor × MTP loss) over 3 steps; the MTP layer's experts are sharded like the main layers (two of the four
 experts per rank)."""

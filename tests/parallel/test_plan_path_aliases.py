@@ -17,7 +17,7 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "mindspeed_fsdp2"
 def _tiny_minimax():
     from transformers import MiniMaxM2Config
 
-    from fsdp2_backend.models.minimax_m2 import build_minimax_m2
+    from fsdp2_backend.models.minimax_m27.modeling import build_minimax_m2
 
     config = MiniMaxM2Config(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=4,

@@ -29,7 +29,7 @@ STEPS, LR, SEQ = 8, 3e-3, 16
 
 
 def _model():
-    from fsdp2_backend.models.qwen3_moe import configure_moe
+    from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
     from fsdp2_backend.models.registry import model_spec
 
     config = step35_config()

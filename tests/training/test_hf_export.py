@@ -127,7 +127,7 @@ def test_moe_export_and_converter_write_per_expert_hf_layout(tmp_path):
     transformers' per-expert files, which plain transformers loads back to the same logits."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from fsdp2_backend.models.qwen3_moe import build_qwen3_moe
+    from fsdp2_backend.models.qwen3_moe.modeling import build_qwen3_moe
     from fsdp2_backend.training.checkpoint import CheckpointManager
     from fsdp2_backend.training.hf_export import convert_checkpoint, export_hf
 

@@ -242,3 +242,21 @@ class Mamba3ForCausalLM(Mamba3PreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def register_with_transformers() -> None:
+    """Registers model_type "mamba3" with AutoConfig and AutoModelForCausalLM (idempotent)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "mamba3" not in CONFIG_MAPPING:
+        AutoConfig.register("mamba3", Mamba3Config)
+        AutoModelForCausalLM.register(Mamba3Config, Mamba3ForCausalLM)
+
+
+def build_mamba3(hf_config) -> Mamba3ForCausalLM:
+    """The model for any HF config carrying the Mamba-3 fields (ours, or MindSpeed's Mamba-2 style one)."""
+    return Mamba3ForCausalLM(Mamba3Config.from_any(hf_config))
+
+
+register_with_transformers()  # AutoConfig / AutoModelForCausalLM load a saved mamba3 directory once this is imported

@@ -1,7 +1,7 @@
 """The `deepseek_v3`, `mixtral`, `qwen2_moe` and `glm52` (transformers' `glm_moe_dsa`) model ids: transformers' model of that family with stacked
 experts and this project's router (Megatron's router options), by one swap applied to every sparse block.
 
-As `models/qwen3_moe.py` does for Qwen3-MoE, each family's model is transformers' own causal LM (attention,
+As `models/qwen3_moe/modeling.py` does for Qwen3-MoE, each family's model is transformers' own causal LM (attention,
 norms, rotary, shared experts and their gate, the aux-loss bookkeeping, `_init_weights`) with, in every sparse
 block:
 - `experts` → `GroupedExperts` (transformers' in-memory layout: `gate_up_proj` (E, 2I, H), `down_proj`
@@ -238,15 +238,15 @@ def build(hf_config) -> nn.Module:
 # -- per-expert checkpoint keys (streaming loader) ----------------------------------------------------------------
 def checkpoint_keys(name: str, hf_config) -> List[str]:
     if hf_config.model_type == "mixtral":
-        from fsdp2_backend.models import minimax_m2
+        from fsdp2_backend.models.minimax_m27 import modeling as minimax_m2
         return minimax_m2.checkpoint_keys(name, hf_config)
-    from fsdp2_backend.models import qwen3_moe
+    from fsdp2_backend.models.qwen3_moe import modeling as qwen3_moe
     return qwen3_moe.checkpoint_keys(name, FAMILIES[hf_config.model_type].num_experts(hf_config))
 
 
 def param_from_checkpoint(name: str, tensors: Mapping[str, torch.Tensor], hf_config) -> torch.Tensor:
     if hf_config.model_type == "mixtral":
-        from fsdp2_backend.models import minimax_m2
+        from fsdp2_backend.models.minimax_m27 import modeling as minimax_m2
         return minimax_m2.param_from_checkpoint(name, tensors, hf_config)
-    from fsdp2_backend.models import qwen3_moe
+    from fsdp2_backend.models.qwen3_moe import modeling as qwen3_moe
     return qwen3_moe.param_from_checkpoint(name, tensors, FAMILIES[hf_config.model_type].num_experts(hf_config))

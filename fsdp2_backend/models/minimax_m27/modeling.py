@@ -34,7 +34,7 @@ from transformers.models.minimax_m2.modeling_minimax_m2 import (MiniMaxM2Experts
 from fsdp2_backend.models.moe.experts import GroupedExperts
 from fsdp2_backend.models.moe.grouped_causal_lm import GroupedMoECausalLM
 from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter
-from fsdp2_backend.models.qwen3_moe import configure_moe
+from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
 
 _STACKED = re.compile(r"^(?P<layer>.*)\.mlp\.experts\.(?P<name>gate_up_proj|down_proj)$")
 _BLOCK = re.compile(r"^(?P<layer>.*)\.mlp\.(?P<rest>gate\.weight|e_score_correction_bias)$")

@@ -101,7 +101,7 @@ class DeepseekV4Layout(MTPLayout):
     def layer_factory(self, model: nn.Module) -> Callable[[int], nn.Module]:
         """DeepSeek-V4's decoder layer at index N + k (DeepSeek's MTP layer id): sliding-window attention, top-k MoE;
         under `model_id deepseek_v4` its experts stacked like the main layers'."""
-        from fsdp2_backend.models.deepseek_v4 import DeepseekV4GroupedForCausalLM, _grouped
+        from fsdp2_backend.models.deepseek_v4.modeling import DeepseekV4GroupedForCausalLM, _grouped
 
         config, cls = model.config, type(model.get_decoder().layers[0])
 

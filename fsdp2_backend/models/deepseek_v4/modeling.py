@@ -10,7 +10,7 @@ parallelism, the grouped GEMM and the expert FSDP apply to them.
 - Checkpoints: DeepSeek's own key layout (`attn.wq_a`, `ffn.experts.{e}.w1`, `head.weight`), read through
   transformers' conversion (models/hf_layout.py); the export is transformers' save of its own class.
 - MTP: transformers' class drops DeepSeek-V4's MTP layers; with `model.mtp_num_layers` (--mtp-num-layers) this id
-  builds them (DeepSeek's MTPBlock over the mHC streams, models/deepseek_v4_mtp.py), loads the checkpoint's `mtp.*`
+  builds them (DeepSeek's MTPBlock over the mHC streams, models/deepseek_v4/mtp.py), loads the checkpoint's `mtp.*`
   keys, trains them with the MTP loss (mtp_loss_scaling_factor) and exports them under DeepSeek's `mtp.{k}.*` names;
   unset, one line says the config's MTP layers are not built.
 - The indexer: with `training.indexer_loss_coeff` > 0 it is trained by MindSpeed's KL loss against the attention
@@ -107,7 +107,7 @@ def configure_deepseek_v4(model: nn.Module, config) -> None:
 
         install_deepseek_v4(model, config.training.indexer_loss_coeff)
     mtp = getattr(model.config, "num_nextn_predict_layers", 0) or 0
-    if mtp and not config.model.mtp_num_layers:  # with it: models/deepseek_v4_mtp.py builds and loads them
+    if mtp and not config.model.mtp_num_layers:  # with it: models/deepseek_v4/mtp.py builds and loads them
         from fsdp2_backend.distributed.console import print_rank0
 
         print_rank0(f"model_id deepseek_v4: the config's {mtp} MTP layers (num_nextn_predict_layers; checkpoint keys "

@@ -34,7 +34,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextExperts
 
 from fsdp2_backend.models.moe.experts import GroupedExperts
 from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, attach_aux_loss
-from fsdp2_backend.models.qwen3_moe import configure_moe
+from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
 from fsdp2_backend.kernels.causal_conv1d import causal_conv1d, conv1d_implementation
 from fsdp2_backend.kernels.gated_delta_rule import chunk_gated_delta_rule
 from fsdp2_backend.kernels.rmsnorm_gated import rms_norm_gated

@@ -55,7 +55,7 @@ from transformers.models.step3p7.modeling_step3p7 import (Step3p7Experts, Step3p
 
 from fsdp2_backend.models.moe.experts import GroupedExperts
 from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, attach_aux_loss
-from fsdp2_backend.models.qwen3_moe import configure_moe
+from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
 from fsdp2_backend.usage_errors import UsageError
 
 _STACKED = re.compile(r"^(?P<layer>.*)\.mlp\.experts\.(?P<name>gate_up_proj|down_proj)$")
