@@ -4,7 +4,7 @@
                     → optimizer → scheduler → loss scaler → checkpointer (load: resume / finetune)
                     → data (at the restored consumed samples) → logger → profiler
 
-Where the run starts (`checkpoint_io.resume_point`) is decided first, from the file system alone: a resumed
+Where the run starts (`fsdp2_backend.checkpoint.dirs.resume_point`) is decided first, from the file system alone: a resumed
 run takes its model config and tokenizer from the checkpoint (`hf_meta/`) when the config names no model, so
 `--load CKPT` needs no architecture flags. The trainer (`training.trainer`) only runs the loop over a TrainJob.
 """
@@ -80,7 +80,7 @@ def megatron_reader(resume):
 def effective_model_args(config: Config, resume) -> Any:
     """The model arguments the model is built from: a resumed run whose config names no HF directory builds it
     from the checkpoint's own config (and tokenizer, unless one is given); the weights come from the load."""
-    from fsdp2_backend.checkpoint_dirs import HF_META_DIR
+    from fsdp2_backend.checkpoint.dirs import HF_META_DIR
 
     model = config.model
     if resume.megatron:  # a Megatron-LM checkpoint: the model its saved args describe (training/megatron_resume)
@@ -117,7 +117,7 @@ def build_model(config: Config, ctx, resume):
     elif resume.checkpoint is not None:
         # A resumed run's embedding has the checkpoint's rows (at any tp): its saved config says how many.
         from fsdp2_backend.config.weight_files import read_config_json
-        from fsdp2_backend.checkpoint_dirs import HF_META_DIR
+        from fsdp2_backend.checkpoint.dirs import HF_META_DIR
 
         saved = read_config_json(str(resume.checkpoint / HF_META_DIR), []) or {}
         config_vocab, from_checkpoint = saved.get("vocab_size", config_vocab), True
@@ -224,7 +224,7 @@ def build(config: Config) -> TrainJob:
     from fsdp2_backend.usage_errors import UsageError
     from fsdp2_backend.data.pretrain import build_pretrain_data, data_iterator
     from fsdp2_backend.distributed.context import ParallelContext
-    from fsdp2_backend.checkpoint_dirs import resume_checkpoint
+    from fsdp2_backend.checkpoint.dirs import resume_checkpoint
     from fsdp2_backend.distributed.console import print_rank0
     from fsdp2_backend.config.batch_schedule import schedule_for
     from fsdp2_backend.training.muon import megatron_muon_options
@@ -358,7 +358,7 @@ def run_training(config: Config):
 
 def interrupted_line(config: Config, iteration: int) -> str:
     """What a user needs after Ctrl-C: where the run stood, its newest checkpoint, and how to go on."""
-    from fsdp2_backend.checkpoint_dirs import newest_checkpoint
+    from fsdp2_backend.checkpoint.dirs import newest_checkpoint
 
     t = config.training
     if not (t.save_checkpoints and t.output_dir):

@@ -67,8 +67,8 @@ def check_inference_config(config: Config, prompts: Sequence[str]) -> None:
 @contextmanager
 def _hf_model_dir(path: str) -> Iterator[str]:
     """`path` when it is an HF directory; a checkpoint's newest complete one converted to a temporary one."""
-    from fsdp2_backend.checkpoint_dirs import META_FILE, resolve_checkpoint
-    from fsdp2_backend.training.hf_export import convert_checkpoint
+    from fsdp2_backend.checkpoint.dirs import META_FILE, resolve_checkpoint
+    from fsdp2_backend.checkpoint.hf_export import convert_checkpoint
 
     if os.path.isfile(os.path.join(path, "config.json")):
         yield path

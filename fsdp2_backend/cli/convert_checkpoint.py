@@ -43,7 +43,7 @@ def main(argv=None) -> None:
 
         from fsdp2_backend.usage_errors import UsageError
 
-        from fsdp2_backend.training.hf_export import convert_checkpoint
+        from fsdp2_backend.checkpoint.hf_export import convert_checkpoint
 
         from megatron_compat.checkpoint.convert import convert_megatron_checkpoint, megatron_iteration_dir
 

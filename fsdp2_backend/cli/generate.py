@@ -61,7 +61,7 @@ def _from_the_runs_checkpoints(config):
     from the newest of those (said on stderr), from the base model only while there are none."""
     import dataclasses
 
-    from fsdp2_backend.checkpoint_dirs import resolve_checkpoint
+    from fsdp2_backend.checkpoint.dirs import resolve_checkpoint
 
     output_dir = config.training.output_dir
     checkpoint = resolve_checkpoint(output_dir) if output_dir else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from fsdp2_backend.checkpoint_dirs import HF_META_DIR, resume_checkpoint
+from fsdp2_backend.checkpoint.dirs import HF_META_DIR, resume_checkpoint
 from fsdp2_backend.config.schema import Config
 from fsdp2_backend.config.weight_files import read_config_json
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from fsdp2_backend.usage_errors import UsageError
 
-SCALES_ATTR = "mla_lora_scales"  # {in-memory weight name: factor}, read by training/hf_shards.py
+SCALES_ATTR = "mla_lora_scales"  # {in-memory weight name: factor}, read by checkpoint/hf_shards.py
 
 
 def _config_of(model: nn.Module):

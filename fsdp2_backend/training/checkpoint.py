@@ -4,7 +4,7 @@ Owns what goes into a checkpoint and when it becomes visible: the sharded model 
 ``get_state_dict`` / ``set_state_dict``, so FSDP2/TP DTensors reshard on load to any number of ranks), the
 LR scheduler, per-rank RNG states and the trainer's state (iteration, consumed samples, ...), plus the
 model config and tokenizer so that a checkpoint describes itself. The layout and the atomic commit live in
-``checkpoint_io``; the HF export in ``hf_export``.
+``fsdp2_backend.checkpoint.commit``; the HF export in ``fsdp2_backend.checkpoint.hf_export``.
 
 Flags follow Megatron: ``no_save_optim`` drops optimizer *and* scheduler, ``no_load_optim`` skips both,
 ``no_load_rng`` skips RNG, ``finetune`` loads model weights only and leaves the trainer's state fresh
@@ -19,7 +19,7 @@ it writes ``.metadata``, so when rank 0's save finishes every rank has written: 
 checkpoint into place (in a committer thread for async saves) with no further collective.
 
 The run's one checkpointer (the states it owns, load / save / HF export) is ``checkpointer``; where a run
-resumes from is ``checkpoint_io.resume_point``.
+resumes from is ``fsdp2_backend.checkpoint.dirs.resume_point``.
 """
 from __future__ import annotations
 
@@ -40,11 +40,11 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
                                                      set_model_state_dict, set_state_dict)
 
 from fsdp2_backend.usage_errors import RunStopped, UsageError
-from fsdp2_backend.training import checkpoint_io as io
-from fsdp2_backend import checkpoint_dirs as dirs
+from fsdp2_backend.checkpoint import commit as io
+from fsdp2_backend.checkpoint import dirs
 from fsdp2_backend.distributed.console import print_rank0
 from fsdp2_backend.training import rng_state
-from fsdp2_backend.training.hf_export import save_tokenizer
+from fsdp2_backend.checkpoint.hf_export import save_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -11,15 +11,15 @@ consumed samples), the loss scaler, per-rank RNG; the tokenizer and model config
 checkpoint describes itself. `save_checkpoints: false` (Megatron without --save) makes `save` a no-op while
 `load` still resumes. After the save that finishes training ("final", or an exit at the last iteration) the
 HF export (`save_hf_weights`) is written to OUTPUT_DIR/hf. Format and commit protocol: `checkpoint`,
-`checkpoint_io`.
+`fsdp2_backend.checkpoint.commit`.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from fsdp2_backend.checkpoint_dirs import ResumePoint
-from fsdp2_backend.training.hf_export import align_special_tokens, export_hf
+from fsdp2_backend.checkpoint.dirs import ResumePoint
+from fsdp2_backend.checkpoint.hf_export import align_special_tokens, export_hf
 
 HF_EXPORT_SUBDIR = "hf"
 

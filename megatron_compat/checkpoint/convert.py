@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 import torch
 
-from fsdp2_backend.checkpoint_dirs import LATEST_FILE  # the same marker name as Megatron-LM's
+from fsdp2_backend.checkpoint.dirs import LATEST_FILE  # the same marker name as Megatron-LM's
 from megatron_compat.checkpoint.dcp_format import is_plain_dcp, read_dcp_checkpoint
 from megatron_compat.checkpoint.safe_pickle import dcp_load, dcp_metadata, load_torch_file
 from megatron_compat.checkpoint.gpt_keys import to_hf_state_dict
@@ -298,7 +298,7 @@ def convert_megatron_checkpoint(path: os.PathLike | str, out_dir: os.PathLike | 
     """Writes the HF directory of a Megatron-LM checkpoint (no tokenizer: Megatron's checkpoints carry none)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fsdp2_backend.training.hf_export import write_hf_dir
+    from fsdp2_backend.checkpoint.hf_export import write_hf_dir
 
     state, args, _ = read_megatron_checkpoint(path)
     config = AutoConfig.from_pretrained(hf_config) if hf_config else hf_config_from_args(args, state)

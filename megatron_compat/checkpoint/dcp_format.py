@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from fsdp2_backend.checkpoint_dirs import META_FILE
+from fsdp2_backend.checkpoint.dirs import META_FILE
 from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.checkpoint.fsdp_dtensor import is_fsdp_dtensor, join_halves, model_state, rng_entries
 from megatron_compat.checkpoint.safe_pickle import dcp_load, dcp_metadata

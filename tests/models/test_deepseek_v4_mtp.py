@@ -117,7 +117,7 @@ def _reference_loss(path, mtp, full, batch):
 
 def test_deepseek_v4_mtp_layer_loads_trains_and_exports_back(v4_dir, tmp_path, capsys):
     from fsdp2_backend.models.deepseek_v4.modeling import ClampedGroupedExperts
-    from fsdp2_backend.training.hf_export import write_hf_dir
+    from fsdp2_backend.checkpoint.hf_export import write_hf_dir
     from fsdp2_backend.training.logging import parse_train_line
     from fsdp2_backend.training.loss import GlobalBatchLoss
 

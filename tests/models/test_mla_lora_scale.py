@@ -74,7 +74,7 @@ def test_hf_export_folds_the_factors(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from fsdp2_backend.models.mla_lora_scale import apply_mla_lora_scales
-    from fsdp2_backend.training.hf_export import export_hf
+    from fsdp2_backend.checkpoint.hf_export import export_hf
 
     model = _model()
     ref = _reference(model)
@@ -93,8 +93,8 @@ def test_offline_conversion_folds_what_the_run_trained_with(tmp_path):
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
-    from fsdp2_backend import checkpoint_dirs as dirs
-    from fsdp2_backend.training.hf_export import convert_checkpoint
+    from fsdp2_backend.checkpoint import dirs
+    from fsdp2_backend.checkpoint.hf_export import convert_checkpoint
 
     model = _model()
     ckpt = tmp_path / "save" / "iter_0000004"

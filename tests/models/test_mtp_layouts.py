@@ -279,7 +279,7 @@ def test_qwen3_next_mtp_loss_equals_a_hand_computed_reference_and_trains(next_di
 def test_qwen3_next_export_writes_the_published_names_and_reloads_exactly(next_dir, tmp_path):
     from transformers import Qwen3NextForCausalLM
 
-    from fsdp2_backend.training.hf_export import write_hf_dir
+    from fsdp2_backend.checkpoint.hf_export import write_hf_dir
 
     path, mtp = next_dir
     trainer, ctx = _trainer(path, "qwen3_next")

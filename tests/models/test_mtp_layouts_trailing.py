@@ -103,7 +103,7 @@ def _step35_reference_loss(text, head, mtp, cfg, batch):
 
 
 def test_step35_mtp_layers_load_train_and_export_back(step35_dir, tmp_path, capsys):
-    from fsdp2_backend.training.hf_export import write_hf_dir
+    from fsdp2_backend.checkpoint.hf_export import write_hf_dir
     from fsdp2_backend.training.logging import parse_train_line
     from fsdp2_backend.training.loss import GlobalBatchLoss
 
@@ -227,7 +227,7 @@ def _deepseek_reference_loss(path, mtp, full, n, batch):
 
 @pytest.mark.parametrize("model_id", [None, "deepseek_v3"])
 def test_deepseek_v3_mtp_layer_loads_and_exports_back(deepseek_dir, tmp_path, model_id):
-    from fsdp2_backend.training.hf_export import write_hf_dir
+    from fsdp2_backend.checkpoint.hf_export import write_hf_dir
     from fsdp2_backend.training.loss import GlobalBatchLoss
 
     path, mtp, full, n = deepseek_dir

@@ -27,8 +27,8 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
                "megatron_compat.architecture", "fsdp2_backend.config")),
     ("assembly", ("fsdp2_backend.build", "fsdp2_backend.inference")),
     ("engine", ("fsdp2_backend.training", "fsdp2_backend.parallel", "fsdp2_backend.data")),
-    # the files a run reads and writes: Megatron's data and checkpoints, and our save directories
-    ("formats", ("megatron_compat.data", "megatron_compat.checkpoint", "fsdp2_backend.checkpoint_dirs")),
+    # the files a run reads and writes: Megatron's data and checkpoints, and our checkpoint layer
+    ("formats", ("megatron_compat.data", "megatron_compat.checkpoint", "fsdp2_backend.checkpoint")),
     ("models", ("fsdp2_backend.models",)),
     ("distributed", ("fsdp2_backend.distributed",)),
     ("kernels", ("fsdp2_backend.kernels",)),
@@ -45,9 +45,6 @@ RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
 
 # (importing module, imported module): why it may look up. Few, each with its way out.
 EXCEPTIONS: Dict[Tuple[str, str], str] = {
-    ("megatron_compat.checkpoint.convert", "fsdp2_backend.training.hf_export"):
-        "convert_megatron writes its HF directory with training's HF writer (lazily); the writer belongs with "
-        "the formats, or the conversion in the cli",
     ("megatron_compat.checkpoint.mla", "megatron_compat.architecture.saved_args"):
         "an MLA checkpoint's saved args map to DeepSeek-V3 keys through the flags' own mapping (one place, lazily); "
         "that torch-free mapping belongs below the formats, or the checkpoint's config is made by its callers",

@@ -1,7 +1,7 @@
 """Where a checkpoint of ours is: the save directory's names and their discovery, and where a run resumes.
 Torch-free and printing nothing, so config validation (a checkpoint's model config, `hf_meta/config.json`), the
 checkpointer, generation and the tools all read it; writing one (atomic visibility, rotation) is
-`training/checkpoint_io.py`'s.
+`checkpoint/commit.py`'s.
 
 A save directory looks like Megatron's::
 

@@ -1,5 +1,5 @@
 """Writing our checkpoints: atomic visibility, the latest marker, rotation, and why a save failed. Torch-free;
-the names of a save directory and finding a checkpoint in it are `fsdp2_backend/checkpoint_dirs.py`'s (which
+the names of a save directory and finding a checkpoint in it are `fsdp2_backend/checkpoint/dirs.py`'s (which
 draws the layout); the per-rank RNG files are `rng_state`'s. `storage_error` finds what made a save fail (a full
 disk, a lost permission) for the one-line report.
 
@@ -24,7 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from fsdp2_backend.checkpoint_dirs import LATEST_FILE, complete_checkpoints
+from fsdp2_backend.checkpoint.dirs import LATEST_FILE, complete_checkpoints
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 import torch
 
 from fsdp2_backend.usage_errors import RunStopped, UsageError
-from fsdp2_backend import checkpoint_dirs as dirs
-from fsdp2_backend.training import hf_shards
+from fsdp2_backend.checkpoint import dirs
+from fsdp2_backend.checkpoint import hf_shards
 from megatron_compat.data.utils import barrier, rank_zero_first
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ def export_stopped(exc: BaseException, out_dir: Path) -> Optional[Exception]:
     import errno as errnos
     import re
 
-    from fsdp2_backend.training.checkpoint_io import storage_error
+    from fsdp2_backend.checkpoint.commit import storage_error
     from fsdp2_backend.usage_errors import RunStopped
 
     error = storage_error(exc) if isinstance(exc, Exception) else None
