@@ -53,7 +53,7 @@ def _measure(rank, world_size, preset, steps, every, repeats, out_json, workdir)
 
     from fsdp2_backend.training.checkpoint import CheckpointManager
     from fsdp2_backend.training.hf_export import export_hf
-    from tests.helpers import tiny_qwen3_config
+    from tests.support.tiny_models import tiny_qwen3_config
 
     torch.set_num_threads(1)
     workdir = Path(workdir)
@@ -129,7 +129,7 @@ def _measure(rank, world_size, preset, steps, every, repeats, out_json, workdir)
 
 
 def main() -> None:
-    from tests.helpers import run_distributed
+    from tests.support.launchers import run_distributed
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2)

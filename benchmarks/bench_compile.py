@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers import run_distributed
+from tests.support.launchers import run_distributed
 
 SEQ, MBS, GBS, VOCAB = 512, 2, 4, 32000
 COMMON = (f"--seq-length {SEQ} --max-position-embeddings {SEQ} --micro-batch-size {MBS} --global-batch-size {GBS} "

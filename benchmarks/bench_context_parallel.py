@@ -34,7 +34,7 @@ def _worker(rank, world_size, cp_type, args, out_dir):
 
     from fsdp2_backend.parallel.context_parallel.attention import enable_context_parallel
     from fsdp2_backend.parallel.context_parallel.batch import cp_token_mean, shard_batch_for_cp, shift_labels
-    from tests.helpers import tiny_qwen3_config
+    from tests.support.tiny_models import tiny_qwen3_config
 
     torch.set_num_threads(1)  # one core per rank, as on the shared 2-core machine
     torch.manual_seed(0)
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
-    from tests.helpers import run_distributed
+    from tests.support.launchers import run_distributed
 
     layouts = [("cp1", "ulysses", 1), ("cp2 ulysses", "ulysses", 2), ("cp2 ring", "ring", 2)]
     rows = {}

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers import run_distributed
+from tests.support.launchers import run_distributed
 
 SEQ, MBS, GBS, VOCAB = 512, 2, 8, 32000
 FLAGS = (f"--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 4 --group-query-attention "

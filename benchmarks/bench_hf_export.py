@@ -76,7 +76,7 @@ def _worker(rank, world_size, which, layers, hidden, workdir, out_json):
     from transformers import AutoModelForCausalLM
 
     from fsdp2_backend.training.hf_export import export_hf
-    from tests.helpers import tiny_qwen3_config
+    from tests.support.tiny_models import tiny_qwen3_config
 
     torch.set_num_threads(1)
     config = tiny_qwen3_config(vocab_size=8192, hidden_size=hidden, intermediate_size=3 * hidden,
@@ -113,8 +113,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers: the launcher and tiny configs
-    from tests.helpers import run_distributed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: the launcher and tiny configs
+    from tests.support.launchers import run_distributed
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # large blocks straight from mmap and back to the system when freed: RSS then shows what is held, not what

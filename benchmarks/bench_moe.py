@@ -99,7 +99,7 @@ def _rank(rank, world_size, layout, args, out_dir):
 
 
 def bench_layouts(args):
-    from tests.helpers import run_distributed
+    from tests.support.launchers import run_distributed
 
     rows = {}
     for layout in ("no EP", "EP 2 eager", "EP 2 fused"):

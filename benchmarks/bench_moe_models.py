@@ -120,7 +120,7 @@ def _rank(rank, world_size, name, ep, args, out_dir):
 
 
 def bench_training(args):
-    from tests.helpers import run_distributed
+    from tests.support.launchers import run_distributed
 
     print(f"\n2 gloo ranks, 1 thread each, 1x{args.seq} tokens per rank, grouped GEMM, Megatron aux loss")
     print(f"{'model':<11} {'layout':<6} {'tokens/s':>9} {'vs no EP':>9} {'peak RSS MB':>12}")

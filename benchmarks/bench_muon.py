@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from tests.helpers import run_distributed  # noqa: E402  (the repo's gloo launcher)
+from tests.support.launchers import run_distributed  # noqa: E402  (the repo's gloo launcher)
 
 
 def _model(layers, dim):

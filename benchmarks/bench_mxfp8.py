@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from tests.helpers import run_distributed, tiny_qwen3_config  # noqa: E402  (the repo's gloo launcher)
+from tests.support.launchers import run_distributed  # noqa: E402  (the repo's gloo launcher)
+from tests.support.tiny_models import tiny_qwen3_config
 
 VARIANTS = {"bf16": None, "mxfp8, bf16 all-gather": (False, "on-demand"),
             "mxfp8, low-precision on-demand": (True, "on-demand"), "mxfp8, low-precision all": (True, "all")}

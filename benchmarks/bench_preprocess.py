@@ -133,7 +133,7 @@ def main() -> None:
     # imported up front so that neither timing includes the imports (megatron-core pulls in torch)
     import megatron.core.datasets.indexed_dataset  # noqa: F401
     import megatron_compat.data.preprocess  # noqa: F401
-    from tests.helpers import train_bytelevel_tokenizer
+    from tests.support.tiny_models import train_bytelevel_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp, "corpus.jsonl")

@@ -50,7 +50,7 @@ def _since(mark) -> dict:
 
 def preprocessing_inputs(samples: int) -> str:
     """A folder holding the alpaca jsonl (and LLaMA-Factory's dataset_info.json for it) and the tokenizer."""
-    from tests.sft_assets import alpaca_rows, qwen3_like_tokenizer, write_jsonl
+    from tests.support.sft_assets import alpaca_rows, qwen3_like_tokenizer, write_jsonl
 
     root = tempfile.mkdtemp(prefix="bench_sft_")
     qwen3_like_tokenizer(os.path.join(root, "tok"), vocab_size=2000)

@@ -1,5 +1,5 @@
 """Which model ids' decoder blocks compile, and how: per id of the registry, its tiny test config
-(tests/tiny_models.py) run one forward and backward eager and with `parallel.compile.apply_compile` (inductor), in
+(tests/support/tiny_models.py) run one forward and backward eager and with `parallel.compile.apply_compile` (inductor), in
 one process: the blocks compiled, dynamo's graphs and graph breaks (with the first reasons), and the loss and
 gradient norm of the compiled run against the eager one (relative). A failure is printed, not raised.
 
@@ -20,7 +20,7 @@ def probe(model_id: str) -> None:
     from fsdp2_backend.config import Config
     from fsdp2_backend.models.registry import model_spec
     from fsdp2_backend.parallel.compile import apply_compile
-    from tests.tiny_models import TINY_CONFIGS
+    from tests.support.tiny_models import TINY_CONFIGS
 
     torch._dynamo.reset()
     counters.clear()
@@ -57,7 +57,7 @@ def probe(model_id: str) -> None:
 
 
 def main() -> None:
-    from tests.tiny_models import TINY_CONFIGS
+    from tests.support.tiny_models import TINY_CONFIGS
 
     for model_id in sys.argv[1:] or TINY_CONFIGS:
         probe(model_id)

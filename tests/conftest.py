@@ -51,7 +51,7 @@ def _source(item) -> str:
 
 
 def pytest_unconfigure(config):
-    # The forkserver tests.helpers.run_distributed forks its ranks from: stopped and waited for, so that it goes
+    # The forkserver tests.support.launchers.run_distributed forks its ranks from: stopped and waited for, so that it goes
     # with the session and its CPU time is counted with the session's.
     if "multiprocessing.forkserver" in sys.modules:
         stop = getattr(sys.modules["multiprocessing.forkserver"]._forkserver, "_stop", None)

@@ -12,8 +12,8 @@ import pytest
 from fsdp2_backend.launch import parse_command_line
 from fsdp2_backend.usage_errors import UsageError
 from tests.e2e.test_faults_processes import ENV
-from tests.helpers import REPO
-from tests.megatron_reference import write_corpus
+from tests.support.launchers import REPO
+from tests.support.megatron_reference import write_corpus
 
 SHAPE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 64 "
          "--lr 1e-3 --train-iters 10").split()

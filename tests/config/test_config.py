@@ -233,7 +233,7 @@ def test_cli_errors_exit_2_without_traceback(tmp_path):
 def test_cli_dry_run_prints_loadable_yaml(tmp_path):
     from transformers import Qwen3Config
 
-    from tests.megatron_reference import write_corpus
+    from tests.support.megatron_reference import write_corpus
 
     # --dry-run checks the input files are there: a model directory's config.json and a data prefix
     (tmp_path / "model").mkdir()

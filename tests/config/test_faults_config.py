@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from fsdp2_backend.launch import parse_command_line
-from tests.helpers import REPO, tiny_model_dir
+from tests.support.launchers import REPO
+from tests.support.tiny_models import tiny_model_dir
 from fsdp2_backend.usage_errors import UsageError
 
 SCRATCH = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --seq-length 32 "

@@ -12,7 +12,8 @@ import yaml
 
 from fsdp2_backend.launch import main, parse_command_line
 from fsdp2_backend.usage_errors import UsageError
-from tests.helpers import read_only_dir, tiny_model_dir
+from tests.support.disk import read_only_dir
+from tests.support.tiny_models import tiny_model_dir
 
 SHAPE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 64 "
          "--micro-batch-size 1 --global-batch-size 1 --train-iters 3 --lr 1e-3").split()
@@ -26,7 +27,7 @@ def qwen3_dir(tmp_path_factory):
 
 def _prefix(folder, name):
     """A small .bin/.idx pair written by megatron-core's builder."""
-    from tests.megatron_reference import write_corpus
+    from tests.support.megatron_reference import write_corpus
 
     return write_corpus(str(folder / name), 4, seed=0, vocab_size=128)
 
@@ -129,7 +130,7 @@ def test_blend_weight_of_zero_or_below_is_refused_before_anything_loads(tmp_path
     import sys
 
     from tests.e2e.test_faults_processes import ENV
-    from tests.helpers import REPO
+    from tests.support.launchers import REPO
 
     data = tmp_path / "data"
     data.mkdir()

@@ -11,7 +11,7 @@ import pytest
 from fsdp2_backend.config.memory_estimate import GIB, estimate_memory, fit_errors
 from fsdp2_backend.launch import main, parse_command_line
 from tests.e2e.test_faults_processes import ENV, FLAGS
-from tests.helpers import REPO
+from tests.support.launchers import REPO
 
 MICRO_BATCH = re.compile(r"--(micro|global)-batch-size \d+")
 

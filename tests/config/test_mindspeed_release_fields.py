@@ -10,7 +10,7 @@ from fsdp2_backend.config.loading import build_config, load_yaml
 from fsdp2_backend.config.mindspeed_release_rules import MASTER_ONLY, release_readings
 from fsdp2_backend.config.validation import validate_with_notices
 from fsdp2_backend.usage_errors import UsageError
-from tests.helpers import tiny_model_dir
+from tests.support.tiny_models import tiny_model_dir
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "mindspeed_fsdp2"
 RELEASE_GLM = DATA / "v26.1.0" / "tests__pipeline__st__glm52__pretrain_glm52_38b_4k_fsdp2_A3.yaml"
@@ -112,7 +112,7 @@ def test_a_megatron_line_is_told_nothing_about_mindspeed_versions(tmp_path):
     import subprocess
     import sys
 
-    from tests.helpers import REPO
+    from tests.support.launchers import REPO
 
     line = [sys.executable, f"{REPO}/pretrain_fsdp2.py", "--num-layers", "2", "--hidden-size", "64",
             "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",

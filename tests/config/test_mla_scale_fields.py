@@ -5,7 +5,7 @@ import pytest
 from fsdp2_backend.config.loading import build_config
 from fsdp2_backend.config.validation import validate_with_notices
 from fsdp2_backend.usage_errors import UsageError
-from tests.helpers import tiny_model_dir
+from tests.support.tiny_models import tiny_model_dir
 from tests.models.test_mla_lora_scale import _config
 
 

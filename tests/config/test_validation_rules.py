@@ -14,7 +14,7 @@ import pytest
 from fsdp2_backend.config import Config
 from fsdp2_backend.config.model_facts import model_facts
 from fsdp2_backend.config.validation import validate, validate_with_notices
-from tests.helpers import REPO
+from tests.support.launchers import REPO
 from fsdp2_backend.usage_errors import UsageError
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "

@@ -39,7 +39,7 @@ def train_loop(save_dir: str, port: int) -> None:
 
     from fsdp2_backend.training.checkpoint import CheckpointManager, load_checkpoint
     from fsdp2_backend.checkpoint_dirs import resume_point
-    from tests.helpers import tiny_qwen3_config
+    from tests.support.tiny_models import tiny_qwen3_config
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
@@ -69,7 +69,7 @@ def train_loop(save_dir: str, port: int) -> None:
 
 
 def _start(save_dir: Path) -> subprocess.Popen:
-    from tests.helpers import free_port
+    from tests.support.launchers import free_port
 
     code = f"from tests.e2e.test_checkpoint_kill import train_loop; train_loop({str(save_dir)!r}, {free_port()})"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}

@@ -2,7 +2,7 @@
 stopped by --exit-interval and restarted with the same command prints the straight compiled run's losses bit for
 bit (resume stays exact under compile). That compiled equals eager (1e-5) is tests/parallel/test_compile_parity.py's;
 each process here compiles (tens of seconds on CPU), so there are only the three runs resume needs."""
-from tests.helpers import run_pretrain
+from tests.support.launchers import run_pretrain
 
 FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
          "--num-query-groups 2 --seq-length 32 --max-position-embeddings 64 --micro-batch-size 2 "

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.helpers import REPO, free_port
+from tests.support.launchers import REPO, free_port
 
 FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --seq-length 32 "
          "--max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 2 --lr 1e-3 --min-lr 1e-4 "

@@ -17,7 +17,8 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import MEGATRON_LINE, REPO, tiny_model_dir
+from tests.support.launchers import MEGATRON_LINE, REPO
+from tests.support.tiny_models import tiny_model_dir
 
 # A llama-style model built from flags, dropout on, trained on mock data with the tokenizer of an HF directory.
 FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
@@ -167,7 +168,7 @@ def test_last_iteration_on_a_save_interval_exports_once(tmp_path):
     from fsdp2_backend.checkpoint_dirs import ResumePoint
     from fsdp2_backend.training.checkpointer import Checkpointer
     from fsdp2_backend.training.trainer import TrainState
-    from tests.helpers import tiny_qwen3_config
+    from tests.support.tiny_models import tiny_qwen3_config
 
     config = Config()
     config.training.output_dir = str(tmp_path / "out")

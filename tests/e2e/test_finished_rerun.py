@@ -15,8 +15,8 @@ import shutil
 import pytest
 
 from tests.e2e.test_faults_processes import FLAGS, run
-from tests.helpers import MEGATRON_LINE
-from tests.megatron_reference import write_corpus
+from tests.support.launchers import MEGATRON_LINE
+from tests.support.megatron_reference import write_corpus
 
 pytestmark = pytest.mark.e2e
 

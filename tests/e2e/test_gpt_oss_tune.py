@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, free_port, train_bytelevel_tokenizer
+from tests.support.launchers import REPO, free_port
+from tests.support.tiny_models import train_bytelevel_tokenizer
 from tests.e2e.test_mindspeed_yaml import _failure, _run, train_lines
 
 HEAD = os.path.join(REPO, "tests", "data", "mindspeed_fsdp2", "head")
@@ -33,7 +34,7 @@ def assets(tmp_path_factory):
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    from tests.sft_assets import alpaca_rows
+    from tests.support.sft_assets import alpaca_rows
 
     root = tmp_path_factory.mktemp("gpt_oss_tune")
     parquet = root / "train-00000-of-00001.parquet"

@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-from tests.helpers import REPO
+from tests.support.launchers import REPO
 
 
 def test_gpu_check_dry_mode_prints_both_sides():

@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from tests.helpers import REPO, run_pretrain
+from tests.support.launchers import REPO, run_pretrain
 from tests.e2e.test_resume_e2e import FLAGS
 
 pytestmark = pytest.mark.e2e

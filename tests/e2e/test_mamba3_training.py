@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import REPO, free_port, run_pretrain, train_bytelevel_tokenizer
+from tests.support.launchers import REPO, free_port, run_pretrain
+from tests.support.tiny_models import train_bytelevel_tokenizer
 
 YAML = """
 model:

@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from tests.e2e.test_mindspeed_yaml import FALLBACK, PATH_FIELDS, _in_scope, _real_model, _with_paths
-from tests.helpers import REPO
+from tests.support.launchers import REPO
 
 DATA = Path(REPO) / "tests" / "data" / "mindspeed_fsdp2"
 FOLDERS = ("f88dd26d", "head", "head_newer_ids", "v26.1.0")

@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import REPO, free_port, tiny_model_dir, train_bytelevel_tokenizer
+from tests.support.launchers import REPO, free_port
+from tests.support.tiny_models import tiny_model_dir, train_bytelevel_tokenizer
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "mindspeed_fsdp2"
 COMMITS = ("f88dd26d", "head", "v26.1.0")  # v26.1.0: the release (branch and tag 26.1.0), besides master
@@ -272,7 +273,7 @@ def test_sft_launcher_dry_runs_and_trains_on_two_ranks(assets, tmp_path, commit,
     import pyarrow.parquet as pq
 
     from fsdp2_backend.training.logging import parse_train_line
-    from tests.sft_assets import alpaca_rows
+    from tests.support.sft_assets import alpaca_rows
 
     command, result = _dry_run(assets, tmp_path, yaml_file, entry)
     assert result.returncode == 0, _failure(result, command)

@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import REPO, free_port, train_bytelevel_tokenizer
+from tests.support.launchers import REPO, free_port
+from tests.support.tiny_models import train_bytelevel_tokenizer
 from tests.e2e.test_mindspeed_yaml import LOG_LINE_START, _failure, _run
 
 YAML = os.path.join(REPO, "tests", "data", "mindspeed_fsdp2", "head",

@@ -9,7 +9,7 @@ import math
 import struct
 
 from fsdp2_backend.training.throughput import model_flops_per_token
-from tests.helpers import run_pretrain
+from tests.support.launchers import run_pretrain
 from tests.e2e.test_resume_e2e import FLAGS
 
 EXTRAS = ("--train-iters 6 --exit-interval 4 --eval-interval 3 --eval-iters 1 --tensorboard-log-interval 2 "

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.helpers import MEGATRON_LINE, REPO, free_port, run_pretrain
+from tests.support.launchers import MEGATRON_LINE, REPO, free_port, run_pretrain
 
 pytestmark = pytest.mark.e2e
 

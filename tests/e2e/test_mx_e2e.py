@@ -2,7 +2,7 @@
 --fp8-param-gather` trains on 2 ranks (low-precision all-gather), a stopped run resumes from its checkpoint
 with the straight run's losses (checkpoints hold the unquantised master weights), and the HF export loads with
 plain transformers."""
-from tests.helpers import run_pretrain
+from tests.support.launchers import run_pretrain
 from tests.e2e.test_resume_e2e import FLAGS
 
 MX = ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--fp8-param-gather", "--train-iters", "6",

@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_faults_processes import ENV, start, wait_for
-from tests.helpers import REPO, small_disk, tiny_model_dir
+from tests.support.disk import small_disk
+from tests.support.launchers import REPO
+from tests.support.tiny_models import tiny_model_dir
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_mindspeed_yaml import LOG_LINE_START, _failure, _run
-from tests.helpers import REPO, free_port, train_bytelevel_tokenizer
+from tests.support.launchers import REPO, free_port
+from tests.support.tiny_models import train_bytelevel_tokenizer
 from tests.models.test_newer_model_ids import save_tiny, tiny_config
 
 DATA = Path(REPO) / "tests" / "data" / "mindspeed_fsdp2" / "head_newer_ids"

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, run_pretrain
+from tests.support.launchers import REPO, run_pretrain
 
 ITERS, SAVED_AT, RTOL = 8, 4, 1e-4
 DENSE = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "

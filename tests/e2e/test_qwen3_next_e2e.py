@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, free_port, run_pretrain, train_bytelevel_tokenizer
+from tests.support.launchers import REPO, free_port, run_pretrain
+from tests.support.tiny_models import train_bytelevel_tokenizer
 from tests.e2e.test_mindspeed_yaml import (DATA, _failure, _run, _with_paths, _yaml_file, assets,  # noqa: F401
                                       train_lines)
 from tests.models.test_qwen3_next import tiny_next_config

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, free_port
+from tests.support.launchers import REPO, free_port
 from tests.e2e.test_mindspeed_yaml import (DATA, _failure, _run, _with_paths, _yaml_file, assets,  # noqa: F401
                                       train_lines)
 from tests.e2e.test_qwen3_next_e2e import _tiny_next_dir
@@ -49,7 +49,7 @@ def test_mindspeed_qwen3_next_tune_yaml_trains_on_two_ranks(tiny_next, tmp_path,
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tests.sft_assets import alpaca_rows
+    from tests.support.sft_assets import alpaca_rows
 
     table = json.loads((DATA / "launchers.json").read_text())
     entry = table[commit]["examples__fsdp2__qwen3_next__tune_qwen3_next_16k_fsdp2_A3.sh"]

@@ -1,6 +1,6 @@
 """Resume through the real entry point: a run stopped by --exit-interval and restarted with the very same
 command prints the same losses as a straight run, and a 2-rank checkpoint resumes on 1 rank."""
-from tests.helpers import run_pretrain
+from tests.support.launchers import run_pretrain
 
 FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
          "--num-query-groups 2 --seq-length 32 --max-position-embeddings 64 --micro-batch-size 2 "

@@ -8,7 +8,9 @@ import pytest
 from fsdp2_backend.config import Config
 from fsdp2_backend.config.validation import validate
 from fsdp2_backend.usage_errors import UsageError
-from tests.helpers import SaveRecorder, run_distributed, tiny_model_dir
+from tests.support.launchers import run_distributed
+from tests.support.save_recorder import SaveRecorder
+from tests.support.tiny_models import tiny_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import sys
 import pytest
 import yaml
 
-from tests.helpers import MEGATRON_LINE, REPO, free_port
-from tests.sft_assets import alpaca_rows, qwen3_model_dir, write_jsonl
+from tests.support.launchers import MEGATRON_LINE, REPO, free_port
+from tests.support.sft_assets import alpaca_rows, qwen3_model_dir, write_jsonl
 
 RTOL = 1e-5
 VALIDATION = re.compile(r"validation loss at iteration (\d+)(?: on ([^|]+?))? \| lm loss value: ([0-9.E+-]+)")

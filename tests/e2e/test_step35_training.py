@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import REPO, free_port, train_bytelevel_tokenizer
+from tests.support.launchers import REPO, free_port
+from tests.support.tiny_models import train_bytelevel_tokenizer
 from tests.e2e.test_mindspeed_yaml import _failure, _run, train_lines
 from tests.models.test_step35 import _reference, _write_step35_checkpoint, step35_config, step35_config_dict
 

@@ -18,7 +18,7 @@ from fsdp2_backend.config import Config, OptimizationArguments
 from fsdp2_backend.parallel.kernel_swaps import ROTARY_GLOBAL, apply_fused_ops
 from fsdp2_backend.kernels import rotary
 from fsdp2_backend.kernels.rmsnorm import rms_norm, rms_norm_implementation, rms_norm_reference
-from tests.helpers import tiny_model_dir, tiny_qwen3_config
+from tests.support.tiny_models import tiny_model_dir, tiny_qwen3_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[2]
@@ -251,7 +251,7 @@ def _ulysses_worker(rank, world_size, out_path):
 
 def test_flags_compose_with_ulysses_context_parallel(tmp_path):
     """2 gloo ranks: every flag on, then Ulysses CP — loss and gradients equal one rank's plain model."""
-    from tests.helpers import run_distributed
+    from tests.support.launchers import run_distributed
 
     out = tmp_path / "ok"
     run_distributed(_ulysses_worker, 2, str(out))

@@ -8,7 +8,7 @@ from megatron_compat.data.blended import BlendedDataset
 from megatron_compat.data.builder import BlendedMegatronDatasetBuilder
 from megatron_compat.data.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron_compat.data.utils import get_blend_from_list
-from tests.megatron_reference import IdsTokenizer, assert_same_samples, write_corpus
+from tests.support.megatron_reference import IdsTokenizer, assert_same_samples, write_corpus
 
 mcore_gpt = pytest.importorskip("megatron.core.datasets.gpt_dataset")
 from megatron.core.datasets.blended_megatron_dataset_builder import (  # noqa: E402

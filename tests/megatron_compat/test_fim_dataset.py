@@ -16,7 +16,7 @@ from megatron_compat.data.indexed_dataset import IndexedDataset
 from megatron_compat.data.tokenizer import build_tokenizer
 from megatron_compat.data.utils import Split
 from megatron_compat.translate import translate_megatron
-from tests.helpers import stdlib_texts, train_bytelevel_tokenizer
+from tests.support.tiny_models import stdlib_texts, train_bytelevel_tokenizer
 from fsdp2_backend.usage_errors import UsageError
 
 mcore = pytest.importorskip("megatron.core.datasets.gpt_dataset")

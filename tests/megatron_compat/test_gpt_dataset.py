@@ -10,7 +10,7 @@ from megatron_compat.data.gpt_dataset import GPTDataset, GPTDatasetConfig, MockG
 from megatron_compat.data.indexed_dataset import IndexedDataset
 from megatron_compat.data.utils import Split
 from fsdp2_backend.usage_errors import UsageError
-from tests.megatron_reference import IdsTokenizer, assert_same_samples, write_corpus
+from tests.support.megatron_reference import IdsTokenizer, assert_same_samples, write_corpus
 
 mcore = pytest.importorskip("megatron.core.datasets.gpt_dataset")
 from megatron.core.datasets.indexed_dataset import IndexedDataset as MIndexedDataset  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 from fsdp2_backend.config import GROUPS, Config
 from fsdp2_backend.models.loading import load_hf_config
 from megatron_compat.translate import translate_megatron
-from tests.helpers import run_pretrain
+from tests.support.launchers import run_pretrain
 from fsdp2_backend.usage_errors import UsageError
 
 LINES = json.loads((Path(__file__).resolve().parents[1] / "data" / "launch_corpus.json").read_text())

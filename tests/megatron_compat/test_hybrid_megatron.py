@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_compat.translate import translate_megatron, translate_report
-from tests.helpers import run_pretrain
+from tests.support.launchers import run_pretrain
 
 CORPUS = json.loads((Path(__file__).resolve().parents[1] / "data" / "launch_corpus.json").read_text())
 LINE = CORPUS["megatron-lm:examples/mamba/train.sh"]

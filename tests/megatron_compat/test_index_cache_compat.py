@@ -15,7 +15,7 @@ from megatron_compat.data.builder import BlendedMegatronDatasetBuilder
 from megatron_compat.data.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron_compat.data.tokenizer import build_tokenizer
 from megatron_compat.data.utils import get_blend_from_list
-from tests.megatron_reference import assert_same_samples, write_corpus
+from tests.support.megatron_reference import assert_same_samples, write_corpus
 from fsdp2_backend.cli.demo_assets import train_bytelevel_tokenizer
 
 mcore_gpt = pytest.importorskip("megatron.core.datasets.gpt_dataset")

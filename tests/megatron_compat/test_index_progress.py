@@ -9,8 +9,8 @@ import re
 from megatron_compat.data.builder import BlendedMegatronDatasetBuilder
 from megatron_compat.data.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron_compat.data.utils import get_blend_from_list, progress_lines
-from tests.helpers import run_distributed
-from tests.megatron_reference import IdsTokenizer, write_corpus
+from tests.support.launchers import run_distributed
+from tests.support.megatron_reference import IdsTokenizer, write_corpus
 
 FLAGS = dict(reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from megatron_compat.translate import translate_report
-from tests.helpers import run_pretrain
+from tests.support.launchers import run_pretrain
 
 MAMBA = ("--num-layers 2 --hidden-size 32 --mamba-state-dim 16 --mamba-head-dim 8 --mamba-num-groups 2 "
          "--mamba-expand 2 --mamba-chunk-size 16 --seq-length 48 --micro-batch-size 2 --global-batch-size 4 "

@@ -1,5 +1,5 @@
 """A checkpoint a real Megatron-LM run wrote converts and continues: megatron-core 0.16.1 saves whose ``args`` are
-the namespace Megatron-LM's own parser made (tests/data/megatron_genuine_args/llama_dense, `tests/megatron_genuine`),
+the namespace Megatron-LM's own parser made (tests/data/megatron_genuine_args/llama_dense, `tests/support/megatron_genuine`),
 ``exit_signal: signal.Signals.SIGTERM``, megatron's ``AttnBackend`` and the torch dtypes included.
 
 megatron-core builds the model that namespace describes (2 layers, hidden 64, ffn 160, 4 heads in 2 query groups,
@@ -38,11 +38,11 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import REPO, run_pretrain
+from tests.support.launchers import REPO, run_pretrain
 from tests.megatron_compat.test_megatron_import import megatron  # noqa: F401 (fixture)
 from tests.megatron_compat.test_megatron_resume import K, _CpuForCuda, _save_like_megatron_lm
-from tests.megatron_genuine import genuine_args, listing, megatron_padded_vocab
-from tests.megatron_reference import IdsTokenizer, write_corpus
+from tests.support.megatron_genuine import genuine_args, listing, megatron_padded_vocab
+from tests.support.megatron_reference import IdsTokenizer, write_corpus
 
 NAME = "llama_dense"
 LOG_LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*? learning rate: (\S+) \|"

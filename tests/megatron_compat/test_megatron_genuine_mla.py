@@ -48,7 +48,7 @@ from tests.megatron_compat.test_megatron_import import _save, megatron  # noqa: 
 from tests.megatron_compat.test_megatron_resume import (GBS, K, SEQ, _CpuForCuda, _dataset, _flags, _hf_weights, _log,
                                                         _save_like_megatron_lm, megatron_training_stack)
 from tests.megatron_compat.test_megatron_resume_distopt import _save_like_megatron_lm as _save_dp_reshardable
-from tests.megatron_genuine import genuine_args, listing, megatron_padded_vocab
+from tests.support.megatron_genuine import genuine_args, listing, megatron_padded_vocab
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
@@ -257,7 +257,7 @@ def _megatron_run(tmp_path_factory, fmt: str):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from tests.megatron_reference import write_corpus
+    from tests.support.megatron_reference import write_corpus
 
     root = tmp_path_factory.mktemp(f"mla_{fmt}")
     prefix = write_corpus(str(root / "data" / "text_document"), 120, seed=7, vocab_size=1000)
@@ -290,7 +290,7 @@ def _megatron_run(tmp_path_factory, fmt: str):
 
 @pytest.mark.parametrize("fmt,ranks", [("torch_dist", 2), ("torch", 1)])
 def test_load_continues_a_genuine_mla_run_as_megatron_core_does(mla_megatron, tmp_path_factory, fmt, ranks):
-    from tests.helpers import run_pretrain
+    from tests.support.launchers import run_pretrain
 
     root, prefix, reference, biases = _megatron_run(tmp_path_factory, fmt)
     # the saved args' one hand-set field given too; 2 ranks: one sample each, FSDP2 shards the loaded state

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import free_port, run_distributed
+from tests.support.launchers import free_port, run_distributed
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
@@ -150,7 +150,7 @@ def test_a_checkpoint_it_cannot_convert_is_one_error_line_exit_2(megatron, tmp_p
     import subprocess
     import sys
 
-    from tests.helpers import REPO
+    from tests.support.launchers import REPO
 
     model, args = _megatron_gpt(True, False, seed=4)
     args.multi_latent_attention = True

@@ -190,7 +190,7 @@ def _megatron_moe_run(root, kind: str, fmt: str):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from tests.megatron_reference import write_corpus
+    from tests.support.megatron_reference import write_corpus
     from tests.megatron_compat.test_megatron_resume import (GBS, K, _CpuForCuda, _dataset, _save_like_megatron_lm,
                                             megatron_training_stack, megatron_training_step)
 
@@ -222,7 +222,7 @@ def test_load_resumes_a_megatron_core_moe_run_as_megatron_core_continues_it(moe_
     K+2 (one Adam step from the converted moments of router, experts, shared expert and the rest) equal
     megatron-core's. Without MoE flags the model is transformers' own; `--moe-grouped-gemm` selects this project's
     stacked-expert model (model_id qwen3_moe): the same parameter names, so the same state lands on it."""
-    from tests.helpers import run_pretrain
+    from tests.support.launchers import run_pretrain
     from tests.megatron_compat.test_megatron_resume import K, _flags, _log
 
     prefix, reference = _megatron_moe_run(tmp_path, kind, fmt)
@@ -269,7 +269,7 @@ def _ep2_rank(rank, world_size, root):
 def test_an_expert_parallel_checkpoint_converts_with_equal_logits(tmp_path):
     """An EP=2 save: torch_dist (global expert tensors) and legacy (`mp_rank_00_000`, `mp_rank_00_001`, local expert
     indices 0, 1 on each: global 2, 3 on the second) read as the one model megatron-core ran."""
-    from tests.helpers import run_distributed
+    from tests.support.launchers import run_distributed
     from fsdp2_backend.cli.convert_checkpoint import main as convert
 
     run_distributed(_ep2_rank, 2, str(tmp_path))

@@ -16,9 +16,9 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import REPO
+from tests.support.launchers import REPO
 from tests.megatron_compat.test_megatron_import import _megatron_enums, _megatron_gpt, _save, megatron  # noqa: F401
-from tests.megatron_reference import write_corpus
+from tests.support.megatron_reference import write_corpus
 
 pytestmark = pytest.mark.e2e
 

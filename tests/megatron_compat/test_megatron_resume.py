@@ -29,8 +29,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tests.helpers import run_pretrain
-from tests.megatron_reference import IdsTokenizer, write_corpus
+from tests.support.launchers import run_pretrain
+from tests.support.megatron_reference import IdsTokenizer, write_corpus
 from tests.megatron_compat.test_megatron_import import SEQ, VOCAB, _megatron_gpt, megatron  # noqa: F401 (fixture)
 
 GBS, K, T, SEED = 2, 3, 5, 1234
@@ -248,7 +248,7 @@ def test_what_cannot_be_mapped_is_one_line(megatron, tmp_path_factory, tmp_path)
     import subprocess
     import sys
 
-    from tests.helpers import REPO
+    from tests.support.launchers import REPO
 
     root, prefix, _ = _reference(megatron, tmp_path_factory, "torch_dist", True)
     shutil.copytree(root / "mg", tmp_path / "mg")

@@ -5,7 +5,7 @@ Megatron-LM's default: --norm-epsilon 1e-6 (saved as `layernorm_epsilon`), --rot
 (not hidden / heads), --ffn-hidden-size 80, --add-qkv-bias (random biases), --group-query-attention with 2 groups,
 --untie-embeddings-and-output-weights, --make-vocab-size-divisible-by 48 (a padded vocabulary of 144 for the
 NullTokenizer's 100), --max-position-embeddings 96. Its saved args are the namespace Megatron-LM's own parser builds
-from the run's flags (tests/megatron_reference.megatron_lm_args). The converted HF model's eval loss equals
+from the run's flags (tests/support/megatron_reference.megatron_lm_args). The converted HF model's eval loss equals
 megatron-core's within 1e-6 relative; `pretrain_fsdp2.py <the run's own flags> --load` gives megatron-core's next
 two losses within 1e-5. The MoE router and the fields no HF layout here expresses are read from the same kind of
 namespace, without a run.
@@ -13,11 +13,11 @@ namespace, without a run.
 import pytest
 import torch
 
-from tests.helpers import run_pretrain
+from tests.support.launchers import run_pretrain
 from tests.megatron_compat.test_megatron_import import megatron  # noqa: F401 (fixture)
 from tests.megatron_compat.test_megatron_resume import (GBS, K, SEED, T, _CpuForCuda, _log, _save_like_megatron_lm,
                                                          megatron_training_stack, megatron_training_step)
-from tests.megatron_reference import IdsTokenizer, megatron_lm_args, write_corpus
+from tests.support.megatron_reference import IdsTokenizer, megatron_lm_args, write_corpus
 
 SEQ, TOKENS, PADDED = 12, 100, 144  # NullTokenizer --vocab-size 99: 100 ids (eod last); padded to a multiple of 48
 ARCH = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "80", "--num-attention-heads", "4",
@@ -174,7 +174,7 @@ def test_the_tokenizer_a_checkpoint_carries_is_used_when_no_tokenizer_flag_is_gi
     from fsdp2_backend.config.schema import ModelArguments
     from fsdp2_backend.data.tokenizer import load_tokenizer
     from megatron_compat.checkpoint.resume import megatron_model_args
-    from tests.sft_assets import qwen3_like_tokenizer
+    from tests.support.sft_assets import qwen3_like_tokenizer
 
     root, _, _ = run
     shutil.copytree(root / "mg", tmp_path / "mg")

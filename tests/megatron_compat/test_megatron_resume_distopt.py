@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import run_distributed, run_pretrain
-from tests.megatron_reference import write_corpus
+from tests.support.launchers import run_distributed, run_pretrain
+from tests.support.megatron_reference import write_corpus
 from tests.megatron_compat.test_megatron_import import _megatron_gpt
 from tests.megatron_compat.test_megatron_resume import (GBS, K, VOCAB, _CpuForCuda, _dataset, _flags, _hf_weights, _log,
                                         megatron_training_stack, megatron_training_step)

@@ -10,7 +10,7 @@ import numpy
 import pytest
 import torch
 
-from tests.helpers import REPO
+from tests.support.launchers import REPO
 
 mcore = pytest.importorskip("megatron.core.datasets.indexed_dataset")
 

@@ -16,7 +16,7 @@ import torch
 
 from megatron_compat.data.preprocess import preprocess_files
 from megatron_compat.data.tokenizer import build_tokenizer
-from tests.helpers import stdlib_texts, train_bytelevel_tokenizer
+from tests.support.tiny_models import stdlib_texts, train_bytelevel_tokenizer
 
 mcore_ds = pytest.importorskip("megatron.core.datasets.indexed_dataset")
 mcore_tok = pytest.importorskip("megatron.core.tokenizers.text.utils.build_tokenizer")

@@ -9,7 +9,7 @@ import pytest
 from megatron_compat.data.fast_spm import select_fast_path
 from megatron_compat.data.preprocess import preprocess_files
 from megatron_compat.data.tokenizer import build_tokenizer
-from tests.helpers import stdlib_texts
+from tests.support.tiny_models import stdlib_texts
 
 # characters the small models never saw (unknown runs, byte fallback), odd whitespace, compatibility forms
 _EDGES = ["héllo wörld ✓ 日本語 🙂 ☃☃x", "  indented\tcode\n\n    y = 1  ", "ｶﾀｶﾅ ﬁ ① 12345 ６７", "a\u00a0b\u3000c\x00d",

@@ -1,7 +1,7 @@
 """Raw-text pretraining data (a parquet / jsonl `dataset`) tokenized as fsdp2_backend/data/pretrain.py does it:
 `preprocess_files(raw, prefix, ["text"], tokenizer, append_eod=...)` with the run's tokenizer, on transformers 5.
 
-The tokenizers are real byte-level BPEs trained locally (tests.helpers), saved and re-loaded with
+The tokenizers are real byte-level BPEs trained locally (tests.support.tiny_models), saved and re-loaded with
 `AutoTokenizer.from_pretrained`: the project's own (a `TokenizersBackend`) and a Qwen2-style one (a
 `Qwen2Tokenizer`: NFC, Split + ByteLevel, special added tokens). Both kinds of tokenizer object are passed: the
 transformers tokenizer itself (whose `.backend` is the string "tokenizers" on transformers 5, which crashed
@@ -17,7 +17,7 @@ import pytest
 
 from megatron_compat.data.fast_bpe import rust_tokenizer, select_fast_path
 from megatron_compat.data.preprocess import preprocess_files
-from tests.helpers import stdlib_texts, train_bytelevel_tokenizer
+from tests.support.tiny_models import stdlib_texts, train_bytelevel_tokenizer
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

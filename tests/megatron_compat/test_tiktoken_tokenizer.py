@@ -14,7 +14,8 @@ import pytest
 from megatron_compat.data.tiktoken_tokenizer import PATTERNS
 from megatron_compat.data.tokenizer import build_tokenizer
 from megatron_compat.translate import translate_megatron
-from tests.helpers import run_pretrain, stdlib_texts
+from tests.support.launchers import run_pretrain
+from tests.support.tiny_models import stdlib_texts
 from tests.megatron_compat.test_preprocess_data import ENV, TOOL, _assert_same, _megatron_reference
 from fsdp2_backend.usage_errors import UsageError
 

@@ -113,7 +113,7 @@ def test_megatron_group_flags_give_megatron_cores_rule(megatron):
 def test_validation_says_which_group_score_once(tmp_path):
     from fsdp2_backend.config.loading import build_config
     from fsdp2_backend.config.validation import validate_with_notices
-    from tests.helpers import train_bytelevel_tokenizer
+    from tests.support.tiny_models import train_bytelevel_tokenizer
 
     path = tmp_path / "glm"
     train_bytelevel_tokenizer(path, vocab_size=VOCAB)

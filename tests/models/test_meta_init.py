@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fsdp2_backend.config import Config
-from tests.helpers import run_distributed, tiny_qwen3_config
+from tests.support.launchers import run_distributed
+from tests.support.tiny_models import tiny_qwen3_config
 
 SEED = 1234
 

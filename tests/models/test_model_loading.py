@@ -7,7 +7,7 @@ import torch
 
 from fsdp2_backend.config import Config
 from fsdp2_backend.usage_errors import UsageError
-from tests.helpers import tiny_model_dir, tiny_qwen3_config
+from tests.support.tiny_models import tiny_model_dir, tiny_qwen3_config
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp2_backend.config import Config
-from tests.helpers import tiny_qwen3_config
+from tests.support.tiny_models import tiny_qwen3_config
 
 SEQ, MBS, VOCAB, FACTOR = 16, 2, 128, 0.3
 

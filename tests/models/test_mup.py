@@ -20,7 +20,8 @@ from fsdp2_backend.config.mup_rules import mup_errors
 from fsdp2_backend.models.mup import apply_mup
 from fsdp2_backend.training.optimizer import build_optimizer
 from megatron_compat.translate import translate_megatron
-from tests.helpers import run_pretrain, tiny_qwen3_config
+from tests.support.launchers import run_pretrain
+from tests.support.tiny_models import tiny_qwen3_config
 
 CORPUS = json.loads((Path(__file__).resolve().parents[1] / "data" / "launch_corpus.json").read_text())
 LINE = CORPUS["megatron-lm:tests/functional_tests/test_cases/gpt/gpt3_mcore_te_tp1_pp1_mup/model_config.yaml"]

@@ -231,7 +231,7 @@ def test_a_config_carrying_transformers_experts_choice_builds_our_models_first_i
     import subprocess
     import sys
 
-    from tests.helpers import REPO
+    from tests.support.launchers import REPO
 
     code = """
 import torch

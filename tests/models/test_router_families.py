@@ -16,7 +16,7 @@ import torch
 from fsdp2_backend.models.moe.family_swap import GROUPED_CLASSES
 from fsdp2_backend.models.moe.router import TopKRouter, finish_router_step
 from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
-from tests.helpers import run_pretrain
+from tests.support.launchers import run_pretrain
 from tests.models.test_router_megatron import CASES, E, _megatron_router, megatron  # noqa: F401  (megatron: fixture)
 
 B, S = 2, 8

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, finish_router_step
-from tests.helpers import free_port
+from tests.support.launchers import free_port
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 

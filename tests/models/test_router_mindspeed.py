@@ -281,7 +281,7 @@ def test_native_fields_and_their_rules():
 def test_scaled_down_corpus_line_logs_mindspeeds_loss(tmp_path):
     import re
 
-    from tests.helpers import run_pretrain
+    from tests.support.launchers import run_pretrain
     from tests.megatron_compat.test_gpt_oss_megatron import _edit
 
     drop = ("--save", "--load", "--tokenizer-name-or-path", "--tokenizer-type", "--data-path", "--noop-layers",
@@ -308,7 +308,7 @@ def test_scaled_down_corpus_line_logs_mindspeeds_loss(tmp_path):
 def test_context_parallel_2_prints_the_one_rank_mindspeed_loss(tmp_path):
     """Ulysses cp 2: each rank's share of every sequence's loss (its own scores, the counts summed over the cp
     group) adds up to the one-rank loss; 4 steps agree (the gradients too, or later steps would drift)."""
-    from tests.helpers import run_pretrain
+    from tests.support.launchers import run_pretrain
     from tests.parallel.test_router_context_parallel import _values
     from tests.e2e.test_router_training import FLAGS
 

@@ -5,7 +5,7 @@ with the logits and gradients of the unsliced model; and the two other honoured 
 import torch
 
 from fsdp2_backend.config import Config
-from tests.helpers import tiny_qwen3_config
+from tests.support.tiny_models import tiny_qwen3_config
 
 
 def _model(chunk, ctx):

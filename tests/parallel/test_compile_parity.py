@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from fsdp2_backend.config import Config
-from tests.helpers import run_distributed, tiny_qwen3_config
+from tests.support.launchers import run_distributed
+from tests.support.tiny_models import tiny_qwen3_config
 from tests.support.trainer_parity import ConstantLR, masked_samples, rank_micro_batches
 
 STEPS, SEQ, MBS, GBS, VOCAB = 3, 32, 2, 4, 512

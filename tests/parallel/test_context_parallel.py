@@ -12,7 +12,8 @@ from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.config import tp_cp_checks
 from fsdp2_backend.parallel.context_parallel import blockwise
 from fsdp2_backend.parallel.context_parallel.batch import sequence_indices, shard_batch_for_cp, shift_labels
-from tests.helpers import run_distributed, tiny_qwen3_config
+from tests.support.launchers import run_distributed
+from tests.support.tiny_models import tiny_qwen3_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SEQ, BATCH, STEPS = 32, 2, 8

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import run_distributed
+from tests.support.launchers import run_distributed
 
 STEPS, LR, SEQ, COEFF = 4, 3e-3, 32, 0.37
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import run_distributed
+from tests.support.launchers import run_distributed
 from tests.e2e.test_newer_ids_yaml import assets  # noqa: F401  (the module-scoped fixture: tiny models and data)
 
 STEPS, LR, SEQ, TOPK, COEFF = 4, 3e-3, 16, 5, 0.37
@@ -194,7 +194,7 @@ def _pretrain(assets, out, ranks, *extra):  # noqa: F811
     from fsdp2_backend.training.logging import parse_train_line
     from tests.e2e.test_mindspeed_yaml import _failure, _run, train_lines
     from tests.e2e.test_newer_ids_yaml import DATA, EXAMPLES, _model_args
-    from tests.helpers import REPO, free_port
+    from tests.support.launchers import REPO, free_port
 
     args = [*_model_args(assets, "glm52", out), "--training.gradient_accumulation_steps", "2",
             "--parallel.param_dtype", "fp32", "--parallel.fsdp_size", str(ranks), *extra]

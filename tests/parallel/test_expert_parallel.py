@@ -14,7 +14,7 @@ A second, 4-rank run checks EP 2 x expert-FSDP 2 against the 1-process reference
 import pytest
 import torch
 
-from tests.helpers import run_distributed
+from tests.support.launchers import run_distributed
 from tests.models.test_qwen3_moe import tiny_moe_config
 
 STEPS, SAVE_AFTER, LR = 8, 4, 5e-3

@@ -4,7 +4,7 @@ engine's `apply_parallelism` gives one process's losses over 3 steps, with and w
 experts are sharded two per rank and not tensor-parallel, attention is."""
 import torch
 
-from tests.helpers import run_distributed
+from tests.support.launchers import run_distributed
 from tests.models.test_qwen3_moe import tiny_moe_config
 
 STEPS, LR = 3, 5e-3

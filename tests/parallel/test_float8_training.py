@@ -7,7 +7,8 @@ import json
 import torch
 
 from fsdp2_backend.config import Config
-from tests.helpers import run_distributed, tiny_qwen3_config
+from tests.support.launchers import run_distributed
+from tests.support.tiny_models import tiny_qwen3_config
 from tests.support.trainer_parity import ConstantLR, masked_samples, rank_micro_batches
 
 STEPS, GBS = 2, 4

@@ -6,7 +6,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2_backend.config import Config
 from fsdp2_backend.usage_errors import UsageError
-from tests.helpers import tiny_qwen3_config
+from tests.support.tiny_models import tiny_qwen3_config
 
 
 def shard_rows_of_matrices_by_columns(param):

@@ -15,7 +15,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import run_distributed
+from tests.support.launchers import run_distributed
 
 STEPS, SAVE_AFTER, LR, SEQ = 8, 4, 5e-3, 16
 EXPERTS = "model.layers.{*}.mlp.experts"

@@ -49,7 +49,7 @@ def test_fused_rotary_leaves_partial_rotary_and_yarn_half_tables_alone():
 def test_fused_rotary_still_patches_the_reference_rope():
     from transformers import Qwen3ForCausalLM
 
-    from tests.helpers import tiny_qwen3_config
+    from tests.support.tiny_models import tiny_qwen3_config
 
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(tiny_qwen3_config()).eval()

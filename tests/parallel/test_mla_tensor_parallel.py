@@ -4,7 +4,7 @@ experts not tensor-parallel: expert tensor-parallel size 1), through `build._wit
 gives one process's losses (lm loss + factor x MTP loss) over 3 steps."""
 import torch
 
-from tests.helpers import run_distributed
+from tests.support.launchers import run_distributed
 from tests.parallel.test_mtp_tensor_parallel import FACTOR, _train  # the same 3 steps, batches and loss
 
 

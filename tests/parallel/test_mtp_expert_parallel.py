@@ -6,7 +6,7 @@ experts per rank)."""
 import pytest
 import torch
 
-from tests.helpers import run_distributed
+from tests.support.launchers import run_distributed
 from tests.models.test_qwen3_next import tiny_next_config
 
 STEPS, LR, SEQ, MBS, FACTOR = 3, 5e-3, 16, 2, 0.3

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fsdp2_backend.training.logging import parse_train_line
-from tests.helpers import run_pretrain
+from tests.support.launchers import run_pretrain
 from tests.e2e.test_resume_e2e import FLAGS
 
 pytestmark = pytest.mark.e2e

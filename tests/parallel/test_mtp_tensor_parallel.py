@@ -3,7 +3,7 @@
 norms and eh_proj run on sequence shards), gives one process's losses (lm loss + factor x MTP loss) over 3 steps."""
 import torch
 
-from tests.helpers import run_distributed
+from tests.support.launchers import run_distributed
 
 STEPS, LR, SEQ, MBS, FACTOR = 3, 5e-3, 16, 2, 0.3
 

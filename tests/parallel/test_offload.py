@@ -8,7 +8,7 @@ import copy
 import torch
 
 from fsdp2_backend.parallel.offload import apply_activation_offload, offload_policy, packed_tensors
-from tests.helpers import tiny_qwen3_config
+from tests.support.tiny_models import tiny_qwen3_config
 
 
 def test_first_layers_offloaded_and_the_math_unchanged():

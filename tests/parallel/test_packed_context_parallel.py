@@ -20,7 +20,8 @@ import numpy
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import run_distributed, run_pretrain, tiny_qwen3_config
+from tests.support.launchers import run_distributed, run_pretrain
+from tests.support.tiny_models import tiny_qwen3_config
 from tests.e2e.test_sft_training import assets as sft_assets  # noqa: F401  (the SFT model and data, module-scoped)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -43,7 +43,7 @@ def test_f88dd26d_minimax_yaml_expert_paths_pick_the_experts():
 def test_models_without_aliases_do_not_rename():
     from transformers import Qwen3ForCausalLM
 
-    from tests.helpers import tiny_qwen3_config
+    from tests.support.tiny_models import tiny_qwen3_config
 
     model = Qwen3ForCausalLM(tiny_qwen3_config(num_hidden_layers=1))
     with pytest.raises(UsageError, match="block_sparse_moe"):

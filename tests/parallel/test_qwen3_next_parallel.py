@@ -4,7 +4,7 @@ attention layers use Ulysses / ring) give the one-process losses over 8 steps wi
 checkpoint (DCP, after step 4) continues in one process with the EP 2 run's losses."""
 import torch
 
-from tests.helpers import run_distributed
+from tests.support.launchers import run_distributed
 from tests.models.test_qwen3_next import tiny_next_config
 
 STEPS, SAVE_AFTER, LR, SEQ, CHUNK = 8, 4, 5e-3, 16, 8

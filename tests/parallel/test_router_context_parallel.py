@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.helpers import run_pretrain
+from tests.support.launchers import run_pretrain
 from tests.e2e.test_router_training import FLAGS
 
 LOSSES = ["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "global_aux_loss",

@@ -4,7 +4,7 @@ update prints the one-rank lm loss and MoE losses for 4 steps — the routers' t
 z-loss and aux-loss gradients scaled for the tp split (`parallel/router_groups.py`), or the later steps drift."""
 import pytest
 
-from tests.helpers import run_pretrain
+from tests.support.launchers import run_pretrain
 from tests.parallel.test_router_context_parallel import NAMES, _flags, _values
 
 pytestmark = pytest.mark.e2e

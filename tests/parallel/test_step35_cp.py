@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import REPO, free_port, run_distributed
+from tests.support.launchers import REPO, free_port, run_distributed
 from tests.models.test_step35 import _reference, step35_config, step35_config_dict
 from tests.e2e.test_step35_training import EXAMPLES, assets  # noqa: F401  (the module-scoped fixture)
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import run_distributed, tiny_qwen3_config
+from tests.support.launchers import run_distributed
+from tests.support.tiny_models import tiny_qwen3_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SEQ, BATCH, STEPS = 32, 2, 8

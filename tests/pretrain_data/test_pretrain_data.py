@@ -13,8 +13,8 @@ from fsdp2_backend.config import Config
 from fsdp2_backend.data.pretrain import build_pretrain_data, data_iterator, pretrain_sample_counts
 from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.data.tokenizer import NullTokenizer
-from tests.helpers import run_distributed
-from tests.megatron_reference import IdsTokenizer, write_corpus
+from tests.support.launchers import run_distributed
+from tests.support.megatron_reference import IdsTokenizer, write_corpus
 
 SEQ = 16
 

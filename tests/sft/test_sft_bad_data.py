@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from fsdp2_backend.data.sft.formats import DatasetAttr, convert_example
-from tests.helpers import REPO
-from tests.sft_assets import alpaca_rows, qwen3_model_dir, write_jsonl
+from tests.support.launchers import REPO
+from tests.support.sft_assets import alpaca_rows, qwen3_model_dir, write_jsonl
 
 SHAREGPT_ROW = {"conversations": [{"from": "human", "value": "What is 2+3?"}, {"from": "gpt", "value": "5"}]}
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}

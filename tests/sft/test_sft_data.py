@@ -15,7 +15,7 @@ from fsdp2_backend.data.sft.loader import dataset_attrs
 from fsdp2_backend.data.sft.pipeline import _load_or_build, prepare_datasets
 from fsdp2_backend.data.sft.supervised import IGNORE_INDEX, greedy_knapsack, pack_examples
 from fsdp2_backend.kernels.varlen import cu_seqlens_from_position_ids
-from tests.sft_assets import alpaca_rows, qwen3_like_tokenizer, write_jsonl
+from tests.support.sft_assets import alpaca_rows, qwen3_like_tokenizer, write_jsonl
 from fsdp2_backend.usage_errors import UsageError
 
 

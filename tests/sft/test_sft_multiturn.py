@@ -18,7 +18,7 @@ from fsdp2_backend.config import DataArguments
 from fsdp2_backend.data.sft.formats import DatasetAttr, convert_example
 from fsdp2_backend.data.sft.supervised import IGNORE_INDEX, SupervisedProcessor
 from fsdp2_backend.data.sft.template import encode_conversations, encode_turns, get_template
-from tests.sft_assets import qwen3_like_tokenizer
+from tests.support.sft_assets import qwen3_like_tokenizer
 
 pytestmark = pytest.mark.unit
 

@@ -11,8 +11,8 @@ import pytest
 
 from fsdp2_backend.config import Config, DataArguments, ModelArguments, ParallelArguments, TrainingArguments
 from fsdp2_backend.config.validation import validate
-from tests.helpers import REPO
-from tests.sft_assets import alpaca_rows, qwen3_model_dir, write_jsonl
+from tests.support.launchers import REPO
+from tests.support.sft_assets import alpaca_rows, qwen3_model_dir, write_jsonl
 
 
 @pytest.fixture(scope="module")

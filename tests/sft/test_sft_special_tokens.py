@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from fsdp2_backend.config import Config, DataArguments, ModelArguments, ParallelArguments, TrainingArguments
 from fsdp2_backend.config.validation import validate
-from tests.sft_assets import alpaca_rows, qwen3_model_dir, write_jsonl
+from tests.support.sft_assets import alpaca_rows, qwen3_model_dir, write_jsonl
 from fsdp2_backend.usage_errors import UsageError
 
 DESCRIPTIONS = {"<|region|>": "the weather in Paris", "<|answer|>": "hello world"}

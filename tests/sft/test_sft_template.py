@@ -10,7 +10,7 @@ from fsdp2_backend.config import DataArguments
 from fsdp2_backend.data.sft.formats import DatasetAttr, convert_example
 from fsdp2_backend.data.sft.supervised import IGNORE_INDEX, SupervisedProcessor, encode_supervised, infer_seqlen
 from fsdp2_backend.data.sft.template import encode_turns, get_template
-from tests.sft_assets import qwen3_like_tokenizer
+from tests.support.sft_assets import qwen3_like_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fsdp2_backend.config.schema import DataArguments
 from fsdp2_backend.data.sft.template import get_template
-from tests.helpers import stdlib_texts, train_bytelevel_tokenizer
+from tests.support.tiny_models import stdlib_texts, train_bytelevel_tokenizer
 
 WARNING = ("warning: data.template: unset, and the tokenizer has no chat template — using the empty template (the "
            "prompt and the reply joined with nothing between them and no end-of-reply token); set data.template to "

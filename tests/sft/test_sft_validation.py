@@ -4,7 +4,7 @@ import pytest
 
 from fsdp2_backend.config import Config, DataArguments, ModelArguments, ParallelArguments, TrainingArguments
 from fsdp2_backend.config.validation import validate, validate_with_notices
-from tests.sft_assets import write_jsonl
+from tests.support.sft_assets import write_jsonl
 from fsdp2_backend.usage_errors import UsageError
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, run_pretrain
+from tests.support.launchers import REPO, run_pretrain
 from tests.e2e.test_resume_e2e import FLAGS
 from fsdp2_backend.cli.compare_runs import compare, main, parse_log_line, read_run, DEFAULT_RTOL
 

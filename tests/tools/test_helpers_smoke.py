@@ -2,7 +2,7 @@
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.helpers import tiny_qwen3_config, train_bytelevel_tokenizer
+from tests.support.tiny_models import tiny_qwen3_config, train_bytelevel_tokenizer
 
 
 def test_tiny_tokenizer_and_model_run(tmp_path):

@@ -26,9 +26,9 @@ import kernels
 from transformers.utils import import_utils
 assert import_utils.is_kernels_available(), "transformers does not see Hugging Face's kernels"
 import torch
-from tests.tiny_models import TINY_CONFIGS
+from tests.support.tiny_models import TINY_CONFIGS
 missing = [i for i in registered_model_ids() if i not in TINY_CONFIGS]
-assert not missing, f"no tiny config in tests/tiny_models.py for {missing}"
+assert not missing, f"no tiny config in tests/support/tiny_models.py for {missing}"
 for model_id in registered_model_ids():
     torch.manual_seed(0)
     config = TINY_CONFIGS[model_id]()

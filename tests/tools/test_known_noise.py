@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests.support.launchers import REPO
 
 IMPORTS = "import transformers.models.qwen3.modeling_qwen3, torchao"
 

@@ -11,7 +11,7 @@ import torch
 from fsdp2_backend.config import GROUPS, Config
 from fsdp2_backend.config.validation import validate
 from megatron_compat.translate import translate_megatron
-from tests.helpers import SaveRecorder
+from tests.support.save_recorder import SaveRecorder
 
 GBS, MBS, RAMP, TRAIN_SAMPLES = 8, 2, [2, 2, 20], 64
 FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from fsdp2_backend.training.loss_scaler import LossScaler
-from tests.helpers import run_distributed, tiny_qwen3_config, train_bytelevel_tokenizer
+from tests.support.launchers import run_distributed
+from tests.support.tiny_models import tiny_qwen3_config, train_bytelevel_tokenizer
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fsdp2_backend.training.loss_scaler import LossScaler
-from tests.helpers import tiny_qwen3_config
+from tests.support.tiny_models import tiny_qwen3_config
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -8,7 +8,8 @@ import torch
 
 from fsdp2_backend.config import Config
 from fsdp2_backend.usage_errors import UsageError
-from tests.helpers import run_distributed, tiny_qwen3_config
+from tests.support.launchers import run_distributed
+from tests.support.tiny_models import tiny_qwen3_config
 
 STEPS, SEQ, MBS, VOCAB, CHUNK = 3, 16, 2, 128, 5  # 32 tokens per micro-batch: 6 chunks of 5 and one of 2
 
@@ -126,7 +127,7 @@ def test_chunked_loss_equals_full_loss_two_fsdp_ranks(tmp_path):
 
 @pytest.fixture(scope="module")
 def pretrain_model_dir(tmp_path_factory):
-    from tests.helpers import tiny_model_dir
+    from tests.support.tiny_models import tiny_model_dir
 
     return tiny_model_dir(tmp_path_factory.mktemp("decline_model"), seed=0, num_hidden_layers=1)
 

@@ -5,7 +5,7 @@ import tempfile
 import time
 
 from fsdp2_backend.training.exit_conditions import ExitTimer
-from tests.helpers import run_distributed
+from tests.support.launchers import run_distributed
 
 
 def test_single_process_exits_only_past_the_limit():

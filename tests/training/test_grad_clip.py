@@ -9,7 +9,7 @@ import torch
 
 from fsdp2_backend.training.grad_clip import clip_grad_norm, total_grad_norm
 from fsdp2_backend.training.loss import GlobalBatchLoss, chunked_masked_loss_sum, masked_loss_sum
-from tests.helpers import run_distributed
+from tests.support.launchers import run_distributed
 
 V, H, S = 13, 8, 6
 MAX_NORM = 0.05

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import run_distributed, tiny_qwen3_config, train_bytelevel_tokenizer
+from tests.support.launchers import run_distributed
+from tests.support.tiny_models import tiny_qwen3_config, train_bytelevel_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,8 @@ import torch
 
 from fsdp2_backend.config import Config
 from fsdp2_backend.inference import generate
-from tests.helpers import free_port, stdlib_texts, tiny_qwen3_config, train_bytelevel_tokenizer
+from tests.support.launchers import free_port
+from tests.support.tiny_models import stdlib_texts, tiny_qwen3_config, train_bytelevel_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["def main(argv):\n    ", "import os"]

@@ -125,7 +125,7 @@ def _sharded_params_norm(rank, world_size, out_dir):
 
 
 def test_params_norm_of_fsdp_shards_on_two_ranks_is_the_full_norm(tmp_path):
-    from tests.helpers import run_distributed
+    from tests.support.launchers import run_distributed
 
     run_distributed(_sharded_params_norm, 2, str(tmp_path))
     got, expected = (tmp_path / "result.txt").read_text().split()

@@ -12,7 +12,7 @@ from fsdp2_backend.config import GROUPS, Config
 from fsdp2_backend.config.validation import validate
 from fsdp2_backend.training.muon import MegatronMuon, muon_scale_factor, newton_schulz
 from megatron_compat.translate import translate_megatron
-from tests.helpers import run_distributed
+from tests.support.launchers import run_distributed
 from fsdp2_backend.usage_errors import UsageError
 
 # Coefficient schedules as published: Muon's single tuple (Keller Jordan) and modded-nanogpt's quintic schedule.

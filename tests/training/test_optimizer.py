@@ -8,7 +8,8 @@ import torch
 
 from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.training.optimizer import ShardedMuon, build_optimizer
-from tests.helpers import run_distributed, tiny_qwen3_config
+from tests.support.launchers import run_distributed
+from tests.support.tiny_models import tiny_qwen3_config
 
 
 @pytest.fixture(scope="module")

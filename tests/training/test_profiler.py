@@ -9,7 +9,7 @@ import torch
 from fsdp2_backend.config import ProfilingArguments
 from fsdp2_backend.usage_errors import UsageError
 from fsdp2_backend.training.profiler import StepProfiler
-from tests.helpers import run_distributed
+from tests.support.launchers import run_distributed
 
 
 def _tiny_loop(profiler, iterations, first=0):

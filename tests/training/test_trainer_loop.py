@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fsdp2_backend.config import Config
-from tests.helpers import SaveRecorder, tiny_qwen3_config
+from tests.support.save_recorder import SaveRecorder
+from tests.support.tiny_models import tiny_qwen3_config
 
 SEQ, MBS, VOCAB = 16, 2, 128
 

@@ -1,26 +1,15 @@
-"""Shared test helpers: tiny real models and tokenizers built locally, and a 2-rank gloo launcher.
+"""How tests start processes: the 2-rank gloo launcher (`run_distributed`, forked ranks) and the entry point run
+as a subprocess (`run_pretrain`, under torchrun for several ranks), with the repository root and a free port.
 
-Nothing here stands in for the code under test: models are real transformers models built from configs,
-tokenizers are real byte-level BPE tokenizers trained on local text (tools/demo_assets.py, shared with the demo).
-"""
+A test module that launches processes marks itself (tests/conftest.py lists the markers; tests/tools/test_test_layout.py
+checks that the marker and the launch go together)."""
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import socket
 import subprocess
 import sys
-
-from fsdp2_backend.cli.demo_assets import (build_tiny_model_dir, stdlib_texts, tiny_qwen3_config,  # noqa: F401
-                               train_bytelevel_tokenizer)
-
-
-def tiny_model_dir(path, seed: int, vocab_size: int = 300, **overrides) -> str:
-    """An HF directory holding a locally trained tokenizer and a seeded tiny Qwen3 sized to its vocabulary."""
-    tokenizer = train_bytelevel_tokenizer(path, vocab_size=vocab_size)
-    build_tiny_model_dir(path, vocab_size=len(tokenizer), seed=seed, **overrides)
-    return str(path)
 
 
 def free_port() -> int:
@@ -71,10 +60,10 @@ def run_distributed(fn, world_size: int, *args) -> None:
 # Imported once by the forkserver (it forks the ranks); a module that fails to import there is only skipped.
 _FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "transformers",
                        "fsdp2_backend.parallel.apply", "fsdp2_backend.build", "fsdp2_backend.training.trainer",
-                       "tests.helpers"]
+                       "tests.support.launchers"]
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Megatron's training log line: iteration, consumed samples and the printed lm loss.
 MEGATRON_LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*? lm loss: ([0-9.E+-]+) \|")
 
@@ -94,56 +83,3 @@ def run_pretrain(flags, save_dir, *extra, ranks: int = 1):
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-3000:]
     return {int(it): (int(consumed), loss) for it, consumed, loss in MEGATRON_LINE.findall(log)}, log
-
-
-class SaveRecorder:
-    """Stands for the job's Checkpointer during the loop: records its save points as (iteration, reason)."""
-
-    def __init__(self):
-        self.saves = []
-
-    def save(self, iteration, reason, train_iters=None):
-        self.saves.append((iteration, reason))
-
-    def close(self):
-        pass
-
-
-
-@contextlib.contextmanager
-def read_only_dir(path):
-    """`path` (a directory) made read-only for this process, for real: a read-only bind mount when running as
-    root (root writes through file modes), else mode 0555. Skips where neither can be done."""
-    import pytest
-
-    path = str(path)
-    if os.geteuid() != 0:
-        os.chmod(path, 0o555)
-        try:
-            yield path
-        finally:
-            os.chmod(path, 0o755)
-        return
-    if subprocess.run(["mount", "--bind", path, path], capture_output=True).returncode:
-        pytest.skip("root without mount rights: no way to make a directory read-only")
-    try:
-        if subprocess.run(["mount", "-o", "remount,ro,bind", path], capture_output=True).returncode:
-            pytest.skip("root without remount rights: no way to make a directory read-only")
-        yield path
-    finally:
-        subprocess.run(["umount", path], capture_output=True)
-
-
-@contextlib.contextmanager
-def small_disk(path, size_kib: int):
-    """A directory `path` with room for about `size_kib` KiB: a tmpfs of that size when mounting is allowed (a real
-    ENOSPC), else None (the caller then limits the file size of its child process: a real EFBIG)."""
-    os.makedirs(path, exist_ok=True)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)],
-                      capture_output=True).returncode:
-        yield None
-        return
-    try:
-        yield str(path)
-    finally:
-        subprocess.run(["umount", str(path)], capture_output=True)

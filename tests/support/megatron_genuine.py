@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-GENUINE = Path(__file__).resolve().parent / "data" / "megatron_genuine_args"
+GENUINE = Path(__file__).resolve().parents[1] / "data" / "megatron_genuine_args"
 NAMES = ("llama_dense", "deepseek_mla")
 
 # What Megatron-LM sets on args between validate_args and a checkpoint save (nothing else may be passed).

@@ -1,10 +1,22 @@
-"""A tiny HF config for every model id of the registry (fsdp2_backend/models/registry.py), for tests that must
-cover them all. Each comes from the model's own test module, so one definition serves both."""
+"""Tiny real models: a tiny HF config for every model id of the registry (fsdp2_backend/models/registry.py,
+`TINY_CONFIGS`), and a tiny Qwen3 directory with a locally trained tokenizer (`tiny_model_dir`).
+
+Nothing here stands in for the code under test: models are real transformers models built from configs,
+tokenizers are real byte-level BPE tokenizers trained on local text (cli/demo_assets.py, shared with the demo)."""
 from __future__ import annotations
+
+from fsdp2_backend.cli.demo_assets import (build_tiny_model_dir, stdlib_texts, tiny_qwen3_config,  # noqa: F401
+                                           train_bytelevel_tokenizer)
+
+
+def tiny_model_dir(path, seed: int, vocab_size: int = 300, **overrides) -> str:
+    """An HF directory holding a locally trained tokenizer and a seeded tiny Qwen3 sized to its vocabulary."""
+    tokenizer = train_bytelevel_tokenizer(path, vocab_size=vocab_size)
+    build_tiny_model_dir(path, vocab_size=len(tokenizer), seed=seed, **overrides)
+    return str(path)
 
 
 def _qwen3():
-    from tests.helpers import tiny_qwen3_config
     return tiny_qwen3_config()
 
 
