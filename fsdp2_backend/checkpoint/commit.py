@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from fsdp2_backend.checkpoint.atomic import publish, write_atomically
 from fsdp2_backend.checkpoint.dirs import LATEST_FILE, complete_checkpoints
 
 logger = logging.getLogger(__name__)
@@ -37,13 +38,8 @@ def tmp_dir_for(final_dir: Path) -> Path:
 
 
 def write_latest_marker(root: Path, iteration: int) -> None:
-    """Replaces the marker atomically (write a temporary file, fsync, rename)."""
-    tmp = root / (LATEST_FILE + _TMP_SUFFIX)
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST_FILE)
+    """Replaces the marker atomically (`atomic.write_atomically`)."""
+    write_atomically(root / LATEST_FILE, str(iteration))
 
 
 def remove_stale_partials(root: Path) -> None:
@@ -58,11 +54,9 @@ def remove_stale_partials(root: Path) -> None:
 
 def commit(tmp_dir: Path, final_dir: Path, iteration: int, save_total_limit: Optional[int]) -> None:
     """Makes a fully written checkpoint visible, then moves the marker, then rotates (rank 0 only)."""
-    _fsync_dir(tmp_dir)
     if final_dir.exists():  # an older save of this iteration (a finetune run saving where it loaded from)
         _delete(final_dir)
-    os.replace(tmp_dir, final_dir)
-    _fsync_dir(final_dir.parent)
+    publish(tmp_dir, final_dir)  # every file and the directory fsync'd, one rename, the parent fsync'd
     write_latest_marker(final_dir.parent, iteration)
     if save_total_limit is not None and save_total_limit > 0:
         rotate(final_dir.parent, save_total_limit, keep_path=final_dir)
@@ -80,20 +74,6 @@ def _delete(path: Path) -> None:
     doomed = path.with_name(path.name + _DELETING_SUFFIX)
     os.replace(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    # Durability of the rename itself on POSIX file systems; a no-op where directories cannot be opened.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -26,6 +26,7 @@ import torch
 from fsdp2_backend.usage_errors import RunStopped, UsageError
 from fsdp2_backend.checkpoint import dirs
 from fsdp2_backend.checkpoint import hf_shards
+from fsdp2_backend.checkpoint.atomic import publish
 from megatron_compat.data.utils import barrier, rank_zero_first
 
 logger = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ def _commit(model: torch.nn.Module, tmp: Path, out_dir: Path, written: list, tok
     save_tokenizer(tokenizer, tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    publish(tmp, out_dir)  # the shards, the index and the directory fsync'd, then one rename
 
 
 def _num_parameters(model: torch.nn.Module) -> int:

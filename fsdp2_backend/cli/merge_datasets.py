@@ -46,6 +46,7 @@ def dataset_prefixes(folder: str):
 
 
 def merge(folder: str, output_prefix: str, multimodal: bool = False) -> None:
+    from fsdp2_backend.checkpoint.atomic import publish
     from megatron_compat.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, get_bin_path,
                                                       get_idx_path)
 
@@ -72,8 +73,8 @@ def merge(folder: str, output_prefix: str, multimodal: bool = False) -> None:
             if os.path.exists(tmp):
                 os.remove(tmp)
         raise
-    os.replace(bin_tmp, get_bin_path(output_prefix))
-    os.replace(idx_tmp, get_idx_path(output_prefix))
+    publish(bin_tmp, get_bin_path(output_prefix))  # fsync'd, then renamed: a crash leaves no half-written pair
+    publish(idx_tmp, get_idx_path(output_prefix))
 
 
 def main(argv=None) -> None:

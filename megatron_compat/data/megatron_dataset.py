@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy
 import torch
 
+from fsdp2_backend.checkpoint.atomic import write_atomically
 from megatron_compat.data.dataset_config import BlendedMegatronDatasetConfig
 from megatron_compat.data.utils import Split, builds_caches_first, global_rank
 
@@ -73,17 +74,10 @@ def cached_arrays(path_to_cache: Optional[str], base: str, description: str, nam
     if path_to_cache:
         os.makedirs(path_to_cache, exist_ok=True)
         for name, array in arrays.items():
-            _atomic_write(path_of[name], lambda f, a=array: numpy.save(f, a, allow_pickle=True))
-        _atomic_write(description_path, lambda f: f.write(description.encode("utf-8")))
+            write_atomically(path_of[name], lambda f, a=array: numpy.save(f, a, allow_pickle=True))
+        write_atomically(description_path, description)
     logger.info("\t> time elapsed: %4f seconds", time.time() - started)
     return arrays
-
-
-def _atomic_write(path: str, write: Callable) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-    os.replace(tmp, path)
 
 
 def pad_token_id(config: BlendedMegatronDatasetConfig) -> int:

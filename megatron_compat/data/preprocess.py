@@ -27,6 +27,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, TextIO, Union
 
+from fsdp2_backend.checkpoint.atomic import publish
 from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.data import fast_bpe, fast_spm
 from megatron_compat.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
@@ -258,8 +259,8 @@ def preprocess_files(inputs: Union[str, Sequence[str]], output_prefix: str, json
         for key, (_, idx_tmp) in partial.items():
             builders[key].finalize(idx_tmp)
         for key, (bin_tmp, idx_tmp) in partial.items():
-            os.replace(bin_tmp, get_bin_path(prefixes[key]))
-            os.replace(idx_tmp, get_idx_path(prefixes[key]))
+            publish(bin_tmp, get_bin_path(prefixes[key]))  # fsync'd, then renamed
+            publish(idx_tmp, get_idx_path(prefixes[key]))
     except BaseException:
         for builder in builders.values():
             builder.data_file.close()

@@ -17,6 +17,7 @@ from typing import List, Optional, Tuple
 
 import numpy
 
+from fsdp2_backend.checkpoint.atomic import write_atomically
 from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.data.indexed_dataset import _IndexReader, get_bin_path, get_idx_path
 
@@ -63,10 +64,7 @@ def token_range(path_prefix: str, fallback_dir: Optional[str] = None) -> Tuple[i
     for cache in caches:
         try:
             os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
-            tmp = f"{cache}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.write(f"{stamp} {low} {high}\n")
-            os.replace(tmp, cache)
+            write_atomically(cache, f"{stamp} {low} {high}\n")
             break
         except OSError:
             continue  # a read-only folder: try the next, else recomputed next time
