@@ -1,6 +1,7 @@
 """The one place where a built model is made ready to train in parallel, in one fixed order:
 
-    quantize → kernel swaps → model switches → TP → EP → CP → recompute → ChunkMBS → compile → FSDP → gradient policy
+    quantize → kernel swaps → model switches → model check → TP → EP → CP → recompute → ChunkMBS → compile → FSDP
+    → gradient policy
 
 Each stage is one function in its own module (`kernel_swaps`, the model's registry `configure`,
 `tensor_parallel`, `expert_parallel`, `context_parallel`, `recompute`, `compile`, `fsdp`), skipped when its size is 1 or
@@ -11,8 +12,9 @@ last, once every FSDP unit exists. Compilation (`optimization.torch_compile`) wr
 every stage that changes what the block computes and before FSDP, whose hooks then stay outside the compiled
 region (torchtitan's order).
 
-The config was validated before any of this runs (`fsdp2_backend.config.validation`): stages assert what
-they rely on, they do not validate.
+Validation comes in two phases: the config alone before any process group (`fsdp2_backend.config.validation`),
+then the model check (`parallel.model_checks`): the built model, its own switches applied, against the layout,
+every problem of every stage at once, before the first stage changes it. The stages rely on both.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from fsdp2_backend.config import Config
 from fsdp2_backend.distributed.context import ParallelContext
 from fsdp2_backend.parallel.fsdp import apply_fsdp
 from fsdp2_backend.parallel.kernel_swaps import apply_fused_ops
+from fsdp2_backend.parallel.model_checks import check_built_model
 from fsdp2_backend.parallel.recompute import apply_recompute
 from fsdp2_backend.parallel.router_groups import set_router_groups
 
@@ -98,6 +101,7 @@ def apply_parallelism(model: nn.Module, config: Config, ctx: ParallelContext) ->
 
         enable_packed_attention(model)
     _model_switches(model, config, ctx.device.type)
+    check_built_model(model, config)  # the second validation phase: every stage's problems at once
     set_router_groups(model, ctx, tokens_split_over_tp=parallel.tp_size > 1 and (
         parallel.ep_size > 1 or parallel.ep_fsdp_size > 1))  # the groups the MoE routers' load-balancing losses reduce over
     fsdp_ignored: Set[nn.Parameter] = set()

@@ -109,21 +109,50 @@ def expert_fsdp_mesh(ep_mesh: DeviceMesh) -> DeviceMesh:
     return ep_mesh["ep_replicate", "ep_fsdp"]
 
 
+def expert_parallel_problems(model: nn.Module, parallel) -> List[str]:
+    """Every reason the EP stage cannot run on `model` with `parallel`'s fields: modules `ep_modules` selects that
+    are not stacked experts, an ep size that does not divide an expert count, expert-FSDP units holding
+    non-expert parameters or leaving experts uncovered (ep > 1). The build's model check
+    (`parallel.model_checks`) reports them with the other stages' before any stage runs."""
+    matched = match_modules(model, list(parallel.ep_modules))
+    if not matched:
+        return [f"parallel.ep_modules: pattern '{p}' matches no module of {type(model).__name__} — use module "
+                f"paths such as 'model.layers.{{*}}' or '*.q_proj'" for p in parallel.ep_modules]
+    wrong = [f"{name} ({type(module).__name__})" for name, module in matched if not isinstance(module, GroupedExperts)]
+    if wrong:
+        return [f"parallel.ep_modules: matches modules that are not stacked MoE experts: {', '.join(wrong[:3])} — "
+                f"point it at the experts of an MoE model (model.layers.{{*}}.mlp.experts) and use a model id with "
+                f"stacked experts (model_id qwen3_moe)"]
+    ep, problems = parallel.ep_size, []
+    if ep <= 1:
+        return problems
+    problems += [f"parallel.ep_size: {ep} does not divide the {module.num_experts} experts of {name} — use a "
+                 f"divisor of {module.num_experts}" for name, module in matched if module.num_experts % ep][:1]
+    expert_params = {p for _, module in matched for p in module.parameters()}
+    units = match_modules(model, list(parallel.ep_fsdp_modules))
+    mixed = [name for name, module in units if any(p not in expert_params for p in module.parameters())]
+    if mixed:
+        problems.append(f"parallel.ep_fsdp_modules: {', '.join(mixed[:3])} hold non-expert parameters, which must "
+                        f"be reduced over all data-parallel ranks — name the experts modules only "
+                        f"(model.layers.{{*}}.mlp.experts)")
+    covered = {p for _, unit in units for p in unit.parameters()}
+    uncovered = [name for name, module in matched if any(p not in covered for p in module.parameters())]
+    if uncovered:
+        problems.append(f"parallel.ep_fsdp_modules: does not cover the expert modules {', '.join(uncovered[:3])} "
+                        f"— their gradients would never be reduced; include them (or a module containing them)")
+    return problems
+
+
 def apply_expert_parallel(model: nn.Module, config, ctx) -> Set[nn.Parameter]:
     """The EP stage: EP over `ep_modules`, expert FSDP over `ep_fsdp_modules`; returns the expert parameters,
     which the non-expert FSDP must ignore."""
     from fsdp2_backend.parallel.fsdp import mixed_precision_policy
 
     parallel = config.parallel
-    ep_names = [name for name, _ in expert_modules(model, parallel.ep_modules, "parallel.ep_modules")]
+    problems = expert_parallel_problems(model, parallel)  # a run's model check reported them already
+    if problems:
+        raise UsageError(problems)
     if parallel.ep_size > 1:
-        expert_params = {p for name in ep_names for p in model.get_submodule(name).parameters()}
-        mixed = [name for name, module in match_modules(model, parallel.ep_fsdp_modules)  # warned below if unmatched
-                 if any(p not in expert_params for p in module.parameters())]
-        if mixed:
-            raise UsageError(f"parallel.ep_fsdp_modules: {', '.join(mixed[:3])} hold non-expert parameters, which "
-                             f"must be reduced over all data-parallel ranks — name the experts modules only "
-                             f"(model.layers.{{*}}.mlp.experts)")
         group = ctx.ep_mesh["ep"].get_group()
         shard_experts(model, ctx.ep_mesh["ep"], parallel.ep_modules,
                       make_dispatcher(parallel.ep_dispatcher, group, ctx.device.type))
@@ -132,10 +161,5 @@ def apply_expert_parallel(model: nn.Module, config, ctx) -> Set[nn.Parameter]:
                               mp_policy=mixed_precision_policy(parallel),
                               reshard_after_forward=parallel.reshard_after_forward)
     covered = {p for unit in units for p in unit.parameters()}
-    # With ep 1 uncovered experts are plain parameters and the non-expert FSDP takes them; with ep > 1 not.
-    uncovered = [name for name in ep_names if any(p not in covered for p in model.get_submodule(name).parameters())]
-    if uncovered and parallel.ep_size > 1:
-        raise UsageError(f"parallel.ep_fsdp_modules: does not cover the expert modules {', '.join(uncovered[:3])} "
-                         f"— their gradients would never be reduced; include them (or a module containing them)")
     return covered
 

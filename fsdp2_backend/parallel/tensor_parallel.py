@@ -19,7 +19,7 @@
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -53,20 +53,29 @@ _HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_hea
 _SEQ, _HEADS = Shard(1), Shard(2)  # activations are [batch, seq, hidden] / [batch, seq, heads, head_dim]
 
 
+def _plan_names(model: nn.Module, globs: Sequence[str], field: str,
+                exclude: Sequence[str] = ()) -> Tuple[List[str], List[str]]:
+    """(names of the modules the TP plan field `field` selects, minus `exclude`; problems)."""
+    names = [name for name, _ in match_modules(model, globs)]
+    if globs and not names:
+        return [], [f"{field}: the globs {', '.join(globs)} match no module of {type(model).__name__} — "
+                    f"use patterns such as {DEFAULT_COLWISE[0]!r}"]
+    return [name for name in names if not matches(name, exclude)], []
+
+
 def plan_modules(model: nn.Module, globs: Sequence[str], field: str, exclude: Sequence[str] = ()) -> List[str]:
     """Names of the modules the TP plan field `field` selects (`parallel.plans` globs), minus `exclude`.
 
     A glob may match nothing (the default plan names gate/up/down projections a model may not have) as long as
     the field as a whole matches something; a field that matches no module at all is a usage error.
     """
-    names = [name for name, _ in match_modules(model, globs)]
-    if globs and not names:
-        raise UsageError(f"{field}: the globs {', '.join(globs)} match no module of {type(model).__name__} — "
-                         f"use patterns such as {DEFAULT_COLWISE[0]!r}")
-    return [name for name in names if not matches(name, exclude)]
+    names, problems = _plan_names(model, globs, field, exclude)
+    if problems:
+        raise UsageError(problems)
+    return names
 
 
-def _check_divisible(model: nn.Module, names: Sequence[str], tp: int, field: str) -> None:
+def _divisibility_problems(model: nn.Module, names: Sequence[str], tp: int, field: str) -> List[str]:
     problems = []
     for name in names:
         module = model.get_submodule(name)
@@ -74,8 +83,36 @@ def _check_divisible(model: nn.Module, names: Sequence[str], tp: int, field: str
         if features % tp:
             problems.append(f"{field}: {name} has {features} {'output' if field == 'tp_colwise' else 'input'} "
                             f"features, not divisible by tp_size={tp} — choose a tp size that divides it")
-    if problems:
-        raise UsageError(problems)
+    return problems
+
+
+def tensor_parallel_plan(model: nn.Module, tp: int, colwise: Sequence[str] = DEFAULT_COLWISE,
+                         rowwise: Sequence[str] = DEFAULT_ROWWISE, sequence_parallel: bool = False,
+                         exclude: Sequence[str] = (), token_local: Sequence[str] = ()
+                         ) -> Tuple[List[str], List[str], List[str]]:
+    """(column-parallel module names, row-parallel module names, problems): the plan `apply_tensor_parallel`
+    carries out on `model` at `tp`, and every reason it cannot (head counts or layer sizes tp does not divide,
+    globs that match nothing or both sides). The build's model check (`parallel.model_checks`) reports these
+    with the other stages' before any stage runs."""
+    config = model.config
+    problems = tensor_parallel_problems(config.num_attention_heads, config.num_key_value_heads, tp)
+    if sequence_parallel and config._attn_implementation == "eager":
+        # eager builds its mask from the local (sequence-split) length; SDPA is the same math without a mask
+        problems.append("sequence_parallel (--sequence-parallel): not supported with eager attention — use sdpa")
+    if match_modules(model, ["*.kv_b_proj"]):  # multi-latent attention: its head projections join the plan
+        colwise = list(colwise) + [glob for glob in MLA_COLWISE if glob not in colwise]
+    col_names, col_problems = _plan_names(model, colwise, "tp_colwise", exclude)
+    row_names, row_problems = _plan_names(model, rowwise, "tp_rowwise", exclude)
+    col_names = [n for n in col_names if not inside(n, token_local)]
+    row_names = [n for n in row_names if not inside(n, token_local)]
+    problems += col_problems + row_problems
+    both = sorted(set(col_names) & set(row_names))
+    if both:
+        problems.append(f"tp_colwise / tp_rowwise: {', '.join(both)} match both — make the globs disjoint")
+    if tp >= 1:
+        problems += _divisibility_problems(model, col_names, tp, "tp_colwise")
+        problems += _divisibility_problems(model, row_names, tp, "tp_rowwise")
+    return col_names, row_names, problems
 
 
 def _as_dtensor(x, mesh: DeviceMesh, placement: Placement, desired: Optional[Placement]):
@@ -148,22 +185,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, colwise: Sequen
     tokens with whole weights (`moe_tensor_parallel`, expert tensor-parallel size 1). Raises UsageError for head counts or layer sizes tp does not divide.
     """
     tp = tp_mesh.size()
-    config = model.config
-    problems = tensor_parallel_problems(config.num_attention_heads, config.num_key_value_heads, tp)
-    if sequence_parallel and config._attn_implementation == "eager":
-        # eager builds its mask from the local (sequence-split) length; SDPA is the same math without a mask
-        problems.append("sequence_parallel (--sequence-parallel): not supported with eager attention — use sdpa")
+    # a run's model check reported these already (parallel.model_checks); a direct caller gets them here
+    col_names, row_names, problems = tensor_parallel_plan(model, tp, colwise, rowwise, sequence_parallel, exclude,
+                                                          token_local)
     if problems:
         raise UsageError(problems)
-    if match_modules(model, ["*.kv_b_proj"]):  # multi-latent attention: its head projections join the plan
-        colwise = list(colwise) + [glob for glob in MLA_COLWISE if glob not in colwise]
-    col_names = [n for n in plan_modules(model, colwise, "tp_colwise", exclude) if not inside(n, token_local)]
-    row_names = [n for n in plan_modules(model, rowwise, "tp_rowwise", exclude) if not inside(n, token_local)]
-    both = sorted(set(col_names) & set(row_names))
-    if both:
-        raise UsageError(f"tp_colwise / tp_rowwise: {', '.join(both)} match both — make the globs disjoint")
-    _check_divisible(model, col_names, tp, "tp_colwise")
-    _check_divisible(model, row_names, tp, "tp_rowwise")
 
     plan: Dict[str, object] = {name: ColwiseParallel() for name in col_names}
     # Sequence parallel: o/down reduce-scatter to sequence shards instead of all-reducing.

@@ -19,7 +19,7 @@ over packed documents are ring's only (the sink attention takes no documents).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -166,6 +166,33 @@ def _head_counts(config):
             for i in range(config.num_hidden_layers)}
 
 
+def attention_context_parallel_problems(model: nn.Module, cp: int, cp_type: str, tp_size: int = 1,
+                                        handled_layer_types=()) -> List[str]:
+    """Every reason `enable_context_parallel` cannot run on `model` at `cp`: head counts Ulysses cannot split,
+    layer types context parallel does not know (`handled_layer_types`: made CP by another hook), attention
+    dropout, no attention layer at all."""
+    cp_type = normalize_cp_type(cp_type)
+    config = model.config
+    problems: List[str] = []
+    for kind, heads, kv_heads in sorted(_head_counts(config), key=str):
+        problems += [p for p in context_parallel_problems(cp, cp_type, heads, kv_heads, tp_size,
+                                                          layer_type=kind) if p not in problems]
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    supported = _SUPPORTED_LAYER_TYPES | set(handled_layer_types)  # e.g. linear attention, made CP by the caller
+    if cp_type == "ring" or config._attn_implementation in (_SINK_ATTENTION, *_SDPA_FAMILY):  # windows: docstring
+        supported |= {"sliding_attention"}
+    if not layer_types <= supported:
+        problems.append(f"cp_size (--context-parallel-size): layer types {sorted(layer_types - supported)} of "
+                        f"model_type {config.model_type} are not supported by context parallel — use cp_size 1")
+    if getattr(config, "attention_dropout", 0.0):
+        problems.append(f"attention_dropout: {config.attention_dropout} is not supported with context parallel — "
+                        "set it to 0")
+    if not _attention_modules(model):
+        problems.append(f"cp_size (--context-parallel-size): found no attention layers in {type(model).__name__} "
+                        "— use cp_size 1")
+    return problems
+
+
 def enable_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: str, tp_size: int = 1,
                             handled_layer_types=()) -> nn.Module:
     """Makes every attention layer of an HF model attend across the cp ranks of `cp_mesh` (1-D).
@@ -174,29 +201,10 @@ def enable_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: str,
     FSDP. Inputs must then be split with `batch.shard_batch_for_cp` (same cp_type) and the loss reduced as
     `batch.cp_token_mean` explains. The model's config object is switched to our attention: do not share it.
     """
-    cp_type = normalize_cp_type(cp_type)
-    config = model.config
-    problems = []
-    for kind, heads, kv_heads in sorted(_head_counts(config), key=str):
-        problems += [p for p in context_parallel_problems(cp_mesh.size(), cp_type, heads, kv_heads, tp_size,
-                                                          layer_type=kind) if p not in problems]
-    if problems:
+    problems = attention_context_parallel_problems(model, cp_mesh.size(), cp_type, tp_size, handled_layer_types)
+    if problems:  # a run's model check reported them already (parallel.model_checks); a direct caller gets them here
         raise UsageError(problems)
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    supported = _SUPPORTED_LAYER_TYPES | set(handled_layer_types)  # e.g. linear attention, made CP by the caller
-    if cp_type == "ring" or config._attn_implementation in (_SINK_ATTENTION, *_SDPA_FAMILY):  # windows: docstring
-        supported |= {"sliding_attention"}
-    if not layer_types <= supported:
-        unsupported = sorted(layer_types - supported)
-        raise UsageError(f"cp_size (--context-parallel-size): layer types {unsupported} of model_type "
-                         f"{config.model_type} are not supported by context parallel — use cp_size 1")
-    if getattr(config, "attention_dropout", 0.0):
-        raise UsageError(f"attention_dropout: {config.attention_dropout} is not supported with context parallel — "
-                         "set it to 0")
-    modules = _attention_modules(model)
-    if not modules:
-        raise UsageError(f"cp_size (--context-parallel-size): found no attention layers in {type(model).__name__} — "
-                         "use cp_size 1")
+    cp_type, config, modules = normalize_cp_type(cp_type), model.config, _attention_modules(model)
     inner = config._attn_implementation
     if inner == ATTENTION_NAME:
         raise RuntimeError("enable_context_parallel called twice on the same model")

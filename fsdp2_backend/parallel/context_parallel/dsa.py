@@ -74,6 +74,11 @@ _BY_MODEL_TYPE = {  # the config's model_type → (the module of this package, i
 }
 
 
+def dsa_context_parallel(model: nn.Module) -> bool:
+    """True when `model`'s attention is DSA, made context parallel by `enable_dsa_context_parallel`."""
+    return getattr(model.config, "model_type", None) in _BY_MODEL_TYPE
+
+
 def enable_dsa_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: str) -> bool:
     """Makes every DSA attention of `model` context parallel over `cp_mesh` (1-D); False for other models (read
     from the config's model_type: no DSA model code is imported for them)."""

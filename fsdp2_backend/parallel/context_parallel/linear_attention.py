@@ -14,7 +14,7 @@ Written here because torch has no sequence parallelism for linear attention; the
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -83,14 +83,19 @@ def linear_attention_layers(model: nn.Module):
     return [m for m in model.modules() if hasattr(m, "context_parallel") and callable(getattr(m, "mix", None))]
 
 
+def linear_attention_problems(model: nn.Module, cp: int) -> List[str]:
+    """Why the GDN layers of `model` cannot be split over `cp` ranks (their key heads)."""
+    heads = sorted({layer.num_k_heads for layer in linear_attention_layers(model) if layer.num_k_heads % cp})
+    return [f"cp_size (--context-parallel-size): {cp} does not divide the {h} linear-attention key heads "
+            "(linear_num_key_heads) — use a cp_size that divides it" for h in heads]
+
+
 def enable_linear_attention_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: str) -> int:
     """Installs the hook on every GDN layer of `model`; returns how many. Call with the attention CP stage."""
     layers = linear_attention_layers(model)
-    cp = cp_mesh.size()
-    for layer in layers:
-        if layer.num_k_heads % cp:
-            raise UsageError(f"cp_size (--context-parallel-size): {cp} does not divide the {layer.num_k_heads} "
-                             "linear-attention key heads (linear_num_key_heads) — use a cp_size that divides it")
+    problems = linear_attention_problems(model, cp_mesh.size())
+    if problems:  # a run's model check reported them already (parallel.model_checks); a direct caller gets them here
+        raise UsageError(problems)
     hook = LinearAttentionContextParallel(cp_mesh.get_group(), cp_type)
     for layer in layers:
         layer.context_parallel = hook
