@@ -14,7 +14,7 @@ import torch
 from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, finish_router_step
 from fsdp2_backend.models.qwen3_moe.modeling import build_qwen3_moe, configure_moe
 from tests.support.launchers import run_pretrain
-from tests.models.test_qwen3_moe import tiny_moe_config
+from tests.support.tiny_models import tiny_moe_config
 
 
 class _Fields:

@@ -10,19 +10,7 @@ from fsdp2_backend.models.moe.experts import GroupedExperts
 from fsdp2_backend.models.qwen3_moe.modeling import (Qwen3MoeGroupedForCausalLM, Qwen3MoeRouter, build_qwen3_moe,
                                             checkpoint_keys, configure_moe, from_hf_checkpoint, param_from_checkpoint,
                                             to_hf_checkpoint)
-
-
-def tiny_moe_config(**overrides):
-    from transformers import Qwen3MoeConfig
-
-    values = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.02,
-                  output_router_logits=True, max_position_embeddings=64, tie_word_embeddings=False)
-    values.update(overrides)
-    config = Qwen3MoeConfig(**values)
-    config._experts_implementation = "eager"  # transformers' reference loop over experts
-    return config
+from tests.support.tiny_models import tiny_moe_config
 
 
 def _pair(**overrides):

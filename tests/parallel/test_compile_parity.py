@@ -99,7 +99,7 @@ def _worker(rank, world_size, dirs, layouts, out_path):
 def model_dirs(tmp_path_factory):
     from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
-    from tests.models.test_qwen3_moe import tiny_moe_config
+    from tests.support.tiny_models import tiny_moe_config
 
     dense, moe = tmp_path_factory.mktemp("dense"), tmp_path_factory.mktemp("moe")
     torch.manual_seed(5)

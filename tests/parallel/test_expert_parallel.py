@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.support.launchers import run_distributed
-from tests.models.test_qwen3_moe import tiny_moe_config
+from tests.support.tiny_models import tiny_moe_config
 
 STEPS, SAVE_AFTER, LR = 8, 4, 5e-3
 EXPERTS = "model.layers.{*}.mlp.experts"

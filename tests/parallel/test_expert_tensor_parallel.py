@@ -5,7 +5,7 @@ experts are sharded two per rank and not tensor-parallel, attention is."""
 import torch
 
 from tests.support.launchers import run_distributed
-from tests.models.test_qwen3_moe import tiny_moe_config
+from tests.support.tiny_models import tiny_moe_config
 
 STEPS, LR = 3, 5e-3
 

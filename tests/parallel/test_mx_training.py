@@ -153,7 +153,7 @@ def _export_holds_unquantised_weights(export_dir):
 
 
 def _moe_dir(path):
-    from tests.models.test_qwen3_moe import tiny_moe_config
+    from tests.support.tiny_models import tiny_moe_config
     from transformers import Qwen3MoeForCausalLM
 
     torch.manual_seed(5)

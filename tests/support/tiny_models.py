@@ -21,7 +21,7 @@ def _qwen3():
 
 
 def _qwen3_moe():
-    from tests.models.test_qwen3_moe import tiny_moe_config
+    from tests.support.tiny_models import tiny_moe_config
     return tiny_moe_config()
 
 
@@ -68,3 +68,16 @@ TINY_CONFIGS = {"qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "qwen3_next": _qwen3_n
                 "gpt_oss": _gpt_oss, "minimax_m27": _minimax, "step35": _step35,
                 **{name: _family(name) for name in ("deepseek_v3", "mixtral", "qwen2_moe")},
                 **{name: _newer(name) for name in ("deepseek_v4", "glm52", "longcat_flash_ngram")}}
+
+
+def tiny_moe_config(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    values = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.02,
+                  output_router_logits=True, max_position_embeddings=64, tie_word_embeddings=False)
+    values.update(overrides)
+    config = Qwen3MoeConfig(**values)
+    config._experts_implementation = "eager"  # transformers' reference loop over experts
+    return config

@@ -96,7 +96,7 @@ def test_chunked_loss_equals_full_loss_one_rank(tmp_path, tied):
 def test_chunked_loss_keeps_moe_aux_loss(tmp_path):
     from transformers import Qwen3MoeForCausalLM
 
-    from tests.models.test_qwen3_moe import tiny_moe_config
+    from tests.support.tiny_models import tiny_moe_config
 
     torch.manual_seed(0)
     model_dir = _save(tmp_path, Qwen3MoeForCausalLM(tiny_moe_config(num_hidden_layers=1, router_aux_loss_coef=0.5)))
