@@ -16,7 +16,7 @@ from tests.support.launchers import REPO, free_port, run_pretrain
 from tests.support.tiny_models import train_bytelevel_tokenizer
 from tests.e2e.test_mindspeed_yaml import (DATA, _failure, _run, _with_paths, _yaml_file, assets,  # noqa: F401
                                       train_lines)
-from tests.models.test_qwen3_next import tiny_next_config
+from tests.support.tiny_models import tiny_next_config
 
 GDN_FLAGS = (
     "--qk-layernorm --full-attention-interval 4 --mamba-d-conv 4 --mamba-expand 1 --kv-channels 16 "

@@ -123,7 +123,7 @@ def test_the_log_line_names_the_kernel_that_runs():
     from fsdp2_backend.models.qwen3_next.modeling import build_qwen3_next
     from fsdp2_backend.parallel.kernel_swaps import apply_fused_ops
     from fsdp2_backend.kernels.gated_delta_rule import fla_importable
-    from tests.models.test_qwen3_next import tiny_next_config
+    from tests.support.tiny_models import tiny_next_config
 
     model = build_qwen3_next(tiny_next_config())
     lines = {}

@@ -15,7 +15,7 @@ SEQ, MBS, FACTOR = 12, 2, 0.3
 
 # ----------------------------------------------------------------------------------------------- Qwen3-Next
 def _next_config():
-    from tests.models.test_qwen3_next import tiny_next_config
+    from tests.support.tiny_models import tiny_next_config
 
     # the last layer is linear attention and dense: the MTP layer must still be full attention with the MoE
     return tiny_next_config(layer_types=["linear_attention", "full_attention", "linear_attention",

@@ -7,20 +7,7 @@ from fsdp2_backend.models.moe.experts import GroupedExperts
 from fsdp2_backend.models.qwen3_next.modeling import (GatedDeltaNet, Qwen3NextRouter, build_qwen3_next,
                                              configure_qwen3_next)
 
-
-def tiny_next_config(**overrides):
-    from transformers import Qwen3NextConfig
-
-    values = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                  shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                  linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
-                  num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.02, output_router_logits=True,
-                  max_position_embeddings=128, tie_word_embeddings=False, mlp_only_layers=[1])
-    values.update(overrides)
-    config = Qwen3NextConfig(**values)
-    config._experts_implementation = "eager"  # transformers' reference loop over experts
-    return config
+from tests.support.tiny_models import tiny_next_config
 
 
 def _pair(**overrides):

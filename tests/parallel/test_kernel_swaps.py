@@ -5,7 +5,7 @@ import torch
 
 from fsdp2_backend.config import OptimizationArguments
 from fsdp2_backend.parallel.kernel_swaps import apply_fused_ops
-from tests.models.test_qwen3_next import tiny_next_config
+from tests.support.tiny_models import tiny_next_config
 
 
 def _swap(model, **flags):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.support.launchers import run_distributed
-from tests.models.test_qwen3_next import tiny_next_config
+from tests.support.tiny_models import tiny_next_config
 
 STEPS, LR, SEQ, MBS, FACTOR = 3, 5e-3, 16, 2, 0.3
 

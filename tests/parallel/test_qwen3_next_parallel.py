@@ -5,7 +5,7 @@ checkpoint (DCP, after step 4) continues in one process with the EP 2 run's loss
 import torch
 
 from tests.support.launchers import run_distributed
-from tests.models.test_qwen3_next import tiny_next_config
+from tests.support.tiny_models import tiny_next_config
 
 STEPS, SAVE_AFTER, LR, SEQ, CHUNK = 8, 4, 5e-3, 16, 8
 

@@ -26,7 +26,7 @@ def _qwen3_moe():
 
 
 def _qwen3_next():
-    from tests.models.test_qwen3_next import tiny_next_config
+    from tests.support.tiny_models import tiny_next_config
     return tiny_next_config()
 
 
@@ -79,5 +79,20 @@ def tiny_moe_config(**overrides):
                   output_router_logits=True, max_position_embeddings=64, tie_word_embeddings=False)
     values.update(overrides)
     config = Qwen3MoeConfig(**values)
+    config._experts_implementation = "eager"  # transformers' reference loop over experts
+    return config
+
+
+def tiny_next_config(**overrides):
+    from transformers import Qwen3NextConfig
+
+    values = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+                  num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.02, output_router_logits=True,
+                  max_position_embeddings=128, tie_word_embeddings=False, mlp_only_layers=[1])
+    values.update(overrides)
+    config = Qwen3NextConfig(**values)
     config._experts_implementation = "eager"  # transformers' reference loop over experts
     return config
