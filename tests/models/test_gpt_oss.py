@@ -11,6 +11,8 @@ from fsdp2_backend.models.gpt_oss.modeling import GptOssGroupedExperts, GptOssRo
 from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
 from fsdp2_backend.kernels.sink_attention import sink_attention, sink_attention_reference
 
+from tests.support.tiny_models import tiny_gpt_oss_config
+
 
 @pytest.mark.parametrize("window, block, masked", [(None, 1024, False), (5, 4, False), (3, 7, True)])
 def test_sink_attention_equals_eager_formula(window, block, masked):
@@ -29,20 +31,6 @@ def test_sink_attention_equals_eager_formula(window, block, masked):
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v, sinks))
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-
-
-def tiny_gpt_oss_config(**overrides):
-    from transformers import GptOssConfig
-
-    values = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-                  max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"],
-                  output_router_logits=True, router_aux_loss_coef=0.02, tie_word_embeddings=False)
-    values.update(overrides)
-    config = GptOssConfig(**values)
-    config._attn_implementation = "eager"
-    config._experts_implementation = "eager"
-    return config
 
 
 def _pair():

@@ -36,7 +36,7 @@ def _mamba3():
 
 
 def _gpt_oss():
-    from tests.models.test_gpt_oss import tiny_gpt_oss_config
+    from tests.support.tiny_models import tiny_gpt_oss_config
     return tiny_gpt_oss_config()
 
 
@@ -95,4 +95,18 @@ def tiny_next_config(**overrides):
     values.update(overrides)
     config = Qwen3NextConfig(**values)
     config._experts_implementation = "eager"  # transformers' reference loop over experts
+    return config
+
+
+def tiny_gpt_oss_config(**overrides):
+    from transformers import GptOssConfig
+
+    values = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                  max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"],
+                  output_router_logits=True, router_aux_loss_coef=0.02, tie_word_embeddings=False)
+    values.update(overrides)
+    config = GptOssConfig(**values)
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
     return config
