@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from fsdp2_backend.models.fp8_blocks import block_size, dequantize
 from fsdp2_backend.models.loading import load_safetensors
 from fsdp2_backend.models.registry import model_spec
-from tests.models.test_minimax_m2 import _pair, tiny_minimax_config
+from tests.support.tiny_models import tiny_minimax_config
+from tests.models.test_minimax_m2 import _pair
 
 _QUANTISED = re.compile(r".*(\.(q|k|v|o)_proj|\.experts\.\d+\.w[123])\.weight$")
 

@@ -10,19 +10,7 @@ from fsdp2_backend.models.minimax_m27.modeling import MiniMaxM2GroupedForCausalL
 from fsdp2_backend.models.moe.experts import GroupedExperts
 from fsdp2_backend.models.registry import model_spec
 
-
-def tiny_minimax_config(**overrides):
-    from transformers import MiniMaxM2Config
-
-    values = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
-                  max_position_embeddings=64, rotary_dim=8, output_router_logits=True, router_aux_loss_coef=0.02,
-                  tie_word_embeddings=False)
-    values.update(overrides)
-    config = MiniMaxM2Config(**values)
-    config._attn_implementation = "eager"
-    config._experts_implementation = "eager"
-    return config
+from tests.support.tiny_models import tiny_minimax_config
 
 
 def _pair():

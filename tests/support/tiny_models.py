@@ -41,7 +41,7 @@ def _gpt_oss():
 
 
 def _minimax():
-    from tests.models.test_minimax_m2 import tiny_minimax_config
+    from tests.support.tiny_models import tiny_minimax_config
     return tiny_minimax_config()
 
 
@@ -107,6 +107,20 @@ def tiny_gpt_oss_config(**overrides):
                   output_router_logits=True, router_aux_loss_coef=0.02, tie_word_embeddings=False)
     values.update(overrides)
     config = GptOssConfig(**values)
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    return config
+
+
+def tiny_minimax_config(**overrides):
+    from transformers import MiniMaxM2Config
+
+    values = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                  max_position_embeddings=64, rotary_dim=8, output_router_logits=True, router_aux_loss_coef=0.02,
+                  tie_word_embeddings=False)
+    values.update(overrides)
+    config = MiniMaxM2Config(**values)
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"
     return config
