@@ -15,18 +15,12 @@ import torch.nn.functional as F
 from fsdp2_backend.models.mamba3.modeling import Mamba3Config, Mamba3ForCausalLM
 from fsdp2_backend.models.registry import model_spec
 from tests.kernels.test_mamba3_scan import sequential_oracle
-
-
-def tiny_config(**overrides) -> Mamba3Config:
-    values = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, state_size=16, head_dim=8, n_groups=2,
-                  chunk_size=8)
-    values.update(overrides)
-    return Mamba3Config(**values)
+from tests.support.tiny_models import tiny_mamba3_config
 
 
 def _model(seed=0, **overrides):
     torch.manual_seed(seed)
-    model = Mamba3ForCausalLM(tiny_config(**overrides))
+    model = Mamba3ForCausalLM(tiny_mamba3_config(**overrides))
     with torch.no_grad():  # move the parameters off their initial constants so every path matters
         for name, p in model.named_parameters():
             if not name.endswith("in_proj.weight"):
@@ -113,7 +107,7 @@ def test_chunk_size_changes_nothing_and_padding_is_refused():
 
 
 def test_every_size_comes_from_the_config():
-    cfg = tiny_config(expand=3, head_dim=12, n_groups=4, state_size=20, rope_fraction=1.0, is_mimo=True,
+    cfg = tiny_mamba3_config(expand=3, head_dim=12, n_groups=4, state_size=20, rope_fraction=1.0, is_mimo=True,
                       mimo_rank=3, use_bias=True, is_outproj_norm=True, num_hidden_layers=3,
                       tie_word_embeddings=True)
     model = Mamba3ForCausalLM(cfg)
@@ -125,11 +119,11 @@ def test_every_size_comes_from_the_config():
     assert mixer.in_proj.bias is not None and mixer.out_proj.bias is not None
     assert mixer.mimo_x.shape == (8, 3, 12) and mixer.norm.group_size == 12
     with pytest.raises(ValueError, match="num_heads"):
-        tiny_config(num_heads=5)
+        tiny_mamba3_config(num_heads=5)
     with pytest.raises(ValueError, match="disagrees"):
         Mamba3Config(d_model=64, hidden_size=32)
     with pytest.raises(ValueError, match="silu"):
-        tiny_config(hidden_act="gelu")
+        tiny_mamba3_config(hidden_act="gelu")
 
 
 def test_time_step_limit_and_residual_dtype_are_honoured():
@@ -173,7 +167,7 @@ def test_save_pretrained_round_trip_through_auto_classes(tmp_path):
 def test_seeded_init_is_mamba_ssms():
     from fsdp2_backend.models.loading import seeded_initialize
 
-    model = Mamba3ForCausalLM(tiny_config(is_mimo=True, mimo_rank=2, time_step_min=0.01, time_step_max=0.05))
+    model = Mamba3ForCausalLM(tiny_mamba3_config(is_mimo=True, mimo_rank=2, time_step_min=0.01, time_step_max=0.05))
     seeded_initialize(model, seed=3)
     mixer = model.model.layers[0].mamba
     dt = F.softplus(mixer.dt_bias)

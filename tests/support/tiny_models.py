@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from fsdp2_backend.cli.demo_assets import (build_tiny_model_dir, stdlib_texts, tiny_qwen3_config,  # noqa: F401
                                            train_bytelevel_tokenizer)
+from fsdp2_backend.models.mamba3.modeling import Mamba3Config
 
 
 def tiny_model_dir(path, seed: int, vocab_size: int = 300, **overrides) -> str:
@@ -31,8 +32,8 @@ def _qwen3_next():
 
 
 def _mamba3():
-    from tests.models.test_mamba3_model import tiny_config
-    return tiny_config()
+    from tests.support.tiny_models import tiny_mamba3_config
+    return tiny_mamba3_config()
 
 
 def _gpt_oss():
@@ -59,8 +60,8 @@ def _family(name):
 
 def _newer(name):
     def build():
-        from tests.models.test_newer_model_ids import tiny_config
-        return tiny_config(name)
+        from tests.models.test_newer_model_ids import tiny_mamba3_config
+        return tiny_mamba3_config(name)
     return build
 
 
@@ -124,3 +125,10 @@ def tiny_minimax_config(**overrides):
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"
     return config
+
+
+def tiny_mamba3_config(**overrides) -> Mamba3Config:
+    values = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, state_size=16, head_dim=8, n_groups=2,
+                  chunk_size=8)
+    values.update(overrides)
+    return Mamba3Config(**values)
