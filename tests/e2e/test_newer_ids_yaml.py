@@ -17,8 +17,7 @@ import pytest
 
 from tests.e2e.test_mindspeed_yaml import LOG_LINE_START, _failure, _run
 from tests.support.launchers import REPO, free_port
-from tests.support.tiny_models import train_bytelevel_tokenizer
-from tests.models.test_newer_model_ids import save_tiny, tiny_config
+from tests.support.tiny_models import save_tiny, train_bytelevel_tokenizer
 
 DATA = Path(REPO) / "tests" / "data" / "mindspeed_fsdp2" / "head_newer_ids"
 EXAMPLES = {"deepseek_v4": "examples__fsdp2__deepseek4__pretrain_deepseek4_flash_284b_4k_fsdp2_A3.yaml",
@@ -47,14 +46,7 @@ def assets(tmp_path_factory):
     for model_id in EXAMPLES:
         path = root / model_id
         tokenizer = train_bytelevel_tokenizer(path, vocab_size=300)
-        config = tiny_config(model_id)
-        config.vocab_size = len(tokenizer)
-        import tests.models.test_newer_model_ids as tiny
-        tiny.VOCAB, saved = len(tokenizer), tiny.VOCAB
-        try:
-            save_tiny(model_id, path)
-        finally:
-            tiny.VOCAB = saved
+        save_tiny(model_id, path, vocab_size=len(tokenizer))
         models[model_id] = str(path)
     return {"models": models, "dataset": json.dumps({"file_name": str(parquet)})}
 

@@ -13,14 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from tests.models.test_mtp_layouts import FACTOR, _batch, _full_state, _trainer, assert_export_round_trip
-from tests.models.test_newer_model_ids import tiny_config
+from tests.support.tiny_models import tiny_newer_config
 
 N = 2  # main layers; the MTP layer is DeepSeek's layer id N
 
 
 def _full_config():
     """The tiny deepseek_v4 config with one more layer, DeepSeek's MTP layer kind: sliding window, top-k MoE."""
-    config = tiny_config("deepseek_v4")
+    config = tiny_newer_config("deepseek_v4")
     values = config.to_dict()
     values.update(num_hidden_layers=N + 1, layer_types=list(config.layer_types) + ["sliding_attention"],
                   mlp_layer_types=list(config.mlp_layer_types) + ["moe"])
@@ -135,7 +135,7 @@ def test_deepseek_v4_mtp_layer_loads_trains_and_exports_back(v4_dir, tmp_path, c
         reference_layer = full.model.layers[N].state_dict()  # the tensors written under the MTP block's keys
         for name, tensor in reference_layer.items():
             assert torch.equal(state["mtp.layers.0.transformer_layer." + name], tensor), name
-        batch = _batch(tiny_config("deepseek_v4").vocab_size)
+        batch = _batch(tiny_newer_config("deepseek_v4").vocab_size)
         reference = _reference_loss(path, mtp, full, batch)
         assert math.isfinite(reference) and reference > 1.0
         accounting = GlobalBatchLoss(num_microbatches=1, dp_size=1, calculate_per_token_loss=False)
@@ -169,7 +169,7 @@ def test_second_depth_takes_the_first_depths_streams():
     from fsdp2_backend.models.mtp import attach_mtp, mtp_batch, mtp_forward
     from fsdp2_backend.models.registry import model_spec
 
-    config = tiny_config("deepseek_v4")
+    config = tiny_newer_config("deepseek_v4")
     config.num_nextn_predict_layers = 2
     torch.manual_seed(2)
     model = attach_mtp(model_spec("deepseek_v4").build(config), 2, seed=4).eval()
@@ -212,7 +212,7 @@ def test_layouts_the_layout_cannot_hold_are_declined(tmp_path):
     from fsdp2_backend.models.deepseek_v4.mtp import DeepseekV4Layout
     from fsdp2_backend.usage_errors import UsageError
 
-    config = tiny_config("deepseek_v4")  # num_nextn_predict_layers 1
+    config = tiny_newer_config("deepseek_v4")  # num_nextn_predict_layers 1
     with pytest.raises(UsageError, match="2 MTP layers but the checkpoint has 1"):
         DeepseekV4Layout().check(config, 2)
     (tmp_path / "config.json").write_text(json.dumps({"compress_ratios": [4, 4, 4]}))  # a compressed MTP layer

@@ -60,9 +60,9 @@ def test_kl_loss_matches_a_sequential_loop(block_rows, monkeypatch):
 
 def _tiny_v4():
     from fsdp2_backend.models.deepseek_v4.modeling import build_deepseek_v4
-    from tests.models.test_newer_model_ids import tiny_config
+    from tests.support.tiny_models import tiny_newer_config
 
-    config = tiny_config("deepseek_v4")  # layer 0 is compressed sparse attention
+    config = tiny_newer_config("deepseek_v4")  # layer 0 is compressed sparse attention
     torch.manual_seed(0)
     model = build_deepseek_v4(config)
     model.init_weights()
@@ -115,11 +115,11 @@ def test_glm52_indexer_is_trained_and_nothing_else_changes():
 
     from fsdp2_backend.models.dsa_indexer_loss import glm_index_scores
     from fsdp2_backend.models.moe.family_swap import build
-    from tests.models.test_newer_model_ids import tiny_config
+    from tests.support.tiny_models import tiny_newer_config
 
     def tiny():
         torch.manual_seed(0)
-        model = build(tiny_config("glm52"))
+        model = build(tiny_newer_config("glm52"))
         model.init_weights()
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models.test_newer_model_ids import VOCAB, _engine_model, save_tiny
+from tests.support.tiny_models import NEWER_VOCAB, engine_model, save_tiny
 
 
 def merge_like_mindspeed(src: Path, dst: Path, fuse_dim: str) -> None:
@@ -91,10 +91,10 @@ def original(tmp_path_factory):
 def test_merged_expert_directory_gives_the_original_logits(original, tmp_path, fuse_dim):
     merged = tmp_path / "LongCat-Flash-Lite-mergeExperts"
     merge_like_mindspeed(original, merged, fuse_dim)
-    ids = torch.randint(6, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(6, NEWER_VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        want = _engine_model("longcat_flash_ngram", original).eval()(input_ids=ids, labels=ids)
-        got = _engine_model("longcat_flash", merged).eval()(input_ids=ids, labels=ids)  # the release's id
+        want = engine_model("longcat_flash_ngram", original).eval()(input_ids=ids, labels=ids)
+        got = engine_model("longcat_flash", merged).eval()(input_ids=ids, labels=ids)  # the release's id
     torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
 
 
@@ -111,7 +111,7 @@ def test_stacked_tensor_of_another_shape_is_declined_naming_the_script(original,
     tensors[key] = tensors[key][:, :-1].contiguous()  # one row short: neither layout
     save_file(tensors, str(shard))
     with pytest.raises(UsageError) as err:
-        _engine_model("longcat_flash", merged)
+        engine_model("longcat_flash", merged)
     text = str(err.value)
     assert text.startswith(f"model.model_name_or_path: {key} has shape") and \
         "moe_hf_param_merge_experts.sh" in text, text

@@ -163,7 +163,7 @@ def test_glm52_validates_at_cp_size_2_and_declines_packed_documents(tmp_path):
     from fsdp2_backend.config import Config
     from fsdp2_backend.config.validation import validate, validate_with_notices
     from fsdp2_backend.usage_errors import UsageError
-    from tests.models.test_newer_model_ids import save_tiny
+    from tests.support.tiny_models import save_tiny
 
     save_tiny("glm52", tmp_path)
 

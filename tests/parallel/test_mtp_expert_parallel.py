@@ -29,9 +29,9 @@ def _model(config):
 
     torch.manual_seed(0)
     if config.model.model_id == "deepseek_v4":  # a hash-routed layer, then a top-k one; the MTP layer: top-k
-        from tests.models.test_newer_model_ids import tiny_config
+        from tests.support.tiny_models import tiny_newer_config
 
-        return _with_mtp(model_spec("deepseek_v4").build(tiny_config("deepseek_v4")), config)
+        return _with_mtp(model_spec("deepseek_v4").build(tiny_newer_config("deepseek_v4")), config)
     # two layers, the last one dense: the MTP layer is still full attention with the sparse MoE (its layout)
     model = model_spec("qwen3_next").build(tiny_next_config(
         output_router_logits=False, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from fsdp2_backend.cli.demo_assets import (build_tiny_model_dir, stdlib_texts, tiny_qwen3_config,  # noqa: F401
                                            train_bytelevel_tokenizer)
+import torch
+
+from fsdp2_backend.config.schema import ModelArguments
 from fsdp2_backend.models.mamba3.modeling import Mamba3Config
 
 
@@ -60,8 +63,8 @@ def _family(name):
 
 def _newer(name):
     def build():
-        from tests.models.test_newer_model_ids import tiny_mamba3_config
-        return tiny_mamba3_config(name)
+        from tests.support.tiny_models import tiny_newer_config
+        return tiny_newer_config(name)
     return build
 
 
@@ -132,3 +135,64 @@ def tiny_mamba3_config(**overrides) -> Mamba3Config:
                   chunk_size=8)
     values.update(overrides)
     return Mamba3Config(**values)
+
+
+NEWER_VOCAB = 96
+
+
+def tiny_newer_config(model_id, vocab_size=NEWER_VOCAB):
+    """A tiny config of one of the ids MindSpeed-LLM added after the seed (deepseek_v4, glm52, longcat_flash_ngram)."""
+    from transformers import DeepseekV4Config, GlmMoeDsaConfig
+
+    if model_id == "deepseek_v4":
+        return DeepseekV4Config(
+            vocab_size=vocab_size, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, q_lora_rank=16, num_experts_per_tok=2, n_routed_experts=4,
+            n_shared_experts=1, max_position_embeddings=128, o_groups=2, o_lora_rank=8, index_n_heads=2,
+            index_head_dim=8, index_topk=4, sliding_window=4, qk_rope_head_dim=8, hc_mult=2, swiglu_limit=0.05,
+            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+            mlp_layer_types=["hash_moe", "moe"],  # one hash-routed layer, one top-k layer
+            # one compressed-sparse-attention layer (the lightning indexer and its KL loss), one heavily compressed
+            layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+            tie_word_embeddings=False)
+    if model_id == "glm52":
+        return GlmMoeDsaConfig(
+            vocab_size=vocab_size, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=8,
+            q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, index_topk=4, index_head_dim=8,
+            index_n_heads=2, first_k_dense_replace=1, max_position_embeddings=128, tie_word_embeddings=False)
+    from fsdp2_backend.models.longcat_flash_ngram.modeling import LongcatFlashNgramConfig
+
+    return LongcatFlashNgramConfig(
+        vocab_size=vocab_size, hidden_size=48, num_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        ffn_hidden_size=32, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, head_dim=8,
+        v_head_dim=8, moe_topk=2, n_routed_experts=4, zero_expert_num=2, expert_ffn_hidden_size=16,
+        max_position_embeddings=128, ngram_vocab_size_ratio=2, emb_neighbor_num=3, emb_split_num=2,
+        eos_token_id=5, pad_token_id=0, tie_word_embeddings=False)
+
+
+def save_tiny(model_id, path, seed=0, vocab_size=NEWER_VOCAB):
+    """A seeded tiny model of `model_id` (a newer id) saved by transformers (router biases non-zero)."""
+    from fsdp2_backend.models.registry import model_spec
+
+    spec = model_spec(model_id)
+    if spec.register_hf:
+        spec.register_hf()
+    torch.manual_seed(seed)
+    model = spec.build(tiny_newer_config(model_id, vocab_size))
+    model.init_weights() if hasattr(model, "init_weights") else None
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0, 0.1)
+    model.save_pretrained(str(path))
+    return model
+
+
+def engine_model(model_id, path):
+    """The engine's model of `model_id` loaded from the HF directory `path` (streamed, meta-device init)."""
+    from fsdp2_backend.models.loading import create_model, load_hf_config
+
+    args = ModelArguments(model_name_or_path=str(path), model_id=model_id, init_model_with_meta_device=True)
+    hf_config = load_hf_config(args)
+    return create_model(args, hf_config, seed=1, device=torch.device("cpu"), parallelize=lambda m: m)
