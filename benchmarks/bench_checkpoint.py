@@ -52,7 +52,7 @@ def _measure(rank, world_size, preset, steps, every, repeats, out_json, workdir)
     from transformers import AutoModelForCausalLM
 
     from fsdp2_backend.training.checkpoint import CheckpointManager
-    from fsdp2_backend.training.hf_export import export_hf
+    from fsdp2_backend.checkpoint.hf_export import export_hf
     from tests.support.tiny_models import tiny_qwen3_config
 
     torch.set_num_threads(1)

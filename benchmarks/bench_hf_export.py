@@ -75,7 +75,7 @@ def _worker(rank, world_size, which, layers, hidden, workdir, out_json):
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    from fsdp2_backend.training.hf_export import export_hf
+    from fsdp2_backend.checkpoint.hf_export import export_hf
     from tests.support.tiny_models import tiny_qwen3_config
 
     torch.set_num_threads(1)

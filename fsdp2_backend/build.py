@@ -4,8 +4,8 @@
                     → optimizer → scheduler → loss scaler → checkpointer (load: resume / finetune)
                     → data (at the restored consumed samples) → logger → profiler
 
-Where the run starts (`fsdp2_backend.checkpoint.dirs.resume_point`) is decided first, from the file system alone: a resumed
-run takes its model config and tokenizer from the checkpoint (`hf_meta/`) when the config names no model, so
+Where the run starts (`fsdp2_backend.checkpoint.resume_point`) is decided first, from the file system alone: a
+resumed run takes its model config and tokenizer from the checkpoint (`hf_meta/`) when the config names no model, so
 `--load CKPT` needs no architecture flags. The trainer (`training.trainer`) only runs the loop over a TrainJob.
 """
 from __future__ import annotations
@@ -65,35 +65,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def megatron_reader(resume):
-    """The reader of a Megatron-LM resume point (plain state the Checkpointer applies: training/
-    megatron_continuation), or None for any other start."""
-    if not resume.megatron:
-        return None
-    import functools
-
-    from megatron_compat.checkpoint.resume import read_megatron_state
-
-    return functools.partial(read_megatron_state, resume.checkpoint)
-
-
 def effective_model_args(config: Config, resume) -> Any:
     """The model arguments the model is built from: a resumed run whose config names no HF directory builds it
-    from the checkpoint's own config (and tokenizer, unless one is given); the weights come from the load."""
-    from fsdp2_backend.checkpoint.dirs import HF_META_DIR
-
-    model = config.model
-    if resume.megatron:  # a Megatron-LM checkpoint: the model its saved args describe (training/megatron_resume)
-        from megatron_compat.checkpoint.resume import megatron_model_args
-
-        return megatron_model_args(model, resume.checkpoint)
-    if resume.checkpoint is None or model.model_name_or_path:
-        return model
-    # Architecture flags given too were checked against this config by validation: the checkpoint's wins.
-    hf_meta = str(resume.checkpoint / HF_META_DIR)
-    return dataclasses.replace(model, model_name_or_path=hf_meta, train_from_scratch=True, architecture=None,
-                               tokenizer_name_or_path=model.tokenizer_name_or_path
-                               or (None if model.tokenizer_type else hf_meta))
+    from the checkpoint's own config (and tokenizer, unless one is given); a Megatron-LM checkpoint's model is the
+    one its saved args describe. The checkpoint's format says which (`checkpoint.formats`); the weights come from
+    the load."""
+    if resume.checkpoint is None:
+        return config.model
+    return resume.format.model_args(config.model, resume.checkpoint)
 
 
 def build_model(config: Config, ctx, resume):
@@ -112,14 +91,10 @@ def build_model(config: Config, ctx, resume):
         hf_config.output_router_logits = config.training.router_aux_loss_coef > 0
     from_checkpoint = weights_available(model_args)
     config_vocab = hf_config.vocab_size
-    if resume.megatron:
-        from_checkpoint = True  # a Megatron-LM checkpoint's padded rows: hf_config's (from its tensors)
-    elif resume.checkpoint is not None:
-        # A resumed run's embedding has the checkpoint's rows (at any tp): its saved config says how many.
-        from fsdp2_backend.config.weight_files import read_config_json
-        from fsdp2_backend.checkpoint.dirs import HF_META_DIR
-
-        saved = read_config_json(str(resume.checkpoint / HF_META_DIR), []) or {}
+    if resume.checkpoint is not None:
+        # A resumed run's embedding has the checkpoint's rows (at any tp): its saved config says how many (a
+        # Megatron-LM one's padded rows, read from its tensors).
+        saved = resume.format.model_config(resume.checkpoint, []) or {}
         config_vocab, from_checkpoint = saved.get("vocab_size", config_vocab), True
     elif not from_checkpoint and config.model.architecture and not config.model.architecture.get("vocab_size"):
         config_vocab = None  # Megatron sizes a from-scratch model by its tokenizer
@@ -224,7 +199,7 @@ def build(config: Config) -> TrainJob:
     from fsdp2_backend.usage_errors import UsageError
     from fsdp2_backend.data.pretrain import build_pretrain_data, data_iterator
     from fsdp2_backend.distributed.context import ParallelContext
-    from fsdp2_backend.checkpoint.dirs import resume_checkpoint
+    from fsdp2_backend.checkpoint.resume_point import resume_checkpoint
     from fsdp2_backend.distributed.console import print_rank0
     from fsdp2_backend.config.batch_schedule import schedule_for
     from fsdp2_backend.training.muon import megatron_muon_options
@@ -279,10 +254,9 @@ def build(config: Config) -> TrainJob:
                                     mup_width_mult=width_mult(config.model, hf_config.hidden_size))
         scheduler = ParamScheduler(optimizer, **scheduler_steps(training, gbs, train_iters))
         loss_scaler = LossScaler.for_dtype(config.parallel.param_dtype)
-        checkpointer = Checkpointer(config, resume, model=model, optimizer=optimizer, scheduler=scheduler,
-                                    state=state, loss_scaler=loss_scaler, tokenizer=tokenizer,
-                                    model_config=getattr(model, "config", hf_config), guard=guard,
-                                    megatron_reader=megatron_reader(resume))
+        checkpointer = Checkpointer(config, resume, states=dict(model=model, optimizer=optimizer, scheduler=scheduler,
+                                                                train_state=state, loss_scaler=loss_scaler),
+                                    tokenizer=tokenizer, model_config=getattr(model, "config", hf_config), guard=guard)
         checkpointer.load()
         if state.iteration and state.iteration >= train_iters:  # a finished run, run again: nothing to train
             exported = checkpointer.export_if_missing(state.iteration)

@@ -45,7 +45,8 @@ def main(argv=None) -> None:
 
         from fsdp2_backend.checkpoint.hf_export import convert_checkpoint
 
-        from megatron_compat.checkpoint.convert import convert_megatron_checkpoint, megatron_iteration_dir
+        from megatron_compat.checkpoint.convert import convert_megatron_checkpoint
+        from megatron_compat.checkpoint.layout import megatron_iteration_dir
 
         dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
         shard_bytes = _bytes(args.max_shard_size)

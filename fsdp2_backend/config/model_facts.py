@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from fsdp2_backend.checkpoint.dirs import HF_META_DIR, resume_checkpoint
+from fsdp2_backend.checkpoint.resume_point import resume_checkpoint
 from fsdp2_backend.config.schema import Config
 from fsdp2_backend.config.weight_files import read_config_json
 
@@ -43,13 +43,8 @@ def model_facts(config: Config, errors: List[str]) -> ModelFacts:
     base, source = read_config_json(m.model_name_or_path, errors), "hf directory"
     if base is None:
         resume = resume_checkpoint(config)
-        if resume.megatron:  # the HF config its saved args describe (reads the checkpoint with torch)
-            from megatron_compat.checkpoint.resume import megatron_architecture
-
-            base, source = dict(megatron_architecture(str(resume.checkpoint))[0]), "checkpoint"
-        elif resume.checkpoint is not None:
-            base = read_config_json(str(resume.checkpoint / HF_META_DIR), errors)
-            source = "checkpoint"
+        if resume.checkpoint is not None:  # its hf_meta/config.json, or the HF config a Megatron-LM one's args describe
+            base, source = resume.format.model_config(resume.checkpoint, errors), "checkpoint"
     arch = {k: v for k, v in (m.architecture or {}).items() if v is not None}
     if base is None and not arch:
         # A model path without a config.json here (not there yet, or a hub name) is the loader's to read.

@@ -19,7 +19,7 @@ it writes ``.metadata``, so when rank 0's save finishes every rank has written: 
 checkpoint into place (in a committer thread for async saves) with no further collective.
 
 The run's one checkpointer (the states it owns, load / save / HF export) is ``checkpointer``; where a run
-resumes from is ``fsdp2_backend.checkpoint.dirs.resume_point``.
+resumes from is ``fsdp2_backend.checkpoint.resume_point``.
 """
 from __future__ import annotations
 

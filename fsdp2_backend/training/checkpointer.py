@@ -1,46 +1,48 @@
 """The run's one checkpointer: it owns the states a checkpoint holds and the run's resume point.
 
-    checkpointer = Checkpointer(config, resume_point(...), model=, optimizer=, scheduler=, state=,
-                                loss_scaler=, tokenizer=, model_config=)      # every rank (collective)
+    checkpointer = Checkpointer(config, resume_point(...), states={"model": model, "optimizer": optimizer,
+                                "scheduler": scheduler, "train_state": state, "loss_scaler": scaler},
+                                tokenizer=, model_config=)      # every rank (collective)
     checkpointer.load()                        # restores every state from the resume point, if there is one
     checkpointer.save(iteration, reason)       # "interval" / "exit" / "final"
     checkpointer.close()                       # waits for an async save, releases its process group
 
-States: the model and optimizer (DCP, resharded to any layout), the scheduler, the train state (iteration,
-consumed samples), the loss scaler, per-rank RNG; the tokenizer and model config are written beside them so a
-checkpoint describes itself. `save_checkpoints: false` (Megatron without --save) makes `save` a no-op while
-`load` still resumes. After the save that finishes training ("final", or an exit at the last iteration) the
-HF export (`save_hf_weights`) is written to OUTPUT_DIR/hf. Format and commit protocol: `checkpoint`,
-`fsdp2_backend.checkpoint.commit`.
+States, by name: the model and optimizer (DCP, resharded to any layout), the scheduler, the train state (iteration,
+consumed samples), and any other object with state_dict / load_state_dict (the loss scaler) saved beside them;
+per-rank RNG too. The tokenizer and model config are written beside them so a checkpoint describes itself.
+`save_checkpoints: false` (Megatron without --save) makes `save` a no-op while `load` still resumes. After the save
+that finishes training ("final", or an exit at the last iteration) the HF export (`save_hf_weights`) is written to
+OUTPUT_DIR/hf. Where to resume from and in which format: `fsdp2_backend.checkpoint` (`resume_point`, `formats`);
+our format and commit protocol: `checkpoint` and `fsdp2_backend.checkpoint.commit`.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Dict, Optional
 
-from fsdp2_backend.checkpoint.dirs import ResumePoint
 from fsdp2_backend.checkpoint.hf_export import align_special_tokens, export_hf
+from fsdp2_backend.checkpoint.resume_point import ResumePoint
 
 HF_EXPORT_SUBDIR = "hf"
+# The states with a place of their own in a checkpoint; any other named state is saved in extra_state.pt.
+_OWN_PLACES = ("model", "optimizer", "scheduler", "train_state")
 
 
 class Checkpointer:
     """Loads and saves one run's states; construct it on every rank."""
 
-    def __init__(self, config, resume: ResumePoint, *, model, optimizer=None, scheduler=None, state: Any = None,
-                 loss_scaler: Any = None, tokenizer: Any = None, model_config: Any = None, guard: Any = None,
-                 megatron_reader: Optional[Callable[..., Any]] = None):
+    def __init__(self, config, resume: ResumePoint, *, states: Dict[str, Any], tokenizer: Any = None,
+                 model_config: Any = None, guard: Any = None):
+        if states.get("model") is None:
+            raise ValueError("Checkpointer: states needs the 'model'")
         self.config, self.resume = config, resume
-        # A Megatron-LM resume point's reader (megatron_compat.checkpoint.resume.read_megatron_state, bound to the
-        # checkpoint by the build): training applies what it reads and never imports megatron_compat.
-        self.megatron_reader = megatron_reader
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.state, self.loss_scaler = state, loss_scaler
+        self.states = {name: obj for name, obj in states.items() if obj is not None}
+        self.model = self.states["model"]
         self.hf_tokenizer = getattr(tokenizer, "hf", None)  # the run's tokenizer type; None: not saveable as HF
         self.model_config = model_config
         if not config.model.model_name_or_path and (config.model.architecture or {}).get("model_type"):
             # built from flags: special token ids from the tokenizer, not the model type's defaults
-            align_special_tokens(model_config, tokenizer, getattr(model, "generation_config", None))
+            align_special_tokens(model_config, tokenizer, getattr(self.model, "generation_config", None))
         self.guard = guard  # save_dir_guard.SaveDirGuard: the save directory's lock, released by close()
         training = config.training
         if training.save_checkpoints:
@@ -58,40 +60,41 @@ class Checkpointer:
         return self.manager.last_saved if self.manager is not None else None
 
     def _extra_states(self) -> dict:
-        return {"loss_scaler": self.loss_scaler} if self.loss_scaler is not None else {}
+        return {name: obj for name, obj in self.states.items() if name not in _OWN_PLACES}
 
     def load(self) -> None:
         """Restores every state from the resume point (collective); nothing to do for a fresh run.
         --no-load-optim / --no-load-rng skip those parts; --finetune loads the weights only (iteration 0)."""
         if self.resume.checkpoint is None:
             return
-        training = self.config.training
-        if self.resume.megatron:  # a Megatron-LM checkpoint: what maps of it, read as plain state, applied here
-            import torch.distributed as dist
+        training, fmt, get = self.config.training, self.resume.format, self.states.get
+        if fmt.reshards_in_place:  # ours: DCP loads each rank's shards straight into the run
+            from fsdp2_backend.training.checkpoint import load_checkpoint
 
-            from fsdp2_backend.training.megatron_continuation import apply_megatron_state
-
-            if self.megatron_reader is None:
-                raise RuntimeError(f"{self.resume.checkpoint}: a Megatron-LM checkpoint, and no reader for it was "
-                                   f"given to the Checkpointer (build.py binds one)")
-            state = self.megatron_reader(load_optim=self.optimizer is not None and not training.no_load_optim,
-                                         load_rng=not training.no_load_rng, finetune=self.resume.finetune,
-                                         rank=dist.get_rank() if dist.is_initialized() else 0)
-            apply_megatron_state(state, self.model, self.optimizer, self.scheduler, self.state, self.loss_scaler)
+            # the train state (a TrainState: load_state_dict) is restored in place
+            load_checkpoint(self.resume.checkpoint, self.model, get("optimizer"), get("scheduler"),
+                            get("train_state"), no_load_optim=training.no_load_optim,
+                            no_load_rng=training.no_load_rng, finetune=self.resume.finetune,
+                            extra_states=self._extra_states())
             return
-        from fsdp2_backend.training.checkpoint import load_checkpoint
+        # another format (Megatron-LM's): read as plain full tensors by its Format, applied here
+        import torch.distributed as dist
 
-        # the train state (a TrainState: load_state_dict) is restored in place
-        load_checkpoint(self.resume.checkpoint, self.model, self.optimizer, self.scheduler, self.state,
-                        no_load_optim=training.no_load_optim, no_load_rng=training.no_load_rng,
-                        finetune=self.resume.finetune, extra_states=self._extra_states())
+        from fsdp2_backend.training.megatron_continuation import apply_megatron_state
+
+        state = fmt.read(self.resume.checkpoint, load_optim=get("optimizer") is not None and not training.no_load_optim,
+                         load_rng=not training.no_load_rng, finetune=self.resume.finetune,
+                         rank=dist.get_rank() if dist.is_initialized() else 0)
+        apply_megatron_state(state, self.model, get("optimizer"), get("scheduler"), get("train_state"),
+                             get("loss_scaler"))
 
     def save(self, iteration: int, reason: str, train_iters: Optional[int] = None) -> None:
         """Saves every state at `iteration` (collective); `reason` "exit" / "final" also waits for the write.
         Training has finished at "final" or at an exit with `iteration >= train_iters`: then the HF export."""
         if self.manager is None:
             return
-        self.manager.save(iteration, self.model, self.optimizer, self.scheduler, self.state,
+        get = self.states.get
+        self.manager.save(iteration, self.model, get("optimizer"), get("scheduler"), get("train_state"),
                           tokenizer=self.hf_tokenizer, model_config=self.model_config,
                           run_config=self.config.to_dict(), extra_states=self._extra_states())
         if reason in ("exit", "final"):

@@ -3,8 +3,7 @@ a dense GPT to the Hugging Face Llama / Qwen2 / Qwen3 layout, with an HF config 
 
 Layout facts (megatron-core 0.16.1 ``dist_checkpointing``, Megatron-LM ``megatron/training/checkpointing.py``):
 
-- ``ROOT/latest_checkpointed_iteration.txt`` holds an iteration (or ``release``); its directory is
-  ``ROOT/iter_{it:07d}`` (or ``ROOT/release``).
+- Which format a directory holds is told by its file names (`layout`).
 - ``torch_dist``: ``metadata.json`` (``sharded_backend: torch_dist``), ``common.pt`` (everything that is not a
   sharded tensor: ``args``, ``iteration``, ...) and PyTorch DCP files (``.metadata``, ``*.distcp``). The layers'
   tensors are stacked under one key with a leading layer axis (``decoder.layers.mlp.linear_fc2.weight``:
@@ -30,62 +29,19 @@ split, its tensors being global).
 """
 from __future__ import annotations
 
-import json
 import os
-import re
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from fsdp2_backend.checkpoint.dirs import LATEST_FILE  # the same marker name as Megatron-LM's
-from megatron_compat.checkpoint.dcp_format import is_plain_dcp, read_dcp_checkpoint
+from megatron_compat.checkpoint.dcp_format import read_dcp_checkpoint
+from megatron_compat.checkpoint.layout import LATEST_FILE, LEGACY_RE, checkpoint_format, megatron_iteration_dir
 from megatron_compat.checkpoint.safe_pickle import dcp_load, dcp_metadata, load_torch_file
 from megatron_compat.checkpoint.gpt_keys import to_hf_state_dict
 from megatron_compat.checkpoint.mla import attach_mtp_layers, is_mla, mla_config
 from megatron_compat.checkpoint.moe import is_moe, moe_config, normalize_experts
 from fsdp2_backend.usage_errors import UsageError
-
-_ITER_RE = re.compile(r"^iter_\d+$")
-_LEGACY_RE = re.compile(r"^mp_rank_(\d\d)(?:_(\d\d\d))?(?:_(\d\d\d))?$")  # tp[, pp][, ep]: get_checkpoint_name
-
-
-def megatron_iteration_dir(path: os.PathLike | str) -> Optional[Path]:
-    """The iteration directory a Megatron-LM ``--load`` would read from ``path`` (a save root with the latest
-    marker, or one ``iter_*`` / ``release`` directory), or None when ``path`` holds no Megatron-LM checkpoint."""
-    path = Path(path)
-    if not path.is_dir():
-        return None
-    if checkpoint_format(path):
-        return path
-    marker = path / LATEST_FILE
-    if marker.is_file():
-        text = marker.read_text().strip()
-        it_dir = path / ("release" if text == "release" else f"iter_{int(text):07d}")
-        return it_dir if checkpoint_format(it_dir) else None
-    iters = sorted((c for c in path.iterdir() if _ITER_RE.match(c.name) and checkpoint_format(c)),
-                   key=lambda c: int(c.name[5:]))
-    return iters[-1] if iters else None
-
-
-def checkpoint_format(it_dir: Path) -> Optional[str]:
-    """``torch_dist``, ``torch`` (legacy) or ``torch_dcp`` (also Megatron-FSDP's ``fsdp_dtensor``: `dcp_format`)
-    for a Megatron-LM iteration directory, else None."""
-    if not it_dir.is_dir():
-        return None
-    if is_plain_dcp(it_dir):
-        return "torch_dcp"
-    meta = it_dir / "metadata.json"
-    if meta.is_file() and (it_dir / ".metadata").is_file():
-        try:
-            backend = json.loads(meta.read_text()).get("sharded_backend")
-        except (ValueError, AttributeError):
-            return None
-        return "torch_dist" if backend == "torch_dist" else None
-    if any(_LEGACY_RE.match(c.name) and any((c / n).is_file() for n in ("model_optim_rng.pt", "model_rng.pt"))
-           for c in it_dir.iterdir() if c.is_dir()):
-        return "torch"
-    return None
 
 
 def read_megatron_checkpoint(path: os.PathLike | str) -> tuple[dict[str, torch.Tensor], Any, int]:
@@ -126,8 +82,8 @@ def legacy_rank_groups(it_dir: Path) -> dict[int, list[Path]]:
     """{expert-parallel rank: its tensor-parallel rank directories, in order} of a legacy checkpoint. Megatron-LM's
     ``get_checkpoint_name`` names them ``mp_rank_TT``, ``_PPP`` added with pipeline parallelism, ``_EEE`` with expert
     parallelism: a two-number name is told apart by the saved args (``pipeline_model_parallel_size``)."""
-    dirs = sorted(c for c in it_dir.iterdir() if c.is_dir() and _LEGACY_RE.match(c.name))
-    parts = [_LEGACY_RE.match(d.name).groups() for d in dirs]
+    dirs = sorted(c for c in it_dir.iterdir() if c.is_dir() and LEGACY_RE.match(c.name))
+    parts = [LEGACY_RE.match(d.name).groups() for d in dirs]
     if any(p[1] is not None and p[2] is None for p in parts):
         files = [dirs[0] / n for n in ("model_optim_rng.pt", "model_rng.pt") if (dirs[0] / n).is_file()]
         args = _load_pickled(files[0]).get("args") if files else None
@@ -319,5 +275,5 @@ def convert_megatron_checkpoint(path: os.PathLike | str, out_dir: os.PathLike | 
     return Path(out_dir)
 
 
-__all__ = ["LATEST_FILE", "megatron_iteration_dir", "checkpoint_format", "read_megatron_checkpoint",
+__all__ = ["read_megatron_checkpoint",
            "legacy_rank_groups", "hf_config_from_args", "to_hf_state_dict", "convert_megatron_checkpoint"]

@@ -30,16 +30,9 @@ from typing import Any
 
 import torch
 
-from fsdp2_backend.checkpoint.dirs import META_FILE
 from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.checkpoint.fsdp_dtensor import is_fsdp_dtensor, join_halves, model_state, rng_entries
 from megatron_compat.checkpoint.safe_pickle import dcp_load, dcp_metadata
-
-
-def is_plain_dcp(it_dir: Path) -> bool:
-    """A DCP directory without torch_dist's metadata.json (nor this project's own checkpoint_meta.json, which
-    makes one of its own checkpoints): Megatron-LM's torch_dcp (or fsdp_dtensor) format."""
-    return (it_dir / ".metadata").is_file() and not any((it_dir / n).is_file() for n in ("metadata.json", META_FILE))
 
 
 def _rebuild(flat: dict, paths: dict) -> dict:
@@ -127,4 +120,4 @@ def read_dcp_checkpoint(it_dir: Path, with_optimizer: bool = True) -> dict:
     return saved
 
 
-__all__ = ["is_plain_dcp", "read_dcp_entries", "model_shapes", "read_dcp_common", "read_dcp_checkpoint"]
+__all__ = ["read_dcp_entries", "model_shapes", "read_dcp_common", "read_dcp_checkpoint"]

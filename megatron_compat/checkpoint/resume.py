@@ -57,6 +57,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_compat.checkpoint import convert as mc
+from megatron_compat.checkpoint.layout import checkpoint_format
 from megatron_compat.checkpoint.dcp_format import model_shapes, read_dcp_checkpoint, read_dcp_common
 from megatron_compat.checkpoint.fsdp_dtensor import is_fsdp_dtensor, optimizer_state as fsdp_optimizer_state
 from megatron_compat.checkpoint.safe_pickle import dcp_load, dcp_metadata, load_torch_file
@@ -88,13 +89,13 @@ def _torch_dist_tensors(it_dir: Path, keep) -> dict[str, Any]:
 
 def _tensor_shapes(it_dir: Path) -> dict[str, torch.Tensor]:
     """The model tensors of a checkpoint as meta tensors (shapes only), for the HF config."""
-    if mc.checkpoint_format(it_dir) == "torch_dist":
+    if checkpoint_format(it_dir) == "torch_dist":
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         meta = dcp_metadata(it_dir).state_dict_metadata
         return {k: torch.empty(m.size, dtype=m.properties.dtype, device="meta") for k, m in meta.items()
                 if isinstance(m, TensorStorageMetadata) and not k.startswith(("optimizer.", "rng_state"))}
-    if mc.checkpoint_format(it_dir) == "torch_dcp":
+    if checkpoint_format(it_dir) == "torch_dcp":
         return mc._merge_tensor_parallel([model_shapes(it_dir)])
     shards = [{k: v.to("meta") for k, v in saved["model"].items()
                if isinstance(v, torch.Tensor) and "_extra_state" not in k} for saved in _legacy_files(it_dir)]
@@ -123,9 +124,9 @@ def _legacy_files(it_dir: Path, mmap: bool = True) -> list[dict]:
 
 def _common(it_dir: Path) -> dict:
     """The non-tensor part: common.pt (torch_dist) or rank 0's model_optim_rng.pt without its tensors."""
-    if mc.checkpoint_format(it_dir) == "torch_dist":
+    if checkpoint_format(it_dir) == "torch_dist":
         return mc._load_pickled(it_dir / "common.pt")
-    if mc.checkpoint_format(it_dir) == "torch_dcp":
+    if checkpoint_format(it_dir) == "torch_dcp":
         return read_dcp_common(it_dir)
     return _legacy_files(it_dir)[0]
 
@@ -307,7 +308,7 @@ def read_megatron_state(it_dir: Path, *, load_optim: bool = True, load_rng: bool
     """Reads what maps from the Megatron-LM checkpoint ``it_dir`` (every rank reads it whole; ``rank`` picks the RNG
     entry under --data-parallel-random-init). --finetune: weights only, iteration 0."""
     it_dir = Path(it_dir)
-    fmt = mc.checkpoint_format(it_dir)
+    fmt = checkpoint_format(it_dir)
     fields, args = megatron_architecture(str(it_dir))
     config = _config_of(fields)
     print_rank0(f" loading Megatron-LM {fmt} checkpoint from {it_dir.parent} at iteration {it_dir.name}")

@@ -38,7 +38,7 @@ def train_loop(save_dir: str, port: int) -> None:
     from transformers import AutoModelForCausalLM
 
     from fsdp2_backend.training.checkpoint import CheckpointManager, load_checkpoint
-    from fsdp2_backend.checkpoint_dirs import resume_point
+    from fsdp2_backend.checkpoint.resume_point import resume_point
     from tests.support.tiny_models import tiny_qwen3_config
 
     torch.set_num_threads(1)
@@ -92,7 +92,7 @@ def _kill(proc: subprocess.Popen) -> str:
 
 
 def test_sigkill_while_saving_resumes_from_newest_complete(tmp_path):
-    from fsdp2_backend import checkpoint_dirs as dirs
+    from fsdp2_backend.checkpoint import dirs
 
     reference_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
     reference = _start(reference_dir)

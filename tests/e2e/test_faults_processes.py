@@ -106,7 +106,7 @@ def test_a_second_run_into_a_live_runs_save_dir_is_refused_and_a_dead_runs_lock_
 
 
 def test_sigterm_to_the_whole_torchrun_tree_saves_at_the_next_iteration_and_exits(tmp_path):
-    from fsdp2_backend import checkpoint_dirs as dirs
+    from fsdp2_backend.checkpoint import dirs
 
     save, log = tmp_path / "save", tmp_path / "run.log"
     args = FLAGS + ["--train-iters", "100000", "--save", save, "--exit-signal-handler"]

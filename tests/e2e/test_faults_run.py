@@ -113,7 +113,7 @@ def _file_size_limit():
 
 
 def test_a_save_that_runs_out_of_room_keeps_the_previous_checkpoint(runs):
-    from fsdp2_backend import checkpoint_dirs as dirs
+    from fsdp2_backend.checkpoint import dirs
 
     save = runs["root"] / "full"
     shutil.copytree(runs["root"] / "at4", save)  # a run stopped after its checkpoint of iteration 4
@@ -165,7 +165,7 @@ def test_last_iteration_on_a_save_interval_exports_once(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from fsdp2_backend.config import Config
-    from fsdp2_backend.checkpoint_dirs import ResumePoint
+    from fsdp2_backend.checkpoint.resume_point import ResumePoint
     from fsdp2_backend.training.checkpointer import Checkpointer
     from fsdp2_backend.training.trainer import TrainState
     from tests.support.tiny_models import tiny_qwen3_config
@@ -173,8 +173,8 @@ def test_last_iteration_on_a_save_interval_exports_once(tmp_path):
     config = Config()
     config.training.output_dir = str(tmp_path / "out")
     model = AutoModelForCausalLM.from_config(tiny_qwen3_config())
-    saver = Checkpointer(config, ResumePoint(None, False, ""), model=model, state=TrainState(iteration=4),
-                         model_config=model.config)
+    saver = Checkpointer(config, ResumePoint(None, False, ""), states=dict(model=model, train_state=TrainState(
+        iteration=4)), model_config=model.config)
     saver.save(4, "interval", train_iters=4)  # the last iteration is a save interval: training has finished
     first = os.stat(tmp_path / "out" / "hf").st_ino
     saver.save(4, "final", train_iters=4)     # the loop's final save of the same iteration

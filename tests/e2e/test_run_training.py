@@ -90,7 +90,7 @@ def test_resume_continues_from_the_restored_state(model_dir, tmp_path):
     continue. A run stopped by exit_interval at iteration 2, restarted with the same command, resumes from its
     checkpoint and ends as the uninterrupted run does."""
     from fsdp2_backend.build import build, run_training
-    from fsdp2_backend import checkpoint_dirs as dirs
+    from fsdp2_backend.checkpoint import dirs
     from fsdp2_backend.training.trainer import Trainer
 
     def config_for(output_dir, **training):

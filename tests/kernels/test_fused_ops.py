@@ -184,7 +184,7 @@ def test_engine_setup_applies_the_flags_once_on_a_meta_device_build(hf_dir, caps
 
     from fsdp2_backend.build import build_model
     from fsdp2_backend.distributed.context import ParallelContext
-    from fsdp2_backend.checkpoint_dirs import ResumePoint
+    from fsdp2_backend.checkpoint.resume_point import ResumePoint
 
     config = Config()
     config.model.model_name_or_path = hf_dir

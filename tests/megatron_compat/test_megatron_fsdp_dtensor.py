@@ -66,6 +66,8 @@ def test_a_megatron_fsdp_checkpoint_converts_with_equal_logits(megatron, tmp_pat
     assert "model.module.decoder.layers.1.mlp.linear_fc1.weight" not in keys
     shapes = model_shapes(tmp_path / "mg" / "iter_0000007")
     assert shapes["decoder.layers.1.mlp.linear_fc1.weight"].shape == (2 * 96, 64)
+    from fsdp2_backend.checkpoint.formats import MEGATRON_FSDP_DTENSOR, detect_format
+    assert detect_format(tmp_path / "mg" / "iter_0000007") is MEGATRON_FSDP_DTENSOR  # told apart by its saved args
     convert([str(tmp_path / "mg"), str(tmp_path / "hf")])
     hf_model, got = _hf_logits(tmp_path / "hf", tokens)
     assert hf_model.config.model_type == "qwen3" and hf_model.config.num_key_value_heads == 2

@@ -125,7 +125,8 @@ def _megatron_enums(args):
 @pytest.mark.parametrize("fmt,qk_layernorm,tied", [("torch_dist", True, False), ("torch", True, False),
                                                    ("torch_dist", False, True), ("torch_dcp", True, True)])
 def test_megatron_checkpoint_converts_with_equal_logits(megatron, tmp_path, fmt, qk_layernorm, tied):
-    from fsdp2_backend.checkpoint_dirs import resume_point
+    from fsdp2_backend.checkpoint import formats
+    from fsdp2_backend.checkpoint.resume_point import resume_point
     from fsdp2_backend.cli.convert_checkpoint import main as convert
 
     model, args = _megatron_gpt(qk_layernorm, tied, seed=3)
@@ -141,7 +142,9 @@ def test_megatron_checkpoint_converts_with_equal_logits(megatron, tmp_path, fmt,
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     # --load of the Megatron-LM directory itself resumes from its iteration directory (tests/megatron_compat/test_megatron_resume.py)
     resume = resume_point(str(tmp_path / "new"), str(tmp_path / "mg"))
-    assert resume.megatron and resume.checkpoint == tmp_path / "mg" / "iter_0000005"
+    assert resume.checkpoint == tmp_path / "mg" / "iter_0000005"
+    assert resume.format is {"torch_dist": formats.MEGATRON_TORCH_DIST, "torch": formats.MEGATRON_LEGACY,
+                             "torch_dcp": formats.MEGATRON_TORCH_DCP}[fmt]
 
 
 def test_a_checkpoint_it_cannot_convert_is_one_error_line_exit_2(megatron, tmp_path):

@@ -37,7 +37,7 @@ def _config(hf_dir, **model_fields):
 def _build_model(config, ctx):
     """(tokenizer, parallelised model, HF config) of a fresh run (no checkpoint to resume)."""
     from fsdp2_backend.build import build_model
-    from fsdp2_backend.checkpoint_dirs import ResumePoint
+    from fsdp2_backend.checkpoint.resume_point import ResumePoint
 
     return build_model(config, ctx, ResumePoint(None, False, ""))
 

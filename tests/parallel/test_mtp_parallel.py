@@ -60,7 +60,7 @@ def test_hf_export_keeps_mtp_weights_and_they_load_back(straight):
     from transformers import AutoModelForCausalLM
 
     from fsdp2_backend.models.mtp import attach_mtp, load_mtp_weights
-    from fsdp2_backend.training.hf_export import load_model_state_dict
+    from fsdp2_backend.checkpoint.hf_export import load_model_state_dict
 
     out, _ = straight
     exported = {}

@@ -69,7 +69,7 @@ def _train(model_dir, steps, *, quant, lp=True, mode="on-demand", dtype="fp32", 
     if export_dir:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        from fsdp2_backend.training.hf_export import export_hf
+        from fsdp2_backend.checkpoint.hf_export import export_hf
 
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         result["state_dict_types"] = sorted({type(v).__name__ for v in full.values()})

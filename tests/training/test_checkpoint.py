@@ -130,13 +130,14 @@ def _blocking_writes(release: threading.Event):
 def _load_one_rank(rank, world_size, root):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from fsdp2_backend import checkpoint_dirs as dirs
+    from fsdp2_backend.checkpoint import dirs
+    from fsdp2_backend.checkpoint.resume_point import is_restart, resume_point
     from fsdp2_backend.training import rng_state
     from fsdp2_backend.training.checkpoint import CheckpointManager, checkpoint_meta, load_checkpoint
 
     root = Path(root)
     saved = torch.load(root / "sync_reference.pt", weights_only=True)
-    sync_ckpt = dirs.resume_point(str(root / "sync"), None).checkpoint
+    sync_ckpt = resume_point(str(root / "sync"), None).checkpoint
     assert sync_ckpt == root / "sync" / "iter_0000002"
     assert checkpoint_meta(sync_ckpt)["world_size"] == 2
 
@@ -204,7 +205,7 @@ def _load_one_rank(rank, world_size, root):
     _blocking_writes(release)
     pending = CheckpointManager(root / "held", async_save=True)
     final = pending.save(8, model, optimizer, scheduler, _State(8, 8))
-    assert not final.exists() and dirs.resume_point(str(root / "held"), None).checkpoint is None
+    assert not final.exists() and resume_point(str(root / "held"), None).checkpoint is None
     release.set()
     pending.finalize()
     assert dirs.is_complete_checkpoint(final) and dirs.read_latest_marker(root / "held") == 8
@@ -212,7 +213,7 @@ def _load_one_rank(rank, world_size, root):
     # A crash after the write and before the rename: the .tmp copy is never picked, and is cleared.
     import shutil
     shutil.copytree(final, root / "held" / "iter_0000009.tmp")
-    assert dirs.resume_point(str(root / "held"), str(root / "sync")).checkpoint == final
+    assert resume_point(str(root / "held"), str(root / "sync")).checkpoint == final
     CheckpointManager(root / "held")
     assert not (root / "held" / "iter_0000009.tmp").exists()
 
@@ -234,7 +235,8 @@ def test_two_ranks_save_one_rank_resumes(tmp_path):
 def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     """Real single-process DCP saves of a plain module: rotation, marker, resume order, restarts."""
     from fsdp2_backend.usage_errors import UsageError
-    from fsdp2_backend import checkpoint_dirs as dirs
+    from fsdp2_backend.checkpoint import dirs
+    from fsdp2_backend.checkpoint.resume_point import is_restart, resume_point
     from fsdp2_backend.training.checkpoint import CheckpointManager, load_checkpoint
 
     model = torch.nn.Linear(4, 4)
@@ -243,8 +245,8 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     save_dir = tmp_path / "run"
     pretrained = str(tmp_path / "pretrained")
     # --load of a save directory (resume_from_checkpoint), or our checkpoint given as the model directory
-    assert dirs.resume_point(str(save_dir), pretrained).checkpoint == tmp_path / "pretrained" / "iter_0000100"
-    assert dirs.resume_point(str(save_dir), None, pretrained).checkpoint == tmp_path / "pretrained" / "iter_0000100"
+    assert resume_point(str(save_dir), pretrained).checkpoint == tmp_path / "pretrained" / "iter_0000100"
+    assert resume_point(str(save_dir), None, pretrained).checkpoint == tmp_path / "pretrained" / "iter_0000100"
 
     manager = CheckpointManager(save_dir, save_total_limit=2)
     for iteration in (10, 20, 30):
@@ -255,15 +257,15 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     assert f"\n  successfully saved checkpoint from iteration      30 to {save_dir}\n" in printed
     assert [i for i, _ in dirs.complete_checkpoints(save_dir)] == [20, 30]
     # A restart of the same command continues its own run, whatever --load says.
-    assert dirs.resume_point(str(save_dir), None, pretrained).checkpoint == save_dir / "iter_0000030"
-    found = dirs.resume_point(str(save_dir), pretrained).checkpoint
-    assert found == save_dir / "iter_0000030" and dirs.is_restart(found, str(save_dir))
-    assert not dirs.is_restart(tmp_path / "pretrained" / "iter_0000100", str(save_dir))
+    assert resume_point(str(save_dir), None, pretrained).checkpoint == save_dir / "iter_0000030"
+    found = resume_point(str(save_dir), pretrained).checkpoint
+    assert found == save_dir / "iter_0000030" and is_restart(found, str(save_dir))
+    assert not is_restart(tmp_path / "pretrained" / "iter_0000100", str(save_dir))
     # A --load that names an iter_* directory directly (it wins over the save directory's newest), and a model
     # directory with no checkpoint (HF weights).
-    assert dirs.resume_point(None, str(save_dir / "iter_0000020")).checkpoint == save_dir / "iter_0000020"
-    assert dirs.resume_point(str(save_dir), str(save_dir / "iter_0000020")).checkpoint == save_dir / "iter_0000020"
-    assert dirs.resume_point(None, None, str(tmp_path)) == (None, False, "")
+    assert resume_point(None, str(save_dir / "iter_0000020")).checkpoint == save_dir / "iter_0000020"
+    assert resume_point(str(save_dir), str(save_dir / "iter_0000020")).checkpoint == save_dir / "iter_0000020"
+    assert resume_point(None, None, str(tmp_path)) == (None, False, "")
 
     # As in Megatron the marker decides (a kill between rename and marker resumes from the one before)...
     (save_dir / dirs.LATEST_FILE).write_text("20")
@@ -302,13 +304,13 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     (megatron / dirs.LATEST_FILE).write_text("500")
     megatron_kind = r"a Megatron-LM legacy \(mp_rank_\*\) checkpoint"
     with pytest.raises(UsageError, match=rf"training.output_dir \(--save\): .* holds {megatron_kind}"):
-        dirs.resume_point(str(megatron), str(megatron))
+        resume_point(str(megatron), str(megatron))
     with pytest.raises(UsageError, match=rf"training.resume_from_checkpoint \(--load\): .* holds {megatron_kind}"):
-        dirs.resume_point(str(tmp_path / "fresh"), str(megatron))
+        resume_point(str(tmp_path / "fresh"), str(megatron))
     with pytest.raises(UsageError, match=rf"training.resume_from_checkpoint \(--load\): .* holds {megatron_kind}"):
-        dirs.resume_point(None, str(megatron / "iter_0000500"))
+        resume_point(None, str(megatron / "iter_0000500"))
     with pytest.raises(UsageError, match=rf"model.model_name_or_path \(--load\): .* holds {megatron_kind}"):
-        dirs.resume_point(str(tmp_path / "fresh"), None, str(megatron))
+        resume_point(str(tmp_path / "fresh"), None, str(megatron))
 
     meta_file = shared / "iter_0000100" / dirs.META_FILE
     meta_file.write_text(meta_file.read_text().replace(dirs.FORMAT, "some-other-format"))
@@ -318,7 +320,7 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     # build's one call: --finetune resets a checkpoint from --load (or the model directory), never a restart
     # of this run.
     def plan(*args, **kwargs):
-        point = dirs.resume_point(*args, **kwargs)
+        point = resume_point(*args, **kwargs)
         return point.checkpoint, point.finetune
 
     assert plan(str(tmp_path / "fresh"), pretrained, finetune=True) == (tmp_path / "pretrained" / "iter_0000100", True)
@@ -334,12 +336,12 @@ def test_discovery_prefers_save_dir_and_skips_partials(tmp_path, capsys):
     # (a final-named directory without our metadata was never written by our atomic saves: refused as foreign)
     with pytest.raises(UsageError, match=r"training.resume_from_checkpoint \(--load\): .*iter_0000040 holds a "
                                          r"checkpoint this backend did not write"):
-        dirs.resume_point(None, str(save_dir / "iter_0000040"))
+        resume_point(None, str(save_dir / "iter_0000040"))
     with pytest.raises(UsageError, match="resume_from_checkpoint .*is not a complete checkpoint"):
-        dirs.resume_point(None, str(tmp_path / "fresh" / "iter_0000001"))
+        resume_point(None, str(tmp_path / "fresh" / "iter_0000001"))
     (tmp_path / "empty").mkdir()
     for load in (tmp_path / "fresh", tmp_path / "empty"):
-        point = dirs.resume_point(None, str(load))
+        point = resume_point(None, str(load))
         assert (point.checkpoint, point.finetune) == (None, False) and "from scratch" in point.reason
 
 
@@ -358,7 +360,7 @@ def test_manager_from_training_args(tmp_path):
 
 def test_convert_rejects_a_directory_without_checkpoint(tmp_path):
     from fsdp2_backend.usage_errors import UsageError
-    from fsdp2_backend.training.hf_export import convert_checkpoint
+    from fsdp2_backend.checkpoint.hf_export import convert_checkpoint
 
     with pytest.raises(UsageError, match="no complete checkpoint"):
         convert_checkpoint(tmp_path, tmp_path / "out")

@@ -18,7 +18,7 @@ def test_checkpointer_saves_resumes_finetunes_and_exports(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from fsdp2_backend.config import Config
-    from fsdp2_backend import checkpoint_dirs as dirs
+    from fsdp2_backend.checkpoint import dirs, resume_point as start
     from fsdp2_backend.training.checkpointer import Checkpointer
     from fsdp2_backend.training.trainer import TrainState
 
@@ -30,12 +30,13 @@ def test_checkpointer_saves_resumes_finetunes_and_exports(tmp_path):
 
     def resume_point(config):  # as `fsdp2_backend.build.build` decides it
         training = config.training
-        return dirs.resume_point(training.output_dir if training.save_checkpoints else None,
-                               training.resume_from_checkpoint, config.model.model_name_or_path, training.finetune)
+        return start.resume_point(training.output_dir if training.save_checkpoints else None,
+                                  training.resume_from_checkpoint, config.model.model_name_or_path, training.finetune)
 
     def checkpointer(config, resume, model, optimizer, scheduler, state, loss_scaler=None):
-        return Checkpointer(config, resume, model=model, optimizer=optimizer, scheduler=scheduler, state=state,
-                            loss_scaler=loss_scaler, model_config=model.config)
+        return Checkpointer(config, resume, states=dict(model=model, optimizer=optimizer, scheduler=scheduler,
+                                                        train_state=state, loss_scaler=loss_scaler),
+                            model_config=model.config)
 
     config = Config()
     config.training.output_dir, config.training.save_total_limit = str(tmp_path / "out"), 1

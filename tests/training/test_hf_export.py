@@ -27,7 +27,7 @@ def _export_two_ranks(rank, world_size, root, tokenizer_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fsdp2_backend.training.checkpoint import CheckpointManager
-    from fsdp2_backend.training.hf_export import export_hf
+    from fsdp2_backend.checkpoint.hf_export import export_hf
 
     root = Path(root)
     torch.manual_seed(0)
@@ -110,7 +110,7 @@ def test_export_never_replaces_a_directory_that_is_not_an_export(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from fsdp2_backend.usage_errors import UsageError
-    from fsdp2_backend.training.hf_export import export_hf
+    from fsdp2_backend.checkpoint.hf_export import export_hf
 
     (tmp_path / "iter_0000010").mkdir()  # e.g. the output directory itself, holding checkpoints
     model = AutoModelForCausalLM.from_config(tiny_qwen3_config())
@@ -130,7 +130,7 @@ def test_moe_export_and_converter_write_per_expert_hf_layout(tmp_path):
 
     from fsdp2_backend.models.qwen3_moe.modeling import build_qwen3_moe
     from fsdp2_backend.training.checkpoint import CheckpointManager
-    from fsdp2_backend.training.hf_export import convert_checkpoint, export_hf
+    from fsdp2_backend.checkpoint.hf_export import convert_checkpoint, export_hf
 
     config = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
