@@ -166,7 +166,7 @@ def test_gradient_accumulation_is_derived_once_by_validation():
 def test_a_step35_checkpoint_without_its_model_id_names_the_id(tmp_path):
     """transformers has no causal LM for model_type step3p5: one line saying which model_id builds it (before, a
     ValueError traceback from AutoModelForCausalLM at model build)."""
-    from tests.models.test_step35 import step35_config_dict
+    from tests.support.step35_reference import step35_config_dict
 
     (tmp_path / "config.json").write_text(json.dumps(step35_config_dict()))
     config = Config()

@@ -17,7 +17,7 @@ import torch
 from tests.support.launchers import REPO, free_port
 from tests.support.tiny_models import train_bytelevel_tokenizer
 from tests.e2e.test_mindspeed_yaml import _failure, _run, train_lines
-from tests.models.test_step35 import _reference, _write_step35_checkpoint, step35_config, step35_config_dict
+from tests.support.step35_reference import step35_config, step35_config_dict, step35_reference, write_step35_checkpoint
 
 DATA = os.path.join(REPO, "tests", "data", "mindspeed_fsdp2")
 EXAMPLES = os.path.join(DATA, "head", "examples__fsdp2__step35__pretrain_step_3p5_flash_196b_4K_fsdp2_A3.yaml")
@@ -47,8 +47,8 @@ def assets(tmp_path_factory):
     model = root / "tiny-step35"
     tokenizer = train_bytelevel_tokenizer(model, vocab_size=300)
     vocab = len(tokenizer)
-    text, head = _reference(step35_config(vocab_size=vocab), large_mlp=False)
-    written = _write_step35_checkpoint(model, text, head, step35_config_dict(vocab_size=vocab))
+    text, head = step35_reference(step35_config(vocab_size=vocab), large_mlp=False)
+    written = write_step35_checkpoint(model, text, head, step35_config_dict(vocab_size=vocab))
     return {"model": str(model), "dataset": json.dumps({"file_name": str(parquet)}), "keys": set(written)}
 
 

@@ -46,11 +46,12 @@ def _step35_reference_name(key, n):
 def step35_dir(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from tests.models.test_step35 import _reference, _write_step35_checkpoint, step35_config, step35_config_dict
+    from tests.support.step35_reference import (step35_config, step35_config_dict, step35_reference,
+                                                write_step35_checkpoint)
 
     cfg = step35_config()
-    text, head = _reference(cfg, large_mlp=False)
-    _write_step35_checkpoint(tmp_path / "ckpt", text, head, step35_config_dict())
+    text, head = step35_reference(cfg, large_mlp=False)
+    write_step35_checkpoint(tmp_path / "ckpt", text, head, step35_config_dict())
     shard = tmp_path / "ckpt" / "model.safetensors"
     mtp = _step35_mtp_tensors(cfg, head)
     save_file({**load_file(shard), **mtp}, shard, metadata={"format": "pt"})

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from fsdp2_backend.config import ModelArguments
 from fsdp2_backend.models.moe.experts import GroupedExperts
@@ -17,55 +17,7 @@ from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
 from fsdp2_backend.models.registry import model_spec
 from fsdp2_backend.models.step35.modeling import Step35Experts, Step35ForCausalLM, Step35Router
 
-LAYER_TYPES = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
-
-
-def step35_config_dict(**overrides) -> dict:
-    """A tiny config.json in Step-3.5-Flash's own key names (num_attention_groups, moe_layers_enum,
-    attention_other_setting, per-layer rope_theta / partial_rotary_factors, lists padded for one MTP layer)."""
-    values = dict(model_type="step3p5", architectures=["Step3p5ForCausalLM"], vocab_size=128, hidden_size=64,
-                  intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_attention_groups=2,
-                  head_dim=16, moe_num_experts=8, moe_top_k=2, moe_intermediate_size=16, share_expert_dim=24,
-                  moe_layers_enum="1,2,3", layer_types=LAYER_TYPES + ["full_attention"], sliding_window=4,
-                  attention_other_setting={"attention_type": "sliding_attention", "num_attention_heads": 8,
-                                           "num_attention_groups": 2, "head_dim": 16, "true_head_dim": 16},
-                  rope_theta=[10000.0, 500.0, 10000.0, 500.0, 10000.0],
-                  partial_rotary_factors=[0.5, 1.0, 0.5, 1.0, 0.5], use_head_wise_attn_gate=True,
-                  use_moe_router_bias=True, need_fp32_gate=True, moe_router_activation="sigmoid",
-                  moe_router_scaling_factor=2.5, swiglu_limits=[0, 0, 0.05, 0, 0],
-                  swiglu_limits_shared=[0.04, 0, 0.05, 0, 0], num_nextn_predict_layers=1,
-                  max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, rms_norm_eps=1e-5)
-    values.update(overrides)
-    return values
-
-
-def step35_config(**overrides):
-    from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
-
-    values = step35_config_dict(**overrides)
-    values.pop("model_type")
-    config = Step3p7TextConfig(**values)
-    config._attn_implementation = "eager"
-    return config
-
-
-def _reference(config, large_mlp: bool = True):
-    """transformers' Step text model + lm head, with weights that make every feature matter (`large_mlp` False:
-    transformers' init for the MLP / expert weights, for training runs)."""
-    from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
-
-    torch.manual_seed(0)
-    text = Step3p7TextModel(config)
-    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-    with torch.no_grad():
-        for name, t in list(text.named_parameters()) + list(text.named_buffers()):
-            if name.endswith("e_score_correction_bias"):
-                t.normal_(0, 0.3)  # changes the selection (sigmoid scores are ~0.5 ± 0.1)
-            elif "norm" in name:
-                t.normal_(0, 0.2)  # zero-centred norms: 0 is the identity scale
-            elif large_mlp and ("experts" in name or "mlp" in name):
-                t.normal_(0, 0.2)  # activations large enough for the small clamp limits to bite
-    return text.train(), head
+from tests.support.step35_reference import step35_config, step35_config_dict, step35_reference, write_step35_checkpoint
 
 
 def _megatron_aux(router_logits, top_k, num_experts, coeff):
@@ -103,7 +55,7 @@ def test_registry_builds_step35_with_grouped_experts_and_our_router():
 @pytest.mark.parametrize("grouped_gemm", [False, True])
 def test_logits_aux_loss_and_gradients_equal_transformers(grouped_gemm):
     config = step35_config()
-    text, head = _reference(config)
+    text, head = step35_reference(config)
     ours = _ours(config, text, head, grouped_gemm, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     ref = text(input_ids=ids, output_router_logits=True)
@@ -125,7 +77,7 @@ def test_logits_aux_loss_and_gradients_equal_transformers(grouped_gemm):
 def test_each_step_feature_changes_the_output():
     """The test weights exercise the router bias, both clamps, the scaling factor and the sliding window."""
     config = step35_config()
-    text, head = _reference(config)
+    text, head = step35_reference(config)
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(1))
     base = _ours(config, text, head)(input_ids=ids).logits
     for change in ("bias", "limit", "shared_limit", "scale", "window"):
@@ -147,36 +99,13 @@ def test_each_step_feature_changes_the_output():
         assert not torch.allclose(ours(input_ids=ids).logits, base, atol=1e-4), change
 
 
-def _write_step35_checkpoint(path, text, head, config_dict):
-    """Step-3.5's on-disk layout, written by hand from the reference's in-memory weights (plus one MTP layer)."""
-    tensors = {"lm_head.weight": head.weight.detach().clone()}
-    for name, t in text.state_dict().items():
-        key, t = "model." + name, t.detach().clone()
-        if ".mlp.experts.gate_up_proj" in key:
-            gate, up = t.chunk(2, dim=1)
-            tensors[key.replace("mlp.experts.gate_up_proj", "moe.gate_proj.weight")] = gate.contiguous()
-            tensors[key.replace("mlp.experts.gate_up_proj", "moe.up_proj.weight")] = up.contiguous()
-            continue
-        key = (key.replace("mlp.experts.down_proj", "moe.down_proj.weight")
-               .replace("mlp.gate.weight", "moe.gate.weight")
-               .replace("mlp.gate.e_score_correction_bias", "moe.router_bias")
-               .replace("mlp.shared_experts.", "share_expert."))
-        tensors[key] = t
-    tensors["model.layers.4.eh_proj.weight"] = torch.randn(64, 128)  # MTP: not part of the model, left alone
-    tensors["model.layers.4.enorm.weight"] = torch.randn(64)
-    path.mkdir(exist_ok=True)
-    save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(config_dict))
-    return tensors
-
-
 @pytest.mark.parametrize("meta", [False, True])
 def test_checkpoint_layout_streams_in_and_export_round_trips(tmp_path, meta, capsys):
     from fsdp2_backend.models.loading import create_model, load_hf_config
 
     config = step35_config()
-    text, head = _reference(config)
-    written = _write_step35_checkpoint(tmp_path / "ckpt", text, head, step35_config_dict())
+    text, head = step35_reference(config)
+    written = write_step35_checkpoint(tmp_path / "ckpt", text, head, step35_config_dict())
     args = ModelArguments(model_name_or_path=str(tmp_path / "ckpt"), model_id="step35",
                           init_model_with_meta_device=meta)
     hf_config = load_hf_config(args)

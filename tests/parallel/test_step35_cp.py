@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.launchers import REPO, free_port, run_distributed
-from tests.models.test_step35 import _reference, step35_config, step35_config_dict
+from tests.support.step35_reference import step35_config, step35_config_dict, step35_reference
 from tests.e2e.test_step35_training import EXAMPLES, assets  # noqa: F401  (the module-scoped fixture)
 
 STEPS, LR, SEQ = 8, 3e-3, 16
@@ -33,7 +33,7 @@ def _model():
     from fsdp2_backend.models.registry import model_spec
 
     config = step35_config()
-    text, head = _reference(config, large_mlp=False)
+    text, head = step35_reference(config, large_mlp=False)
     model = model_spec("step35").build(config)
     model.model.load_state_dict(text.state_dict(), strict=True)
     model.lm_head.load_state_dict(head.state_dict())

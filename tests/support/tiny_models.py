@@ -50,7 +50,7 @@ def _minimax():
 
 
 def _step35():
-    from tests.models.test_step35 import step35_config
+    from tests.support.step35_reference import step35_config
     return step35_config()
 
 
