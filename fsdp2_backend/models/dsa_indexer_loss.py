@@ -19,7 +19,8 @@ Backward scale (`set_backward_scale`): the trainer gives the loss the gradient i
 (loss scale / (micro-batches x data-parallel ranks): Megatron's DSAIndexerLossAutoScaler scale; with one
 micro-batch this is MindSpeed's FSDP2 scale of 1 averaged over data-parallel ranks). Reported as `indexer loss`
 (MindSpeed's and Megatron's name, coefficient included): the mean over CSA layers and micro-batches, averaged over
-data-parallel ranks (`finish_indexer_step`).
+data-parallel ranks (`finish_indexer_step`, with the sum over ranks the plan hands it: parallel/loss_hooks.py; model
+code sees no process group).
 DeepSeek-V4 under context parallel (parallel/context_parallel/dsa_deepseek_v4.py): the hooks see this rank's
 queries, index scores and top-k and the whole sequence's compressed keys, so each rank's loss is the mean over its
 own B · S/cp queries; the ranks hold equally many, so the trainer's scale (over micro-batches x dp x cp ranks, the
@@ -38,10 +39,9 @@ ranks, the gradients summed over them) and the logged average over that group gi
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -161,8 +161,16 @@ def set_backward_scale(model: nn.Module, scale: float) -> None:
         state.scale = scale
 
 
-def finish_indexer_step(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> Dict[str, float]:
-    """{"indexer loss": mean over layers and micro-batches, averaged over `group`} and resets; {} without a loss."""
+def has_indexer_loss(model: nn.Module) -> bool:
+    """Whether an indexer loss is attached to `model` (`install_deepseek_v4` / `install_glm52`); the plan asks
+    before its stages run, so the walk caches nothing."""
+    return any("_dsa_indexer_loss" in m.__dict__ for m in model.modules())
+
+
+def finish_indexer_step(model: nn.Module, sum_over_ranks: Optional[Callable[[Tensor], Tensor]] = None
+                        ) -> Dict[str, float]:
+    """{"indexer loss": mean over layers and micro-batches, averaged over the ranks `sum_over_ranks` sums over
+    (the plan's function, in place; None: this rank alone)} and resets; {} without a loss."""
     states = [s for s in _states(model) if s.logged_count]
     if not states:
         return {}
@@ -171,8 +179,8 @@ def finish_indexer_step(model: nn.Module, group: Optional[dist.ProcessGroup] = N
                                        device=states[0].logged_sum.device)])
     for state in states:
         state.logged_sum, state.logged_count = None, 0
-    if group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(totals, group=group)
+    if sum_over_ranks is not None:
+        totals = sum_over_ranks(totals)
     return {LOG_NAME: (totals[0] / totals[1]).item()}
 
 

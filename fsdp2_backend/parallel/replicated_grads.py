@@ -6,8 +6,9 @@ parameters another stage owns (expert parameters, FSDP'd on their own expert mes
 data-parallel mesh too would count them twice, and across the EP group would mix different experts).
 
 Each rank's backward leaves only its own tokens' gradient on such a parameter, so without a reduction the
-replicas drift apart. `ReplicatedGrads.all_reduce`, called by the trainer after the last micro-batch's backward
-and before the gradients are scaled, clipped or stepped, does what FSDP does for a sharded parameter: a SUM over
+replicas drift apart. `ReplicatedGrads.all_reduce`, which `mark_replicated` registers as a reduce hook of the
+optimizer step (`training.optimizer_step`: after the last micro-batch's backward, before the gradients are
+unscaled, clipped or stepped), does what FSDP does for a sharded parameter: a SUM over
 the same ranks with no division (the loss carries the 1/(dp x cp): `parallel.apply.set_gradient_policy`), so
 the gradient equals the one the parameter would have if it were sharded — and the global norm
 (`training.grad_clip`, which counts a plain tensor once, as replicated) is the sharded parameter's as well.
@@ -26,13 +27,26 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2_backend.distributed.dtensor import local_tensor
+from fsdp2_backend.training.optimizer_step import step_hooks
 
 _MARK = "_replicated_grad_params"  # on the FSDP root: (parameter names, mesh)
 
 
 def mark_replicated(root: nn.Module, names: Sequence[str], mesh: DeviceMesh) -> None:
-    """Records on `root` the parameters (names, in model order) FSDP leaves replicated and unreduced."""
+    """Records on `root` the parameters (names, in model order) FSDP leaves replicated and unreduced, and
+    registers their reduction on `root`'s optimizer step (nothing to do when there are none or one rank)."""
     setattr(root, _MARK, (tuple(names), mesh))
+    hooks = step_hooks(root).reduce
+    hooks.pop("replicated_grads", None)
+    if names and mesh.size() > 1:
+        reducer: List[ReplicatedGrads] = []
+
+        def reduce() -> None:
+            if not reducer:  # resolved at the first step: building on the meta device replaces the Parameters
+                reducer.append(ReplicatedGrads.of(root))
+            reducer[0].all_reduce()
+
+        hooks["replicated_grads"] = reduce
 
 
 def replicated_param_names(model: nn.Module) -> List[str]:
@@ -51,7 +65,7 @@ class ReplicatedGrads:
     @classmethod
     def of(cls, model: nn.Module) -> Optional["ReplicatedGrads"]:
         """The reducer for `model`'s replicated parameters; None when there are none or one rank holds them all
-        (the trainer then does nothing extra per step)."""
+        (the step then does nothing extra)."""
         marked = getattr(model, _MARK, None)
         if not marked or not marked[0] or marked[1].size() == 1:
             return None

@@ -1,23 +1,43 @@
-"""Hands the MoE routers (`models/moe/router.py`) the process groups their load-balancing losses reduce over.
+"""Hands the MoE routers (`models/moe/router.py`) the sums over ranks their load-balancing losses and expert
+biases need, as functions (`RouterReductions`), and registers their after-step hook on the optimizer step.
 
 Model code holds no process groups; megatron-core's router sums the token counts of `aux_loss` /
 `seq_aux_loss` over the tensor-and-context-parallel group and those of `global_aux_loss` over the
 tensor-data-and-context-parallel group. Here tensor-parallel ranks see the same tokens (the router is
-replicated), so `sequence_group` is the context-parallel group (unset at cp 1) and `token_group` the dp x cp
-group whose tokens make one global batch (the loss group; unset when it is one rank).
+replicated), so `sum_sequence` runs over the context-parallel group (this rank alone at cp 1) and `sum_batch`
+over the dp x cp group whose tokens make one global batch (the loss group; this rank alone when it is one rank).
 With expert parallel under tensor parallel the MoE blocks run on each tp rank's own tokens
 (`moe_tensor_parallel`): then the tp ranks join both groups (tp x cp, and every rank), and `tp_split` tells the
 router that tp of its sequence shards are not context-parallel (their gradients are summed, not averaged).
+The expert-bias token counts are summed over every rank (`sum_all`), after each step (`finish_router_step`).
+`set_router_groups` is the plan's one call for the model-side loss terms: it registers the DSA indexer loss's
+hooks too (`loss_hooks`), after the routers'.
 """
 from __future__ import annotations
 
+from typing import Optional
+
+import torch.distributed as dist
 from torch import nn
 
 from fsdp2_backend.distributed.context import ParallelContext
-from fsdp2_backend.models.moe.router import routers
+from fsdp2_backend.models.moe.router import RouterReductions, finish_router_step, routers
+from fsdp2_backend.parallel.loss_hooks import register_indexer_hooks, sum_over
+from fsdp2_backend.training.optimizer_step import step_hooks
+
+
+def _ranks(group: Optional[dist.ProcessGroup]) -> int:
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def set_router_groups(model: nn.Module, ctx: ParallelContext, tokens_split_over_tp: bool = False) -> None:
+    """The plan's step for the model-side loss terms: the routers' reductions and after-step hook, then the DSA
+    indexer loss's hooks (`loss_hooks`)."""
+    _set_router_reductions(model, ctx, tokens_split_over_tp)
+    register_indexer_hooks(model, ctx)
+
+
+def _set_router_reductions(model: nn.Module, ctx: ParallelContext, tokens_split_over_tp: bool) -> None:
     found = list(routers(model))
     if not found:
         return
@@ -27,5 +47,9 @@ def set_router_groups(model: nn.Module, ctx: ParallelContext, tokens_split_over_
     if tp_split > 1:
         sequence = ctx.world_mesh["cp", "tp"]._flatten("cp_tp").get_group()
         tokens = ctx.world_mesh._flatten("dp_cp_tp").get_group()
+    reductions = RouterReductions(sum_sequence=sum_over(sequence), sequence_ranks=_ranks(sequence),
+                                  sum_batch=sum_over(tokens), batch_ranks=_ranks(tokens),
+                                  sum_all=sum_over(dist.group.WORLD), tp_split=tp_split)
     for router in found:
-        router.sequence_group, router.token_group, router.tp_split = sequence, tokens, tp_split
+        router.reductions = reductions
+    step_hooks(model).after_step["routers"] = lambda micro_batches: finish_router_step(model, micro_batches)

@@ -19,7 +19,9 @@ counted in "number of skipped iterations", and in "number of nan iterations" whe
 dynamic loss scale, whose overflows are expected) the gradient norm, is not finite. With
 `check_for_nan_in_loss_and_grad` (Megatron's default) such an iteration stops the run (`RunStopped`: one line,
 exit 1) after its log line: nothing is saved or exported after it. fp16 uses Megatron's dynamic loss scale
-(`loss_scaler`). `exit_signal_handler`: after the iteration in which the signal arrived, save and exit
+(`loss_scaler`). The gradient path after the forward (scale, backward, reduce, unscale, clip, finite check,
+optimizer and scheduler step, the after-step hooks the plan registered) is `training.optimizer_step`'s; the
+trainer knows no model internals. `exit_signal_handler`: after the iteration in which the signal arrived, save and exit
 (`exit_signal`).
 
 The trainer runs the loop over a `build.TrainJob` and nothing else: assembly (model, data, resume) is
@@ -35,10 +37,6 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from fsdp2_backend.distributed.dtensor import local_tensor
-from fsdp2_backend.models.dsa_indexer_loss import finish_indexer_step, set_backward_scale
-from fsdp2_backend.models.moe.router import finish_router_step
-from fsdp2_backend.parallel.replicated_grads import ReplicatedGrads
 from fsdp2_backend.training.chunked_forward import check_chunked_loss_model, chunked_loss_forward
 from fsdp2_backend.training.exit_conditions import ExitTimer
 from fsdp2_backend.training.exit_signal import ExitSignal
@@ -47,6 +45,8 @@ from fsdp2_backend.training.grad_clip import clip_grad_norm
 from fsdp2_backend.training.loss import GlobalBatchLoss, masked_loss_sum
 from fsdp2_backend.training.logging import TrainLogger
 from fsdp2_backend.training.loss_scaler import LossScaler
+from fsdp2_backend.training.mtp_loss import MTPLoss
+from fsdp2_backend.training.optimizer_step import OptimizerStep
 
 Batch = Dict[str, torch.Tensor]
 
@@ -79,8 +79,8 @@ class StepResult:
     tokens: int
     skipped: bool
     got_nan: bool
-    moe_losses: Dict[str, float] = field(default_factory=dict)  # Megatron's names (load_balancing_loss, z_loss)
-    mtp_losses: Dict[str, float] = field(default_factory=dict)  # "mtp_1 loss", ... (models/mtp.py)
+    # the after-step hooks' log values, Megatron's names: load_balancing_loss, z_loss, indexer loss, mtp_1 loss, ...
+    extra_losses: Dict[str, float] = field(default_factory=dict)
     global_batch_size: int = 0  # the samples this step consumed (changes under a batch-size ramp-up)
 
 
@@ -109,7 +109,7 @@ class Trainer:
         # optimization.torch_compile: the loss head compiled once too (cross entropy's log-softmax, gather and mask
         # and their backward fused into fewer passes over the logits: 2.1x on CPU at a 32k vocabulary)
         loss_fn = torch.compile(masked_loss_sum) if config.optimization.torch_compile else masked_loss_sum
-        self.loss_fn, self.clip_fn = job.loss_fn or loss_fn, job.clip_fn or clip_grad_norm
+        self.loss_fn = job.loss_fn or loss_fn
         self.profiler, self.checkpointer = job.profiler, job.checkpointer
         self.epoch_save_interval = job.epoch_save_interval
         self.state = job.state if job.state is not None else TrainState()
@@ -129,11 +129,15 @@ class Trainer:
         self.chunk_loss_size = config.optimization.chunk_loss_size  # when set, `loss_fn` is not used
         if self.chunk_loss_size:
             check_chunked_loss_model(model)
-        self.mtp_layers = config.model.mtp_num_layers or 0  # multi-token prediction (models/mtp.py)
         self.batch_schedule = getattr(job, "batch_schedule", None)  # config/batch_schedule.py
-        self._mtp_means: Optional[torch.Tensor] = None
-        # parallel.ignored_modules: replicated parameters whose gradients FSDP does not reduce (None: there are none)
-        self.replicated_grads = ReplicatedGrads.of(model)
+        # the gradient path, with the hooks the plan registered on the model (routers, indexer loss, replicated
+        # gradients) and the trainer's own MTP means (multi-token prediction: training/mtp_loss.py)
+        self.optimizer_step = OptimizerStep(model, self.optimizer, self.scheduler, self.loss_scaler,
+                                            config.training.max_grad_norm, job.clip_fn or clip_grad_norm)
+        self.mtp = (MTPLoss(config.model.mtp_num_layers, config.model.mtp_loss_scaling_factor, ctx)
+                    if config.model.mtp_num_layers else None)
+        if self.mtp is not None:
+            self.optimizer_step.hooks.after_step["mtp"] = self.mtp.finish
 
     # -- one iteration -------------------------------------------------------------------------------------
     def _forward_loss(self, batch: Batch, accounting: Optional[GlobalBatchLoss] = None,
@@ -144,10 +148,8 @@ class Trainer:
         batch = {("input_ids" if k == "tokens" else k): v.to(self.device, non_blocking=True)
                  for k, v in batch.items() if torch.is_tensor(v)}
         mtp = {}
-        if self.mtp_layers and accounting is not None:  # rolled on the whole sequence, before any cp split
-            from fsdp2_backend.models.mtp import mtp_batch
-
-            mtp = {k: v for k, v in mtp_batch(batch, self.mtp_layers).items() if k.startswith("mtp_")}
+        if self.mtp is not None and accounting is not None:  # rolled on the whole sequence, before any cp split
+            mtp = self.mtp.rolled(batch)
         if self.cp_size > 1:
             from fsdp2_backend.parallel.context_parallel.batch import sequence_indices, shard_batch_for_cp
 
@@ -157,9 +159,11 @@ class Trainer:
                 index = sequence_indices(seq_len, cp_rank, self.cp_size, self.config.parallel.cp_type,
                                          device=self.device)
                 mtp = {k: v.index_select(1, index) for k, v in mtp.items()}
-        if mtp:
-            return self._mtp_forward_loss({**batch, **mtp}, accounting)
-        if self.chunk_loss_size:  # the loss from the hidden states, chunk by chunk, inside the root's forward
+        if mtp:  # the MTP depths' loss rides on the logits' backward
+            out = self.mtp.forward(self.model, {**batch, **mtp}, accounting, self.loss_scaler.scale)
+            loss_sum, count = self.loss_fn(out.logits, batch["labels"], batch["loss_mask"])
+            aux = getattr(out, "aux_loss", None)
+        elif self.chunk_loss_size:  # the loss from the hidden states, chunk by chunk, inside the root's forward
             loss_sum, count, aux = chunked_loss_forward(self.model, batch["input_ids"], batch.get("position_ids"),
                                                         batch["labels"], batch["loss_mask"], self.chunk_loss_size)
         else:
@@ -176,32 +180,9 @@ class Trainer:
         coef = getattr(self.model, "router_aux_loss_coef", None)
         return coef if coef is not None else getattr(self.model.config, "router_aux_loss_coef", 1.0)
 
-    def _mtp_forward_loss(self, batch: Batch, accounting: GlobalBatchLoss):
-        from fsdp2_backend.models.mtp import mtp_forward
-
-        weight = self.config.model.mtp_loss_scaling_factor / self.mtp_layers
-        out, sums, counts = mtp_forward(self.model, batch, self.mtp_layers,
-                                        lambda s, c: accounting.extra_backward_loss(s, c, weight),
-                                        self.loss_scaler.scale)
-        # Reported per depth (Megatron's MTPLossLoggingHelper): each micro-batch's mean over its whole sequence,
-        # averaged over micro-batches and data-parallel ranks in `_finish_mtp`.
-        totals = torch.stack([torch.stack(sums), torch.stack(counts)]).float()
-        if self.cp_size > 1:
-            dist.all_reduce(totals, group=self.ctx.cp_mesh.get_group())
-        means = totals[0] / totals[1].clamp(min=1)
-        self._mtp_means = means if self._mtp_means is None else self._mtp_means + means
-        loss_sum, count = self.loss_fn(out.logits, batch["labels"], batch["loss_mask"])
-        aux = getattr(out, "aux_loss", None)
-        if aux is not None:
-            aux = aux * self._aux_loss_coef()
-        return loss_sum, count, aux
-
     def _finish_mtp(self, micro_batches: int) -> Dict[str, float]:
-        if self._mtp_means is None:
-            return {}
-        means = self._all_reduce(self._mtp_means) / (micro_batches * self.ctx.loss_mesh.size())
-        self._mtp_means = None
-        return {f"mtp_{k + 1} loss": v for k, v in enumerate(means.tolist())}
+        """The MTP log values of the micro-batches run so far (the after-step hook's; {} without MTP)."""
+        return self.mtp.finish(micro_batches) if self.mtp is not None else {}
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.ctx.loss_mesh.size() > 1:
@@ -229,42 +210,20 @@ class Trainer:
                                      dp_group=self.loss_group, cp_size=self.cp_size,
                                      cp_group=self.ctx.cp_mesh.get_group())
         tokens = 0
-        # the DSA indexer's KL loss (models/dsa_indexer_loss.py) gets the lm loss's per-micro-batch gradient scale
-        set_backward_scale(self.model, self.loss_scaler.scale / (micro_batches * self.ctx.loss_mesh.size()))
+        self.optimizer_step.start(micro_batches)
         self.logger.start_timer("forward-backward")  # Megatron's timer names (--log-timers-to-tensorboard)
         for _ in range(micro_batches):
             batch = next(self.train_batches)
             tokens += batch["tokens"].numel()
             loss_sum, count, aux = self._forward_loss(batch, accounting)
-            (accounting.backward_loss(loss_sum, count, aux) * self.loss_scaler.scale).backward()
-        if self.replicated_grads is not None:  # what FSDP's reduce-scatter does for the sharded parameters
-            self.replicated_grads.all_reduce()
+            self.optimizer_step.backward(accounting.backward_loss(loss_sum, count, aux))
+        self.optimizer_step.reduce()
         self.logger.stop_timer("forward-backward")
         self.logger.start_timer("optimizer")
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        loss = accounting.finish(params)
-        grad_norm = self._unscale_and_clip(params)
-        non_finite = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        self.loss_scaler.update(non_finite)
-        if not non_finite:
-            self.optimizer.step()
-            self.scheduler.step(global_batch_size)
-        self.optimizer.zero_grad(set_to_none=True)
-        # MoE: expert biases moved by the step's global token counts; the step's router losses for the log line
-        moe_losses = finish_router_step(self.model, micro_batches, self.loss_group)
-        moe_losses.update(finish_indexer_step(self.model, self.loss_group))  # "indexer loss" (DSA models)
+        outcome = self.optimizer_step.finish(accounting, micro_batches, global_batch_size)
         self.logger.stop_timer("optimizer")
-        # A nan iteration: its loss is not finite, or its gradients are without fp16's dynamic loss scale (an fp16
-        # overflow in the gradients alone is skipped but not nan: the scale backs off).
-        got_nan = not math.isfinite(loss) or (not self.loss_scaler.dynamic and not math.isfinite(grad_norm))
-        return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, skipped=non_finite, got_nan=got_nan,
-                          moe_losses=moe_losses, mtp_losses=self._finish_mtp(micro_batches),
-                          global_batch_size=global_batch_size)
-
-    def _unscale_and_clip(self, params) -> float:
-        if self.loss_scaler.scale != 1.0:
-            torch._foreach_div_([local_tensor(p.grad) for p in params], self.loss_scaler.scale)
-        return float(self.clip_fn(params, self.config.training.max_grad_norm))
+        return StepResult(loss=outcome.loss, grad_norm=outcome.grad_norm, tokens=tokens, skipped=outcome.skipped,
+                          got_nan=outcome.got_nan, extra_losses=outcome.logs, global_batch_size=global_batch_size)
 
     # -- validation ----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -307,8 +266,9 @@ class Trainer:
             result.grad_norms.append(step.grad_norm)
             result.learning_rates.append(lr)
             result.skipped.append(step.skipped)
-            self.logger.record(iteration, losses={"lm loss": step.loss, **step.moe_losses, **step.mtp_losses},
-                               skipped=step.skipped, learning_rate=lr, grad_norm=step.grad_norm, consumed_samples=self.state.consumed_train_samples,
+            self.logger.record(iteration, losses={"lm loss": step.loss, **step.extra_losses},
+                               skipped=step.skipped, learning_rate=lr, grad_norm=step.grad_norm,
+                               consumed_samples=self.state.consumed_train_samples,
                                loss_scale=self.loss_scaler.scale, got_nan=step.got_nan)
             if step.got_nan and training.check_for_nan_in_loss_and_grad:
                 self._stop_on_nan(iteration, step)

@@ -85,6 +85,7 @@ def _context_parallel(rank, world_size, out_path):
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp2_backend.models.dsa_indexer_loss import finish_indexer_step, set_backward_scale
+    from fsdp2_backend.parallel.loss_hooks import sum_over
     from fsdp2_backend.parallel.context_parallel.batch import (cp_token_mean, sequence_indices, shard_batch_for_cp,
                                                                shift_labels)
     from fsdp2_backend.parallel.context_parallel.dsa import enable_dsa_context_parallel
@@ -113,7 +114,7 @@ def _context_parallel(rank, world_size, out_path):
             local_sum, local_count = _token_loss_sum(model, local)
             loss = cp_token_mean(local_sum, local_count, group)
             loss.backward()
-            indexer = finish_indexer_step(model, group)["indexer loss"]  # the trainer's: over the dp x cp group
+            indexer = finish_indexer_step(model, sum_over(group))["indexer loss"]  # the plan's: over the dp x cp group
             reported = loss.detach().clone()
             dist.all_reduce(reported)
             for param in model.parameters():  # what FSDP over the cp ranks does: sum the partial gradients

@@ -18,6 +18,9 @@ process-group globals and CUDA, so it cannot run inside an HF model here; this m
   `bias_update_rate` × sign(mean load − load) after every step from the global token counts
   (`finish_router_step`, as megatron-core's `finalize_model_grads` does).
 
+Sums over other ranks are functions the plan hands each router (`RouterReductions`, set by
+`parallel/router_groups.py`): model code sees no process group; without a plan every sum is this rank's own.
+
 The HF model types route the same way with their own defaults (`RouterSettings.from_hf`): Qwen3-MoE is softmax
 (pre-softmax unless `norm_topk_prob`), MiniMax-M2 and Step-3.5 sigmoid with a correction bias, gpt_oss softmax
 over the top-k of biased logits.
@@ -30,10 +33,9 @@ read and cleared by `finish_router_step`.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -132,15 +134,35 @@ def router_fields(model_args) -> Dict:
     return {k: v for k, v in values.items() if v is not None and v != _FIELD_DEFAULTS.get(k, None)}
 
 
+def _this_rank(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+@dataclass(frozen=True)
+class RouterReductions:
+    """The cross-rank sums a router's losses and its step need, as functions (in place, returning the tensor) and
+    the number of ranks each spans; the defaults are one rank's. Megatron's groups: `sum_sequence` over the ranks
+    that split one sequence (its tp_cp group), `sum_batch` over those of a global batch (tp_dp_cp), `sum_all` over
+    every rank (the expert-bias token counts). `tp_split`: of the sequence ranks, how many split it for tensor
+    parallel, not context parallel (their gradients are summed, not averaged)."""
+
+    sum_sequence: Callable[[torch.Tensor], torch.Tensor] = _this_rank
+    sequence_ranks: int = 1
+    sum_batch: Callable[[torch.Tensor], torch.Tensor] = _this_rank
+    batch_ranks: int = 1
+    sum_all: Callable[[torch.Tensor], torch.Tensor] = _this_rank
+    tp_split: int = 1
+
+
 # -- the module ------------------------------------------------------------------------------------------------
 class TopKRouter(nn.Module):
     """Router logits `x @ weight.T (+ bias)` → (logits, top-k weights, top-k index), HF routers' return value.
 
     `settings` say how to route; `fixed` (fix_router) takes the experts from `balanced_assignment` (balanced
-    load for performance tuning — different results) and weights them as the router would. Groups set from
-    outside (`parallel/router_groups.py`; None: this rank only): `sequence_group` (cp ranks; Megatron's tp_cp,
-    tp ranks here see the same tokens) sums `aux_loss` / `seq_aux_loss` token counts, `token_group` (dp x cp)
-    `global_aux_loss`'s. A rank's loss is its share (own scores, group counts), weighted x cp as megatron-core
+    load for performance tuning — different results) and weights them as the router would. `reductions`, set
+    from outside (`parallel/router_groups.py`; default: this rank only): `sum_sequence` (cp ranks; Megatron's
+    tp_cp, tp ranks here see the same tokens) sums `aux_loss` / `seq_aux_loss` token counts, `sum_batch`
+    (dp x cp) `global_aux_loss`'s. A rank's loss is its share (own scores, group counts), weighted x cp as megatron-core
     scales aux losses, and logged so that the engine's mean over dp x cp is Megatron's logged value.
     Input of shape (B, S, H) lets `seq_aux_loss` tell the sequences apart; (T, H) is one sequence.
     """
@@ -153,9 +175,7 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(settings.num_experts, hidden_size))
         self.bias = nn.Parameter(torch.zeros(settings.num_experts)) if bias else None
         self.fixed = False
-        self.token_group: Optional[dist.ProcessGroup] = None
-        self.sequence_group: Optional[dist.ProcessGroup] = None
-        self.tp_split = 1  # of sequence_group's ranks, how many split the sequence for tp, not cp (x cp scaling)
+        self.reductions = RouterReductions()
         self.pending_loss: Optional[torch.Tensor] = None
         self.logged: Dict[str, torch.Tensor] = {}
         self.apply_settings(settings)
@@ -204,7 +224,8 @@ class TopKRouter(nn.Module):
         self.pending_loss = None
         if training and s.megatron_losses and s.z_loss_coeff:
             # a mean over this rank's tokens: tp ranks' gradients are summed, so 1/tp makes it the whole mean
-            self._add_loss("z_loss", z_loss(logits, s.z_loss_coeff), s.z_loss_coeff, scale=1 / self.tp_split)
+            self._add_loss("z_loss", z_loss(logits, s.z_loss_coeff), s.z_loss_coeff,
+                           scale=1 / self.reductions.tp_split)
         bias = getattr(self, "expert_bias", None) if s.expert_bias else None
         if selection_bias is not None:
             bias = selection_bias.to(logits.dtype)
@@ -230,31 +251,31 @@ class TopKRouter(nn.Module):
                     index = topk_routing(logits, s, bias)[1]
             selected = torch.zeros_like(routing_map).scatter(1, index, True)
             biased_scores = mindspeed_seq_aux_scores(logits, s.score_function, bias)
-        tokens = logits.shape[0]
-        cp = _size(self.sequence_group)
+        tokens, r = logits.shape[0], self.reductions
+        cp = r.sequence_ranks
         for kind, coeff in s.load_balancing:
             if coeff <= 0:
                 continue
             log_scale = cp
             if kind == "aux_loss":
-                counts = _summed(routing_map.sum(0), self.sequence_group)
+                counts = r.sum_sequence(_counts(routing_map.sum(0)))
                 loss = switch_load_balancing_loss(scores, counts, tokens * cp, s.top_k, s.num_experts, coeff)
             elif kind.endswith("seq_aux_loss"):  # per sequence: (B, S, E) → (S, B·E), Megatron's [s, b] layout
                 seq = tokens // batch
                 per_seq = lambda t: t.view(batch, seq, -1).transpose(0, 1).reshape(seq, -1)  # noqa: E731
                 kind_map, kind_scores = (routing_map, scores) if kind == "seq_aux_loss" else (selected, biased_scores)
-                counts = _summed(per_seq(kind_map).sum(0), self.sequence_group)
+                counts = r.sum_sequence(_counts(per_seq(kind_map).sum(0)))
                 loss = switch_load_balancing_loss(per_seq(kind_scores), counts, seq * cp, s.top_k, s.num_experts,
                                                   coeff) / batch
             else:  # global_aux_loss: the global batch's token counts, averaged over its micro-batches so far
-                counts = _summed(routing_map.sum(0), self.token_group)
-                log_scale = _size(self.token_group)  # Megatron logs the sum over dp x cp, not a dp mean
+                counts = r.sum_batch(_counts(routing_map.sum(0)))
+                log_scale = r.batch_ranks  # Megatron logs the sum over dp x cp, not a dp mean
                 with torch.no_grad():
                     self.global_tokens_per_expert += counts
                     self.ga_steps += 1
                 loss = switch_load_balancing_loss(scores, self.global_tokens_per_expert / self.ga_steps,
                                                   tokens * log_scale, s.top_k, s.num_experts, coeff)
-            self._add_loss(LOSS_NAMES[kind], loss, coeff, scale=cp // self.tp_split, log_scale=log_scale)
+            self._add_loss(LOSS_NAMES[kind], loss, coeff, scale=cp // r.tp_split, log_scale=log_scale)
 
     def _add_loss(self, name: str, weighted: torch.Tensor, coeff: float, scale: int = 1,
                   log_scale: int = 1) -> None:
@@ -267,16 +288,9 @@ class TopKRouter(nn.Module):
         return f"experts={self.num_experts}, top_k={self.top_k}, {self.settings.score_function}"
 
 
-def _size(group: Optional[dist.ProcessGroup]) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _summed(counts: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """Token counts (no gradient) summed over `group` (this rank's alone when None)."""
-    counts = counts.detach().float()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(counts, group=group)
-    return counts
+def _counts(counts: torch.Tensor) -> torch.Tensor:
+    """Token counts without gradient, in fp32 (what the ranks sum)."""
+    return counts.detach().float()
 
 
 def routers(model: nn.Module) -> Iterator[TopKRouter]:
@@ -305,21 +319,20 @@ def attach_aux_loss(model: nn.Module, out):
 
 
 @torch.no_grad()
-def finish_router_step(model: nn.Module, num_microbatches: int, group: Optional[dist.ProcessGroup] = None
-                       ) -> Dict[str, float]:
+def finish_router_step(model: nn.Module, num_microbatches: int) -> Dict[str, float]:
     """After a training step: updates every expert bias from the token counts summed over all ranks (the sign
     of mean load − load does not change when tensor or context ranks count the same tokens twice), resets the
     step's counters, and returns Megatron's MoE log values (each loss summed over layers / number of MoE
-    layers, averaged over micro-batches and over the data-parallel `group`)."""
+    layers, averaged over micro-batches and over the ranks of a global batch: data-parallel x cp, and the tp
+    ranks too where they routed different tokens, `parallel/moe_tensor_parallel.py`). The sums are the routers'
+    `reductions` (the plan sets every router's alike)."""
     found = list(routers(model))
     if not found:
         return {}
-    distributed = dist.is_available() and dist.is_initialized()
+    reductions = found[0].reductions
     biased = [r for r in found if getattr(r, "expert_bias", None) is not None]
     if biased:
-        counts = torch.stack([r.local_tokens_per_expert for r in biased])
-        if distributed:
-            dist.all_reduce(counts)
+        counts = reductions.sum_all(torch.stack([r.local_tokens_per_expert for r in biased]))
         new = updated_expert_bias(counts, torch.stack([r.expert_bias for r in biased]),
                                   biased[0].settings.bias_update_rate)
         for router, bias in zip(biased, new):
@@ -334,12 +347,9 @@ def finish_router_step(model: nn.Module, num_microbatches: int, group: Optional[
         return {}
     values = torch.stack([sum(r.logged[n] for r in found if n in r.logged) for n in names]).float()
     values /= len(found) * num_microbatches
-    split = next((r for r in found if r.tp_split > 1), None)
-    if split is not None:  # tp ranks routed different tokens (parallel/moe_tensor_parallel.py): average over them too
-        group = split.token_group
-    if distributed and group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(values, group=group)
-        values /= dist.get_world_size(group)
+    if reductions.batch_ranks > 1:
+        values = reductions.sum_batch(values)
+        values /= reductions.batch_ranks
     for router in found:
         router.logged = {}
     return dict(zip(names, values.tolist()))
