@@ -17,7 +17,8 @@ import torch
 from fsdp2_backend.models.moe.family_swap import GROUPED_CLASSES
 from fsdp2_backend.models.moe.router import TopKRouter
 from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
-from tests.models.test_router_megatron import E, _megatron_router, megatron  # noqa: F401  (megatron: fixture)
+from tests.support.router_reference import E, megatron_router
+from tests.support.router_reference import megatron  # noqa: F401  (a fixture)
 
 B, S, VOCAB = 2, 12, 96
 
@@ -101,7 +102,7 @@ def test_megatron_group_flags_give_megatron_cores_rule(megatron):
                    moe_router_group_topk=1, moe_router_topk_scaling_factor=1.5, moe_router_enable_expert_bias=True,
                    moe_router_load_balancing_type="none")
     for router, (logits, weights, index) in zip(routers, seen):
-        reference = _megatron_router(megatron, **options)
+        reference = megatron_router(megatron, **options)
         reference.expert_bias.copy_(router.e_score_correction_bias)  # the selection bias megatron-core adds
         probs, routing_map = reference.routing(logits.view(B, S, E).transpose(0, 1).contiguous())
         to_ours = lambda t: t.view(S, B, E).transpose(0, 1).reshape(-1, E)  # noqa: E731

@@ -17,7 +17,8 @@ from fsdp2_backend.models.moe.family_swap import GROUPED_CLASSES
 from fsdp2_backend.models.moe.router import TopKRouter, finish_router_step
 from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
 from tests.support.launchers import run_pretrain
-from tests.models.test_router_megatron import CASES, E, _megatron_router, megatron  # noqa: F401  (megatron: fixture)
+from tests.support.router_reference import E, ROUTER_CASES, megatron_router
+from tests.support.router_reference import megatron  # noqa: F401  (a fixture)
 
 B, S = 2, 8
 
@@ -113,7 +114,7 @@ DEEPSEEK_OWN = dict(moe_router_score_function="sigmoid", moe_router_num_groups=4
 def test_model_routing_equals_megatron_core(megatron, family, case):
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
-    options = dict(CASES[case], moe_router_topk=4)
+    options = dict(ROUTER_CASES[case], moe_router_topk=4)
     if family == "deepseek_v3":
         options = {**DEEPSEEK_OWN, **({"moe_router_score_function": "softmax"} if case == "softmax_aux" else {}),
                    **options}
@@ -128,7 +129,7 @@ def test_model_routing_equals_megatron_core(megatron, family, case):
         assert all(r.expert_bias is r.e_score_correction_bias for r in routers)
     expected_aux = 0.0
     for router, (logits, weights, index) in zip(routers, seen):
-        reference = _megatron_router(megatron, **options)
+        reference = megatron_router(megatron, **options)
         if router.settings.expert_bias:
             reference.expert_bias.copy_(router.expert_bias)
         clear_aux_losses_tracker()

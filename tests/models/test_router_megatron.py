@@ -11,100 +11,27 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, finish_router_step
-from tests.support.launchers import free_port
+from tests.support.router_reference import E, H, ROUTER_CASES, megatron_router, our_router
+from tests.support.router_reference import megatron  # noqa: F401  (a fixture)
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
-
-E, H = 16, 8
-
-
-@pytest.fixture(scope="module")
-def megatron():
-    """megatron-core's modules on a 1-rank gloo group (torn down after the module's tests)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.cuda, "current_device", lambda: "cpu")
-        mp.setenv("MASTER_ADDR", "127.0.0.1")
-        mp.setenv("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-        from megatron.core import parallel_state
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
-        parallel_state.initialize_model_parallel()
-        world = dist.group.WORLD
-        pg = ProcessGroupCollection(tp=world, cp=world, tp_cp=world, tp_dp_cp=world, dp=world, pp=world, ep=world)
-        try:
-            yield pg
-        finally:
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
-
-
-def _megatron_router(pg, **options):
-    from megatron.core.transformer.moe.router import TopKRouter as McoreRouter
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, num_moe_experts=E,
-                            use_cpu_initialization=True, **options)
-    router = McoreRouter(cfg, pg_collection=pg)
-    router.set_layer_number(1)
-    return router
-
-
-def _ours(**options) -> TopKRouter:
-    class Fields:  # the config's model.moe_* fields, as validation hands them to the model
-        moe_router_score_function = options.get("moe_router_score_function")
-        moe_router_pre_softmax = options.get("moe_router_pre_softmax")
-        moe_router_num_groups = options.get("moe_router_num_groups")
-        moe_router_group_topk = options.get("moe_router_group_topk")
-        moe_router_topk_scaling_factor = options.get("moe_router_topk_scaling_factor")
-        moe_router_dtype = None
-        moe_z_loss_coeff = options.get("moe_z_loss_coeff")
-        moe_router_enable_expert_bias = options.get("moe_router_enable_expert_bias", False)
-        moe_router_bias_update_rate = options.get("moe_router_bias_update_rate", 1e-3)
-        moe_router_load_balancing_type = options.get("moe_router_load_balancing_type", "aux_loss")
-        moe_aux_loss_coeff = options.get("moe_aux_loss_coeff", 0.0)
-
-    settings = RouterSettings(num_experts=E, top_k=options["moe_router_topk"]).with_model_fields(Fields)
-    return TopKRouter(settings, H).train()
-
-
-CASES = {
-    "softmax_aux": dict(moe_router_topk=2, moe_aux_loss_coeff=0.01),
-    "pre_softmax_seq_aux_z": dict(moe_router_topk=2, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.1,
-                                  moe_router_load_balancing_type="seq_aux_loss", moe_z_loss_coeff=1e-3),
-    "sigmoid_bias_scaling": dict(moe_router_topk=4, moe_router_score_function="sigmoid",
-                                 moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01,
-                                 moe_router_topk_scaling_factor=2.5, moe_aux_loss_coeff=0.02),
-    "groups_softmax": dict(moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2,
-                           moe_aux_loss_coeff=0.01),
-    "groups_sigmoid_bias": dict(moe_router_topk=4, moe_router_score_function="sigmoid", moe_router_num_groups=4,
-                                moe_router_group_topk=2, moe_router_enable_expert_bias=True,
-                                moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.001),
-    "global_aux": dict(moe_router_topk=2, moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.05),
-    "two_losses": dict(moe_router_topk=3, moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
-                       moe_aux_loss_coeff=[0.01, 0.1], moe_z_loss_coeff=0.01),
-    "sinkhorn_k1": dict(moe_router_topk=1, moe_router_load_balancing_type="sinkhorn"),
-    "sinkhorn_k2": dict(moe_router_topk=2, moe_router_load_balancing_type="sinkhorn"),
-    "none": dict(moe_router_topk=2, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.5),
-}
 
 
 def _dense(weights, index):
     return torch.zeros(index.shape[0], E, dtype=weights.dtype).scatter(1, index, weights)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(ROUTER_CASES))
 def test_router_matches_megatron_core(megatron, case):
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
-    options = CASES[case]
-    torch.manual_seed(sorted(CASES).index(case))
+    options = ROUTER_CASES[case]
+    torch.manual_seed(sorted(ROUTER_CASES).index(case))
     batch, seq = 3, 10
     logits = torch.randn(batch, seq, E) * 2
-    reference, ours = _megatron_router(megatron, **options), _ours(**options)
+    reference, ours = megatron_router(megatron, **options), our_router(**options)
     if ours.settings.expert_bias:  # a bias that already moved: selection differs from the plain top-k
         bias = torch.randn(E) * 0.3
         reference.expert_bias.copy_(bias)
@@ -149,8 +76,8 @@ def test_global_aux_loss_accumulates_over_microbatches(megatron):
     """Two micro-batches: the second one's loss uses the average token counts of both, as megatron-core's."""
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
-    options = CASES["global_aux"]
-    reference, ours = _megatron_router(megatron, **options), _ours(**options)
+    options = ROUTER_CASES["global_aux"]
+    reference, ours = megatron_router(megatron, **options), our_router(**options)
     torch.manual_seed(5)
     for _ in range(2):
         clear_aux_losses_tracker()

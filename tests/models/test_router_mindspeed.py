@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp2_backend.models.moe.router import TopKRouter, finish_router_step
-from tests.models.test_router_megatron import E, _ours
+from tests.support.router_reference import E, our_router
 
 LINES = json.loads((Path(__file__).resolve().parents[1] / "data" / "launch_corpus.json").read_text())
 DEEPSEEK3 = LINES["mindspeed-llm:examples/mcore/deepseek3/pretrain_deepseek3_671b_4k_A3_ptd.sh"]
@@ -91,7 +91,7 @@ ROUTING_CASES = {
 
 
 def _router(options, score="sqrtsoftplus", bias_seed=None):
-    ours = _ours(moe_router_score_function=score, **options)
+    ours = our_router(moe_router_score_function=score, **options)
     bias = None
     if ours.settings.expert_bias:  # a bias that already moved: the selection differs from the plain top-k
         bias = torch.randn(E, generator=torch.Generator().manual_seed(bias_seed or 7)) * 0.3
@@ -186,7 +186,7 @@ def test_mindspeed_seq_aux_loss_equals_mindspeeds_formula(case):
     ((ref_probs * upstream).sum() + loss * 1e3).backward()
     torch.testing.assert_close(our_logits.grad, ref_logits.grad, rtol=1e-5, atol=1e-7)
     # a loss of its own: not megatron-core's seq_aux_loss on the same logits (other scores and counts)
-    plain = _ours(moe_router_score_function=score, **dict(options, moe_router_load_balancing_type="seq_aux_loss"))
+    plain = our_router(moe_router_score_function=score, **dict(options, moe_router_load_balancing_type="seq_aux_loss"))
     plain.load_state_dict(ours.state_dict())
     plain.route(ref_logits.detach(), batch)
     if bias is not None:
