@@ -34,16 +34,11 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from fsdp2_backend.kernels.gated_delta_rule_scan import chunked_scan
+from fsdp2_backend.kernels.gated_delta_rule_scan import chunked_scan, l2_normalize
 from fsdp2_backend.usage_errors import UsageError
 
 Tensor = torch.Tensor
 IMPLEMENTATIONS = ("torch", "triton", "npu")
-
-
-def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (fla's and transformers' `l2norm`)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 def _chunk_layout(cu_seqlens: Tensor, chunk_size: int) -> Tuple[Tensor, Tensor, List[int], int]:

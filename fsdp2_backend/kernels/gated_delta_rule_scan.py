@@ -36,6 +36,11 @@ Tensor = torch.Tensor
 BLOCK = 16  # chunks per block: elementwise temporaries are allocated per block, never for the whole sequence
 
 
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, on the inputs of either scan (fla's and transformers' `l2norm`)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
 def _blocks(n: int):
     return [(lo, min(lo + BLOCK, n)) for lo in range(0, n, BLOCK)]
 

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fsdp2_backend.kernels.gated_delta_rule import l2_normalize
+from fsdp2_backend.kernels.gated_delta_rule_scan import l2_normalize
 
 Tensor = torch.Tensor
 

@@ -1,7 +1,7 @@
 """The Mamba-3 chunked scan's forward as one triton kernel (imports triton); backward by the torch scan.
 
 The per-token preparation (rotation by the cumulative angles, trapezoid weights, document ids) is
-`kernels.mamba3_scan.prepare_scan` in torch; the kernel does the chunked part, one program per (batch, head):
+`kernels.mamba3_scan_torch.prepare_scan` in torch; the kernel does the chunked part, one program per (batch, head):
 it walks the chunks in order keeping the (headdim × d_state) state in registers, and per chunk computes the
 intra-chunk quadratic term (rows = (token, rank) pairs, so MIMO's (chunk·R)² block is one dot), the incoming
 state's contribution, and the state it passes on — the same formulas as `mamba3_chunk_scan`. Nothing but the
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fsdp2_backend.kernels.mamba3_scan import mamba3_chunk_scan, prepare_scan
+from fsdp2_backend.kernels.mamba3_scan_torch import mamba3_chunk_scan, prepare_scan
 
 
 @triton.jit

@@ -19,20 +19,18 @@ options; the writers behind them (TensorBoard + W&B, timers, memory, progress.tx
 from __future__ import annotations
 
 import math
-import os
 import re
 import resource
-import sys
 import time
 from contextlib import contextmanager, nullcontext
 from datetime import datetime
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
 from fsdp2_backend.distributed.console import print_line
-from fsdp2_backend.training.metrics_writers import (IntervalTimers, ScalarWriters, memory_scalars,  # noqa: F401
-                                                     open_tensorboard)
+from fsdp2_backend.training.metrics_writers import (IntervalTimers, ScalarWriters, cpu_memory_bytes,  # noqa: F401
+                                                     memory_scalars, open_tensorboard)
 
 # One entry per loss key (` lm loss: 1.234567E+00 |`); Megatron prints the keys in the order they arrive.
 MegatronLogLine = re.compile(
@@ -152,26 +150,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cpu":
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return getattr(torch, device.type).max_memory_allocated(device)  # torch.cuda / torch.npu
-
-
-def cpu_memory_bytes() -> Tuple[int, int]:
-    """(current, peak) resident set size of this process in bytes: current from psutil when it is installed,
-    else /proc/self/statm (Linux); peak from getrusage (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peak = peak if sys.platform == "darwin" else peak * 1024
-    try:
-        import psutil
-    except ImportError:
-        psutil = None
-    if psutil is not None:
-        current = psutil.Process().memory_info().rss
-    else:
-        try:
-            with open("/proc/self/statm", encoding="ascii") as f:
-                current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            current = peak  # no /proc: the peak is the best figure there is
-    return current, max(peak, current)
 
 
 class TrainLogger:

@@ -7,7 +7,8 @@ and a `wandb_writer.WandbWriter` (training.wandb_project), each optional; tags a
 
 `memory_scalars(device)`: Megatron's --log-memory-to-tensorboard scalars from the accelerator's allocator
 (`torch.cuda.memory_stats` / `torch.npu.memory_stats`); on CPU, which has no allocator statistics, the process's
-resident set size stands in for allocated / reserved bytes and its peak for the max.
+resident set size (`cpu_memory_bytes`, also the log line's memory figures) stands in for allocated / reserved
+bytes and its peak for the max.
 
 `IntervalTimers`: wall time of named phases summed between two log lines (Megatron's timers written with
 --log-timers-to-tensorboard as `<name>-time`, seconds per iteration).
@@ -21,6 +22,8 @@ shards exactly as the gradient norm is (`grad_clip.total_grad_norm`). Collective
 from __future__ import annotations
 
 import os
+import resource
+import sys
 import time
 import types
 from contextlib import contextmanager
@@ -61,11 +64,29 @@ class ScalarWriters:
             writer.close()
 
 
+def cpu_memory_bytes() -> Tuple[int, int]:
+    """(current, peak) resident set size of this process in bytes: current from psutil when it is installed,
+    else /proc/self/statm (Linux); peak from getrusage (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = peak if sys.platform == "darwin" else peak * 1024
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        current = psutil.Process().memory_info().rss
+    else:
+        try:
+            with open("/proc/self/statm", encoding="ascii") as f:
+                current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            current = peak  # no /proc: the peak is the best figure there is
+    return current, max(peak, current)
+
+
 def memory_scalars(device: torch.device) -> Dict[str, float]:
     """Megatron's memory scalars (bytes, and the allocator's live allocation count where there is one)."""
     if device.type == "cpu":
-        from fsdp2_backend.training.logging import cpu_memory_bytes
-
         current, peak = cpu_memory_bytes()
         return {"mem-reserved-bytes": current, "mem-allocated-bytes": current, "mem-max-allocated-bytes": peak}
     stats = getattr(torch, device.type).memory_stats(device)  # torch.cuda / torch.npu

@@ -26,6 +26,7 @@ from megatron_compat.architecture.router import ROUTER_FAMILIES, hf_router_keys,
 from megatron_compat.architecture.dispositions import check_buildable as _check_buildable
 from megatron_compat.architecture.dispositions import rotary as _rotary
 from megatron_compat.architecture.dispositions import settle as _settle
+from megatron_compat.architecture.dispositions import flag_vocab
 
 _MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss", "minimax_m2")
 _MIXTRAL_NAMES = ("mixtral", "gpt_oss", "minimax_m2")  # num_local_experts, intermediate_size = expert width
@@ -102,33 +103,6 @@ def _ffn(a: Arch) -> Optional[int]:
     if g("swiglu") or g("geglu"):
         return int((4 * g("hidden_size") * 2 / 3) / 64) * 64  # Megatron's SwiGLU default, a multiple of 64
     return 4 * g("hidden_size")
-
-
-# Tokenizers that Megatron builds from --vocab-size; every other one (HF, SentencePiece, GPT-2 BPE, ...) gives the
-# vocabulary itself and Megatron pads that (`_vocab_size_with_padding(tokenizer.vocab_size)`), --vocab-size unread.
-VOCAB_SIZE_TOKENIZERS = (None, "NullTokenizer", "TikTokenizer", "NullMultimodalTokenizer")
-
-
-def flag_vocab(a: Arch) -> Optional[int]:
-    """The vocabulary the flags give (None: the tokenizer's); the engine pads it (make-vocab-size-divisible-by × tp)
-    in one place. Every family reads it here (hybrid, mamba too)."""
-    padded = a.get("padded_vocab_size")
-    if padded:
-        # MindSpeed's --padded-vocab-size is the embedding's row count as given (it replaces Megatron's padding of
-        # --vocab-size); --vocab-size still sizes a NullTokenizer's vocabulary, which must fit in those rows.
-        vocab = a.get("vocab_size")
-        if vocab is not None and vocab > padded:
-            a.decline("vocab_size", f"{vocab} tokens do not fit in --padded-vocab-size {padded} rows — raise "
-                                    "--padded-vocab-size, or drop it (Megatron pads --vocab-size itself)")
-        else:
-            a.note("vocab_size", "mapped", f"the tokenizer's vocabulary in the --padded-vocab-size {padded} "
-                                           "embedding rows (model.architecture.vocab_size)")
-        return padded
-    if a.get("tokenizer_type") not in VOCAB_SIZE_TOKENIZERS:
-        a.note("vocab_size", "no_effect", f"Megatron sizes the vocabulary from the {a.get('tokenizer_type')} "
-                                          "tokenizer (padded to --make-vocab-size-divisible-by × TP), as here")
-        return None
-    return a.get("vocab_size")
 
 
 def _act(a: Arch) -> str:

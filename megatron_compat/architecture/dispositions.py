@@ -1,11 +1,41 @@
 """Which architecture flags the chosen HF model type can express, for `megatron_compat.architecture`: from
 scratch the flags must describe that model exactly (`check_buildable` declines what differs), and every active
 flag no key took gets its honest disposition at the end (`settle`: mapped, no effect, or declined with why).
-`a` is the translation's `Arch` (its flags, `note` and `decline`)."""
+`flag_vocab`: the vocabulary the flags give, for every family. `a` is the translation's `Arch` (its flags,
+`note` and `decline`)."""
 from __future__ import annotations
+
+from typing import Optional
 
 from megatron_compat.architecture.flags import (ARCHITECTURE_DESTS, FAMILY_DESTS, HF_DEFINED_DESTS, HF_REASONS,
                                                 MLA_ONLY, MOE_ONLY)
+
+
+# Tokenizers that Megatron builds from --vocab-size; every other one (HF, SentencePiece, GPT-2 BPE, ...) gives the
+# vocabulary itself and Megatron pads that (`_vocab_size_with_padding(tokenizer.vocab_size)`), --vocab-size unread.
+VOCAB_SIZE_TOKENIZERS = (None, "NullTokenizer", "TikTokenizer", "NullMultimodalTokenizer")
+
+
+def flag_vocab(a) -> Optional[int]:
+    """The vocabulary the flags give (None: the tokenizer's); the engine pads it (make-vocab-size-divisible-by × tp)
+    in one place. Every family reads it here (hybrid, mamba too)."""
+    padded = a.get("padded_vocab_size")
+    if padded:
+        # MindSpeed's --padded-vocab-size is the embedding's row count as given (it replaces Megatron's padding of
+        # --vocab-size); --vocab-size still sizes a NullTokenizer's vocabulary, which must fit in those rows.
+        vocab = a.get("vocab_size")
+        if vocab is not None and vocab > padded:
+            a.decline("vocab_size", f"{vocab} tokens do not fit in --padded-vocab-size {padded} rows — raise "
+                                    "--padded-vocab-size, or drop it (Megatron pads --vocab-size itself)")
+        else:
+            a.note("vocab_size", "mapped", f"the tokenizer's vocabulary in the --padded-vocab-size {padded} "
+                                           "embedding rows (model.architecture.vocab_size)")
+        return padded
+    if a.get("tokenizer_type") not in VOCAB_SIZE_TOKENIZERS:
+        a.note("vocab_size", "no_effect", f"Megatron sizes the vocabulary from the {a.get('tokenizer_type')} "
+                                          "tokenizer (padded to --make-vocab-size-divisible-by × TP), as here")
+        return None
+    return a.get("vocab_size")
 
 
 def rotary(a) -> bool:

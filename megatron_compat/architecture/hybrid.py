@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+from megatron_compat.architecture.dispositions import flag_vocab
 from megatron_compat.architecture.flags import ARCHITECTURE_DESTS, HF_DEFINED_DESTS
 
 PATTERN_DESTS = ("hybrid_layer_pattern", "hybrid_override_pattern")
@@ -161,8 +162,6 @@ def apply(a) -> Dict[str, Any]:
     a.put("attention_dropout", "attention_dropout", g("attention_dropout"))
     a.put("init_method_std", "initializer_range", g("init_method_std"))
     a.put("untie_embeddings_and_output_weights", "tie_word_embeddings", not g("untie_embeddings_and_output_weights"))
-    from megatron_compat.architecture import flag_vocab  # (imported here: the package imports this module)
-
     vocab = flag_vocab(a)
     if vocab is not None:
         a.put("padded_vocab_size" if g("padded_vocab_size") else "vocab_size", "vocab_size", vocab)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from megatron_compat.architecture.dispositions import flag_vocab
 from megatron_compat.architecture.flags import ARCHITECTURE_DESTS, HF_DEFINED_DESTS
 
 SELECTING = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
@@ -83,8 +84,6 @@ def apply(a) -> Dict[str, Any]:
     a.put("init_method_std", "initializer_range", g("init_method_std"))
     a.put("untie_embeddings_and_output_weights", "tie_word_embeddings", not g("untie_embeddings_and_output_weights"))
     a.put("add_bias_linear", "use_bias", bool(g("add_bias_linear")))
-    from megatron_compat.architecture import flag_vocab  # (imported here: the package imports this module)
-
     vocab = flag_vocab(a)
     if vocab is not None:
         a.put("padded_vocab_size" if g("padded_vocab_size") else "vocab_size", "vocab_size", vocab)
