@@ -18,7 +18,7 @@ both, ours / megatron-core, and the process CPU seconds with their ratio (every 
 both sides, so on a loaded machine the CPU-time ratio is the steadier figure).
 
 `first use` rows (`--first-use 2000000`): the three GPTDataset indices (document, sample, shuffle) of that many
-samples over samples / 2 documents, as a training process's first dataset builds them: torch and the dataset
+samples over samples / 2 documents (of 1..2 x seq tokens, or `--first-use-doc-tokens`), as a training process's first dataset builds them: torch and the dataset
 modules already imported, the time of what the build loads on first use included (megatron-core's C++ helpers
 module; our numba kernels only from index_building.NUMBA_FROM entries on).
 """
@@ -43,9 +43,9 @@ FIRST_USE = "first use"
 SEED = 1234
 
 
-def _inputs(size: int, seq: int, docs_per_sample: int = 4):
+def _inputs(size: int, seq: int, docs_per_sample: int = 4, max_doc_tokens: int = 0):
     num_docs = max(size // docs_per_sample, 1000)
-    sizes = numpy.random.default_rng(0).integers(1, 2 * seq, num_docs).astype(numpy.int32)
+    sizes = numpy.random.default_rng(0).integers(1, max_doc_tokens or 2 * seq, num_docs).astype(numpy.int32)
     documents = numpy.arange(num_docs, dtype=numpy.int32)
     tokens = int(sizes.sum())
     epochs = max(1, -(-(size * seq + 1) // tokens))
@@ -68,11 +68,12 @@ def _reset_peak() -> None:
         f.write("5")  # resets VmHWM to the current RSS
 
 
-def _stage(impl: str, stage: str, size: int, seq: int, blend_datasets: int):
+def _stage(impl: str, stage: str, size: int, seq: int, blend_datasets: int, max_doc_tokens: int = 0):
     """(a callable running the stage once, a description of its output for the digest)."""
     from megatron_compat.data import index_building as ib
 
-    sizes, documents, tokens, epochs = _inputs(size, seq, 2 if stage == FIRST_USE else 4)
+    sizes, documents, tokens, epochs = (_inputs(size, seq, 2, max_doc_tokens) if stage == FIRST_USE
+                                        else _inputs(size, seq))
     weights = numpy.random.default_rng(1).random(blend_datasets) + 0.1
     weights = (weights / weights.sum()).tolist()
     # the same input for both (the document indices are identical), made the same way
@@ -154,9 +155,10 @@ def _digest(result) -> str:
     return h.hexdigest()
 
 
-def child(impl: str, stage: str, size: int, seq: int, blend_datasets: int, digest: bool) -> None:
+def child(impl: str, stage: str, size: int, seq: int, blend_datasets: int, digest: bool,
+          max_doc_tokens: int = 0) -> None:
     warnings.filterwarnings("ignore")
-    run = _stage(impl, stage, size, seq, blend_datasets)
+    run = _stage(impl, stage, size, seq, blend_datasets, max_doc_tokens)
     _reset_peak()
     before = _kib("VmRSS")
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -169,7 +171,8 @@ def child(impl: str, stage: str, size: int, seq: int, blend_datasets: int, diges
 
 def _measure(impl, stage, size, args, digest):
     out = subprocess.run([sys.executable, __file__, "--child", impl, stage, str(size), "--seq", str(args.seq),
-                          "--blend-datasets", str(args.blend_datasets), *(["--digest"] if digest else [])],
+                          "--blend-datasets", str(args.blend_datasets), "--first-use-doc-tokens",
+                          str(args.first_use_doc_tokens), *(["--digest"] if digest else [])],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -195,12 +198,15 @@ def main() -> None:
     parser.add_argument("--first-use", default="2000000", help="samples (comma-separated) of the 'first use' rows: "
                         "the three GPTDataset indices in a fresh process, load of numba / the C++ helpers included "
                         "('' for none)")
+    parser.add_argument("--first-use-doc-tokens", type=int, default=0,
+                        help="documents of 1..N-1 tokens in the 'first use' rows (default 2 x seq: ~2 epochs; 3000 at "
+                        "seq 4096: ~6 epochs, a 6M-entry document index, where loading numba would not pay)")
     parser.add_argument("--digest", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", nargs=3, metavar=("IMPL", "STAGE", "SIZE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         impl, stage, size = args.child
-        child(impl, stage, int(size), args.seq, args.blend_datasets, args.digest)
+        child(impl, stage, int(size), args.seq, args.blend_datasets, args.digest, args.first_use_doc_tokens)
         return
     print(f"seq {args.seq}; documents of 1..{2 * args.seq - 1} tokens, samples / 4 of them; blend of "
           f"{args.blend_datasets} datasets; best of {args.repeats}; peak = RSS high-water above the inputs")

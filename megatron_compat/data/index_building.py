@@ -4,11 +4,12 @@ document and shuffle indices, its C++ `helpers.cpp` sample and blending indices)
 Why our own: megatron-core compiles a C++ extension for the loops; a drop-in must not need a compiler or
 megatron-core at run time. The document and shuffle indices are built in one array each and shuffled in
 place by part (megatron-core builds the parts and concatenates them, and its document index goes through an
-int64 grid first), by numpy's own shuffle algorithm on the same `RandomState` (`shuffle`: from `NUMBA_FROM` entries on, a
-numba kernel drawing from that RandomState's MT19937, 2x faster than numpy's for 4-byte ids). The sequential
-loops (sample index, blending) are the numba kernels of `index_kernels` filling preallocated arrays; a sample
-index below `NUMBA_FROM` entries is counted in numpy instead, so that a small data set's first use in a
-process costs no numba import (numba's import and cache load took longer than the whole C++ build there).
+int64 grid first), by numpy's own shuffle algorithm on the same `RandomState` (`shuffle`: for arrays large
+enough to repay numba's load, `_numba_pays`, a numba kernel drawing from that RandomState's MT19937, 2x faster
+than numpy's for 4-byte ids). The sequential loops (sample index, blending) are the numba kernels of
+`index_kernels` filling preallocated arrays; a smaller sample index is counted in numpy instead, so that a
+small or mid-sized data set's first use in a process costs no numba import (numba's import and cache load took
+longer than the whole C++ build there).
 
 Facts reproduced (megatron-core 0.16.1, gpt_dataset.py / helpers.cpp / blended_dataset.py):
 - document index: the split's document ids repeated once per epoch, cast to int32 and shuffled in place with
@@ -29,22 +30,33 @@ documents in order, epoch after epoch, and the identity shuffle index, with no r
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional, Sequence, Tuple
 
 import numpy
 
 
-# numba is imported (~0.25 s) and its cached kernels loaded (up to ~0.3 s more) only for arrays of at least this
-# many entries, where its speed repays that once per process; smaller ones take numpy (megatron-core's own
-# shuffle; a linear-time numpy sample index), so a training process with a small data set never loads numba.
-NUMBA_FROM = 1 << 22
+# numba's import and the load of its cached kernels cost 0.4-0.9 s once per process (llvmlite's start-up), and
+# the kernels save ~20-40 ns per entry over numpy (megatron-core's own shuffle; a linear-time numpy sample
+# index): they repay the load only from ~16M entries. Measured in fresh processes, 1M documents and 2M samples
+# (6M document-index entries): 1.5x megatron-core's wall time with numba loaded at 4M, 1.0x in numpy; 11M
+# entries: 1.18x vs 1.02x. So numba is loaded only for arrays of at least NUMBA_FROM entries; once a process
+# has it loaded (a larger data set came first), arrays from NUMBA_LOADED_FROM entries on take it too.
+NUMBA_FROM = 1 << 25
+NUMBA_LOADED_FROM = 1 << 22
+
+
+def _numba_pays(entries: int) -> bool:
+    if entries >= NUMBA_FROM:
+        return True
+    return entries >= NUMBA_LOADED_FROM and "megatron_compat.data.index_kernels" in sys.modules
 
 
 def shuffle(array: numpy.ndarray, random_state: numpy.random.RandomState) -> None:
     """`random_state.shuffle(array)` (the same permutation, the same generator state after it) for a 1-D
-    array: numpy's own below `NUMBA_FROM` entries, else the numba kernel `index_kernels.shuffle_in_place` on
+    array: numpy's own unless `_numba_pays`, else the numba kernel `index_kernels.shuffle_in_place` on
     the RandomState's own MT19937 (2x faster for 4-byte ids)."""
-    if array.ndim != 1 or not array.flags.c_contiguous or len(array) < max(2, NUMBA_FROM):
+    if array.ndim != 1 or not array.flags.c_contiguous or len(array) < 2 or not _numba_pays(len(array)):
         random_state.shuffle(array)
         return
     from megatron_compat.data.index_kernels import shuffle_in_place
@@ -92,7 +104,7 @@ def build_sample_index(sizes: numpy.ndarray, document_index: numpy.ndarray, seq_
     max_value = max(len(document_index), int(sizes.max()) if len(sizes) else 0)
     dtype = numpy.int32 if max_value <= numpy.iinfo(numpy.int32).max else numpy.int64
     sample_index = numpy.empty((num_samples + 1, 2), dtype=dtype)
-    if max(len(document_index), num_samples) < NUMBA_FROM:
+    if not _numba_pays(max(len(document_index), num_samples)):
         _fill_sample_index_numpy(numpy.asarray(sizes), numpy.asarray(document_index), int(seq_length), extra,
                                  sample_index)
     else:
@@ -109,19 +121,26 @@ def _fill_sample_index_numpy(sizes, document_index, seq_length: int, extra: int,
     The first position of each boundary is counted, not searched: #{i : cum[i] < p_k + extra} =
     #{i : (cum[i] - extra) // seq_length < k}, a bincount's running sum."""
     rows = out.shape[0]
-    cum = numpy.cumsum(sizes[document_index], dtype=numpy.int64)
-    below = cum - extra
+    n = len(document_index)
+    # ends[i + 1] = tokens up to the end of position i, built in place (one int64 array of the document
+    # index's length, no gather or concatenation temporaries: 0.6x the time of cumsum(sizes[index]) + concat)
+    ends = numpy.empty(n + 1, dtype=numpy.int64)
+    ends[0] = 0
+    numpy.take(sizes.astype(numpy.int64, copy=False), document_index, out=ends[1:], mode="clip")
+    numpy.cumsum(ends[1:], out=ends[1:])
+    below = ends[1:] - extra  # >= -1, so below // seq_length + 1 >= 0
     below //= seq_length
     below += 1
-    numpy.clip(below, 0, rows, out=below)
-    position = numpy.cumsum(numpy.bincount(below, minlength=rows + 1)[:rows])
+    numpy.minimum(below, rows, out=below)
+    position = numpy.bincount(below, minlength=rows + 1)[:rows]
     del below
-    ends = numpy.concatenate((numpy.zeros(1, numpy.int64), cum))
-    offset = numpy.arange(rows, dtype=numpy.int64) * seq_length - ends[position]
-    del ends, cum
-    past = position >= len(document_index)
-    if past.any():  # a kept partial last sample runs out of documents
-        position[past] = len(document_index) - 1
+    numpy.cumsum(position, out=position)  # non-decreasing, at most n
+    offset = numpy.arange(0, rows * seq_length, seq_length, dtype=numpy.int64)
+    offset -= numpy.take(ends, position, mode="clip")
+    del ends
+    if rows and position[-1] >= n:  # a kept partial last sample runs out of documents
+        past = position >= n
+        position[past] = n - 1
         offset[past] = int(sizes[document_index[-1]]) - extra
     out[:, 0] = position
     out[:, 1] = offset
