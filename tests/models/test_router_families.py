@@ -19,38 +19,16 @@ from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
 from tests.support.launchers import run_pretrain
 from tests.support.router_reference import E, ROUTER_CASES, megatron_router
 from tests.support.router_reference import megatron  # noqa: F401  (a fixture)
+from tests.support.tiny_models import tiny_family_config
 
 B, S = 2, 8
-
-
-def _config(family: str, **overrides):
-    from transformers import DeepseekV3Config, MixtralConfig, Qwen2MoeConfig
-
-    common = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64, tie_word_embeddings=False, num_experts_per_tok=4)
-    if family == "mixtral":
-        config = MixtralConfig(**common, intermediate_size=16, num_local_experts=E, output_router_logits=True,
-                               router_aux_loss_coef=0.02, **overrides)
-    elif family == "qwen2_moe":
-        config = Qwen2MoeConfig(**common, intermediate_size=48, moe_intermediate_size=16, num_experts=E,
-                                shared_expert_intermediate_size=24, norm_topk_prob=True, output_router_logits=True,
-                                router_aux_loss_coef=0.02, **overrides)
-    else:
-        common.update(num_key_value_heads=4)
-        config = DeepseekV3Config(**common, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=E,
-                                  n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.0,
-                                  first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
-                                  qk_rope_head_dim=8, v_head_dim=8, **overrides)
-    config._attn_implementation = "eager"
-    config._experts_implementation = "eager"  # transformers' reference loop over experts
-    return config
 
 
 def _pair(family: str):
     """(transformers' model, ours) with the same weights; DeepSeek's correction bias random (it selects)."""
     from transformers import AutoModelForCausalLM
 
-    config = _config(family)
+    config = tiny_family_config(family)
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config)
     state = {k: (torch.randn_like(v) * 0.05 if k.endswith("e_score_correction_bias") else v)
@@ -105,7 +83,7 @@ FAMILY_CASES = [("deepseek_v3", "groups_sigmoid_bias"), ("deepseek_v3", "sigmoid
                 ("deepseek_v3", "softmax_aux"), ("mixtral", "sinkhorn_k2"), ("mixtral", "pre_softmax_seq_aux_z"),
                 ("qwen2_moe", "two_losses"), ("qwen2_moe", "global_aux")]
 # Options a field leaves unset keep the family's own routing; for DeepSeek-V3 (sigmoid, 4 groups of which 2, scaling
-# 2.0 in `_config`) megatron-core is given those explicitly. Its softmax case asks for softmax.
+# 2.0 in `tiny_family_config`) megatron-core is given those explicitly. Its softmax case asks for softmax.
 DEEPSEEK_OWN = dict(moe_router_score_function="sigmoid", moe_router_num_groups=4, moe_router_group_topk=2,
                     moe_router_topk_scaling_factor=2.0)
 

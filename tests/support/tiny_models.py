@@ -11,6 +11,7 @@ import torch
 
 from fsdp2_backend.config.schema import ModelArguments
 from fsdp2_backend.models.mamba3.modeling import Mamba3Config
+from tests.support.router_reference import E
 
 
 def tiny_model_dir(path, seed: int, vocab_size: int = 300, **overrides) -> str:
@@ -56,8 +57,8 @@ def _step35():
 
 def _family(name):
     def build():
-        from tests.models.test_router_families import _config
-        return _config(name)
+        from tests.support.tiny_models import tiny_family_config
+        return tiny_family_config(name)
     return build
 
 
@@ -196,3 +197,26 @@ def engine_model(model_id, path):
     args = ModelArguments(model_name_or_path=str(path), model_id=model_id, init_model_with_meta_device=True)
     hf_config = load_hf_config(args)
     return create_model(args, hf_config, seed=1, device=torch.device("cpu"), parallelize=lambda m: m)
+
+
+def tiny_family_config(family: str, **overrides):
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen2MoeConfig
+
+    common = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, tie_word_embeddings=False, num_experts_per_tok=4)
+    if family == "mixtral":
+        config = MixtralConfig(**common, intermediate_size=16, num_local_experts=E, output_router_logits=True,
+                               router_aux_loss_coef=0.02, **overrides)
+    elif family == "qwen2_moe":
+        config = Qwen2MoeConfig(**common, intermediate_size=48, moe_intermediate_size=16, num_experts=E,
+                                shared_expert_intermediate_size=24, norm_topk_prob=True, output_router_logits=True,
+                                router_aux_loss_coef=0.02, **overrides)
+    else:
+        common.update(num_key_value_heads=4)
+        config = DeepseekV3Config(**common, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=E,
+                                  n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.0,
+                                  first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+                                  qk_rope_head_dim=8, v_head_dim=8, **overrides)
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"  # transformers' reference loop over experts
+    return config
