@@ -13,42 +13,20 @@
 import pytest
 import torch
 
-from fsdp2_backend.models.moe.family_swap import GROUPED_CLASSES
 from fsdp2_backend.models.moe.router import TopKRouter, finish_router_step
 from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
 from tests.support.launchers import run_pretrain
 from tests.support.router_reference import E, ROUTER_CASES, megatron_router
 from tests.support.router_reference import megatron  # noqa: F401  (a fixture)
-from tests.support.tiny_models import tiny_family_config
-
-B, S = 2, 8
-
-
-def _pair(family: str):
-    """(transformers' model, ours) with the same weights; DeepSeek's correction bias random (it selects)."""
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_family_config(family)
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(config)
-    state = {k: (torch.randn_like(v) * 0.05 if k.endswith("e_score_correction_bias") else v)
-             for k, v in reference.state_dict().items()}
-    reference.load_state_dict(state)
-    ours = GROUPED_CLASSES[family](config)
-    ours.load_state_dict(state, strict=True)
-    return reference.train(), ours.train()
-
-
-def _ids():
-    return torch.randint(0, 96, (B, S), generator=torch.Generator().manual_seed(3))
+from tests.support.router_reference import B, S, RouterFields, family_ids, family_pair
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "mixtral", "qwen2_moe"])
 def test_defaults_equal_transformers_model(family):
-    reference, ours = _pair(family)
+    reference, ours = family_pair(family)
     assert all(type(m).__name__ == "GroupedExperts" for n, m in ours.named_modules() if n.endswith("mlp.experts"))
     assert sum(isinstance(m, TopKRouter) for m in ours.modules()) == 2 - (family == "deepseek_v3")
-    ids = _ids()
+    ids = family_ids()
     outs = [model(input_ids=ids, labels=ids, use_cache=False) for model in (reference, ours)]
     torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(outs[1].loss, outs[0].loss, rtol=1e-6, atol=1e-7)
@@ -60,23 +38,6 @@ def test_defaults_equal_transformers_model(family):
     grads = dict(reference.named_parameters())
     for name, param in ours.named_parameters():
         torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)
-
-
-class _Fields:
-    """The config's model.moe_* fields, as validation hands them to the model (test_router_megatron's cases)."""
-
-    def __init__(self, options):
-        self.moe_router_score_function = options.get("moe_router_score_function")
-        self.moe_router_pre_softmax = options.get("moe_router_pre_softmax")
-        self.moe_router_num_groups = options.get("moe_router_num_groups")
-        self.moe_router_group_topk = options.get("moe_router_group_topk")
-        self.moe_router_topk_scaling_factor = options.get("moe_router_topk_scaling_factor")
-        self.moe_router_dtype = None
-        self.moe_z_loss_coeff = options.get("moe_z_loss_coeff")
-        self.moe_router_enable_expert_bias = options.get("moe_router_enable_expert_bias", False)
-        self.moe_router_bias_update_rate = options.get("moe_router_bias_update_rate", 1e-3)
-        self.moe_router_load_balancing_type = options.get("moe_router_load_balancing_type", "aux_loss")
-        self.moe_aux_loss_coeff = options.get("moe_aux_loss_coeff", 0.0)
 
 
 FAMILY_CASES = [("deepseek_v3", "groups_sigmoid_bias"), ("deepseek_v3", "sigmoid_bias_scaling"),
@@ -96,13 +57,13 @@ def test_model_routing_equals_megatron_core(megatron, family, case):
     if family == "deepseek_v3":
         options = {**DEEPSEEK_OWN, **({"moe_router_score_function": "softmax"} if case == "softmax_aux" else {}),
                    **options}
-    _, model = _pair(family)
-    configure_moe(model, moe_grouped_gemm=False, fix_router=False, model_args=_Fields(options))
+    _, model = family_pair(family)
+    configure_moe(model, moe_grouped_gemm=False, fix_router=False, model_args=RouterFields(options))
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     seen = []
     for router in routers:
         router.register_forward_hook(lambda m, i, out: seen.append([t.detach() for t in out]))
-    out = model(input_ids=_ids(), use_cache=False)
+    out = model(input_ids=family_ids(), use_cache=False)
     if family == "deepseek_v3" and options.get("moe_router_enable_expert_bias"):
         assert all(r.expert_bias is r.e_score_correction_bias for r in routers)
     expected_aux = 0.0

@@ -220,18 +220,18 @@ def test_mindspeed_histc_counts_zeros_and_ones_not_experts():
 # -- in a model: DeepSeek-V3 (family_swap) with the DeepSeek-V4 router ------------------------------------------------
 def test_deepseek_v3_model_aux_loss_is_mindspeeds_sum_over_layers():
     from fsdp2_backend.models.qwen3_moe.modeling import configure_moe
-    from tests.models.test_router_families import B, S, _Fields, _ids, _pair
+    from tests.support.router_reference import B, S, RouterFields, family_ids, family_pair
 
     options = dict(moe_router_score_function="sqrtsoftplus", moe_router_enable_expert_bias=True,
                    moe_router_load_balancing_type=["mindspeed_seq_aux_loss"], moe_aux_loss_coeff=[0.01],
                    moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=1.5)
-    _, model = _pair("deepseek_v3")  # its e_score_correction_bias random: it selects, it is the expert bias
-    configure_moe(model, moe_grouped_gemm=False, fix_router=False, model_args=_Fields(options))
+    _, model = family_pair("deepseek_v3")  # its e_score_correction_bias random: it selects, it is the expert bias
+    configure_moe(model, moe_grouped_gemm=False, fix_router=False, model_args=RouterFields(options))
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     seen = []
     for router in routers:
         router.register_forward_hook(lambda m, i, out: seen.append([t.detach() for t in out]))
-    out = model(input_ids=_ids(), use_cache=False)
+    out = model(input_ids=family_ids(), use_cache=False)
     expected = 0.0
     for router, (logits, weights, index) in zip(routers, seen):
         bias = router.e_score_correction_bias.clone()

@@ -1,14 +1,16 @@
 """megatron-core 0.16.1's TopKRouter as the reference for ours: a 1-rank gloo group for it (the `megatron` fixture),
-both routers built from the same Megatron options, and the option sets the router tests run (`ROUTER_CASES`)."""
+both routers built from the same Megatron options, the option sets the router tests run (`ROUTER_CASES`), the
+config fields validation hands a model (`RouterFields`), and the router families' model next to transformers'
+(`family_pair`)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp2_backend.models.moe.family_swap import GROUPED_CLASSES
 from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter
 from tests.support.launchers import free_port
-
 
 E, H = 16, 8
 
@@ -84,3 +86,45 @@ ROUTER_CASES = {
     "sinkhorn_k2": dict(moe_router_topk=2, moe_router_load_balancing_type="sinkhorn"),
     "none": dict(moe_router_topk=2, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.5),
 }
+
+
+B, S = 2, 8
+
+
+def family_pair(family: str):
+    """(transformers' model, ours) with the same weights; DeepSeek's correction bias random (it selects)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.tiny_models import tiny_family_config  # here: tiny_models imports E from this module
+
+    config = tiny_family_config(family)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config)
+    state = {k: (torch.randn_like(v) * 0.05 if k.endswith("e_score_correction_bias") else v)
+             for k, v in reference.state_dict().items()}
+    reference.load_state_dict(state)
+    ours = GROUPED_CLASSES[family](config)
+    ours.load_state_dict(state, strict=True)
+    return reference.train(), ours.train()
+
+
+def family_ids():
+    """A (B, S) batch of token ids for the family models."""
+    return torch.randint(0, 96, (B, S), generator=torch.Generator().manual_seed(3))
+
+
+class RouterFields:
+    """The config's model.moe_* fields, as validation hands them to the model (test_router_megatron's cases)."""
+
+    def __init__(self, options):
+        self.moe_router_score_function = options.get("moe_router_score_function")
+        self.moe_router_pre_softmax = options.get("moe_router_pre_softmax")
+        self.moe_router_num_groups = options.get("moe_router_num_groups")
+        self.moe_router_group_topk = options.get("moe_router_group_topk")
+        self.moe_router_topk_scaling_factor = options.get("moe_router_topk_scaling_factor")
+        self.moe_router_dtype = None
+        self.moe_z_loss_coeff = options.get("moe_z_loss_coeff")
+        self.moe_router_enable_expert_bias = options.get("moe_router_enable_expert_bias", False)
+        self.moe_router_bias_update_rate = options.get("moe_router_bias_update_rate", 1e-3)
+        self.moe_router_load_balancing_type = options.get("moe_router_load_balancing_type", "aux_loss")
+        self.moe_aux_loss_coeff = options.get("moe_aux_loss_coeff", 0.0)
