@@ -12,6 +12,7 @@ import torch
 from fsdp2_backend.config.schema import ModelArguments
 from fsdp2_backend.models.mamba3.modeling import Mamba3Config
 from tests.support.router_reference import E
+from tests.support.step35_reference import step35_config
 
 
 def tiny_model_dir(path, seed: int, vocab_size: int = 300, **overrides) -> str:
@@ -19,60 +20,6 @@ def tiny_model_dir(path, seed: int, vocab_size: int = 300, **overrides) -> str:
     tokenizer = train_bytelevel_tokenizer(path, vocab_size=vocab_size)
     build_tiny_model_dir(path, vocab_size=len(tokenizer), seed=seed, **overrides)
     return str(path)
-
-
-def _qwen3():
-    return tiny_qwen3_config()
-
-
-def _qwen3_moe():
-    from tests.support.tiny_models import tiny_moe_config
-    return tiny_moe_config()
-
-
-def _qwen3_next():
-    from tests.support.tiny_models import tiny_next_config
-    return tiny_next_config()
-
-
-def _mamba3():
-    from tests.support.tiny_models import tiny_mamba3_config
-    return tiny_mamba3_config()
-
-
-def _gpt_oss():
-    from tests.support.tiny_models import tiny_gpt_oss_config
-    return tiny_gpt_oss_config()
-
-
-def _minimax():
-    from tests.support.tiny_models import tiny_minimax_config
-    return tiny_minimax_config()
-
-
-def _step35():
-    from tests.support.step35_reference import step35_config
-    return step35_config()
-
-
-def _family(name):
-    def build():
-        from tests.support.tiny_models import tiny_family_config
-        return tiny_family_config(name)
-    return build
-
-
-def _newer(name):
-    def build():
-        from tests.support.tiny_models import tiny_newer_config
-        return tiny_newer_config(name)
-    return build
-
-
-TINY_CONFIGS = {"qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "qwen3_next": _qwen3_next, "mamba3": _mamba3,
-                "gpt_oss": _gpt_oss, "minimax_m27": _minimax, "step35": _step35,
-                **{name: _family(name) for name in ("deepseek_v3", "mixtral", "qwen2_moe")},
-                **{name: _newer(name) for name in ("deepseek_v4", "glm52", "longcat_flash_ngram")}}
 
 
 def tiny_moe_config(**overrides):
@@ -220,3 +167,13 @@ def tiny_family_config(family: str, **overrides):
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"  # transformers' reference loop over experts
     return config
+
+
+# A tiny HF config for every model id of the registry, built on call.
+TINY_CONFIGS = {"qwen3": tiny_qwen3_config, "qwen3_moe": tiny_moe_config, "qwen3_next": tiny_next_config,
+                "mamba3": tiny_mamba3_config, "gpt_oss": tiny_gpt_oss_config, "minimax_m27": tiny_minimax_config,
+                "step35": step35_config,
+                **{name: (lambda name=name: tiny_family_config(name))
+                   for name in ("deepseek_v3", "mixtral", "qwen2_moe")},
+                **{name: (lambda name=name: tiny_newer_config(name))
+                   for name in ("deepseek_v4", "glm52", "longcat_flash_ngram")}}
