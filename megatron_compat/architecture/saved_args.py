@@ -10,6 +10,7 @@ checkpoint reader (`megatron_compat.checkpoint.mla`) refuses the conversion with
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 
@@ -18,10 +19,13 @@ from typing import Any, Dict, List, Tuple
 _RUN_SETTINGS = frozenset({"hidden_dropout", "attention_dropout", "init_method_std"})
 
 
-def _given(args: Any) -> set:
-    from megatron_compat.parse.arguments import MEGATRON_TABLE
+# Megatron-LM's parser table, which the flag parser ships (megatron_compat/parse/arguments.py MEGATRON_TABLE): read
+# by its path here, since this mapping sits below the parser (the checkpoint readers use it too).
+_PARSER_TABLE = Path(__file__).resolve().parents[1] / "parse" / "megatron_lm_arguments.json"
 
-    with open(MEGATRON_TABLE, encoding="utf-8") as f:
+
+def _given(args: Any) -> set:
+    with open(_PARSER_TABLE, encoding="utf-8") as f:
         defaults = {entry["dest"]: entry["default"] for entry in json.load(f)}
     given = set()
     for dest, value in vars(args).items():

@@ -61,13 +61,13 @@ def _int_keys(state: dict) -> dict:
     return {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in state.items()}
 
 
-def read_dcp_entries(it_dir: Path, keep=lambda key: True) -> dict:
-    """The saved dict (nested, as Megatron-LM built it) restricted to the DCP entries whose key passes ``keep``."""
+def read_flat_entries(it_dir: Path, keep=lambda key: True) -> dict[str, Any]:
+    """The DCP entries whose key passes ``keep``, flat (tensors, and pickled objects such as the RNG's
+    ShardedObject, unpickled through the allow-list), read without a process group."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    metadata = dcp_metadata(it_dir)
     flat: dict[str, Any] = {}
-    for key, meta in metadata.state_dict_metadata.items():
+    for key, meta in dcp_metadata(it_dir).state_dict_metadata.items():
         if not keep(key):
             continue
         if isinstance(meta, TensorStorageMetadata):
@@ -76,6 +76,13 @@ def read_dcp_entries(it_dir: Path, keep=lambda key: True) -> dict:
             flat[key] = io.BytesIO()
     if flat:
         dcp_load(flat, it_dir)
+    return flat
+
+
+def read_dcp_entries(it_dir: Path, keep=lambda key: True) -> dict:
+    """The saved dict (nested, as Megatron-LM built it) restricted to the DCP entries whose key passes ``keep``."""
+    metadata = dcp_metadata(it_dir)
+    flat = read_flat_entries(it_dir, keep)
     saved = _rebuild(flat, metadata.planner_data if isinstance(metadata.planner_data, dict) else {})
     optimizer = saved.get("optimizer")
     if isinstance(optimizer, dict):
@@ -120,4 +127,4 @@ def read_dcp_checkpoint(it_dir: Path, with_optimizer: bool = True) -> dict:
     return saved
 
 
-__all__ = ["read_dcp_entries", "model_shapes", "read_dcp_common", "read_dcp_checkpoint"]
+__all__ = ["read_flat_entries", "read_dcp_entries", "model_shapes", "read_dcp_common", "read_dcp_checkpoint"]

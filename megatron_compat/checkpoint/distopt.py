@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from fsdp2_backend.usage_errors import UsageError
+from megatron_compat.checkpoint.dcp_format import read_flat_entries
 from megatron_compat.checkpoint.safe_pickle import dcp_metadata
 
 _BUCKET_RE = re.compile(r"^(.*?distributed\.dp_group_idx_\d+)\.gbuf_idx_(\d+)\.dtype_\((torch\.\w+), (torch\.\w+)\)"
@@ -164,8 +165,6 @@ def read_dp_reshardable(it_dir: Path, weights: dict[str, torch.Tensor]) -> tuple
     """({param / exp_avg / exp_avg_sq: {model key: full tensor shaped like weights[key]}}, the optimizer's
     non-tensor state {"optimizer": param groups with the step, "grad_scaler": ...}) of a dp_reshardable
     checkpoint whose model tensors are ``weights``."""
-    from megatron_compat.checkpoint.resume import _torch_dist_tensors
-
     keys = list(dcp_metadata(it_dir).state_dict_metadata)
     found = [m.groups() for m in map(_BUCKET_RE.match, keys) if m]
     domains = sorted({g[0] for g in found})
@@ -179,7 +178,7 @@ def read_dp_reshardable(it_dir: Path, weights: dict[str, torch.Tensor]) -> tuple
         raise _decline(it_dir, f"has {len(gbufs)} grad buffers (model chunks or parameter dtypes "
                                f"{sorted({g[1] for g in gbufs})}); only one is mapped")
     prefix = domains[0]
-    objects = _torch_dist_tensors(it_dir, lambda k: k.startswith(prefix + ".") and not _BUCKET_RE.match(k))
+    objects = read_flat_entries(it_dir, lambda k: k.startswith(prefix + ".") and not _BUCKET_RE.match(k))
     extra = {}
     for key, value in objects.items():  # unpickled through the allow-list (safe_pickle)
         if isinstance(value, list) and len(value) == 1:  # a ShardedObject reads back as the list of its one shard
@@ -191,7 +190,7 @@ def read_dp_reshardable(it_dir: Path, weights: dict[str, torch.Tensor]) -> tuple
         unpadded = [int(n) for n in next(iter(per_bucket[gbuf].values()))]
     except (TypeError, IndexError, KeyError, StopIteration, AttributeError):
         raise _decline(it_dir, "has no readable per_bucket_numel_unpadded record") from None
-    tensors = _torch_dist_tensors(it_dir, lambda k: bool(_BUCKET_RE.match(k)) and k.startswith(prefix + "."))
+    tensors = read_flat_entries(it_dir, lambda k: bool(_BUCKET_RE.match(k)) and k.startswith(prefix + "."))
     buckets: list[dict] = [{} for _ in unpadded]
     for key, value in tensors.items():
         *_, bucket, kind = _BUCKET_RE.match(key).groups()

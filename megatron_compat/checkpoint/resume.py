@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -58,9 +57,10 @@ import torch
 
 from megatron_compat.checkpoint import convert as mc
 from megatron_compat.checkpoint.layout import checkpoint_format
-from megatron_compat.checkpoint.dcp_format import model_shapes, read_dcp_checkpoint, read_dcp_common
+from megatron_compat.checkpoint.dcp_format import (model_shapes, read_dcp_checkpoint, read_dcp_common,
+                                                   read_flat_entries)
 from megatron_compat.checkpoint.fsdp_dtensor import is_fsdp_dtensor, optimizer_state as fsdp_optimizer_state
-from megatron_compat.checkpoint.safe_pickle import dcp_load, dcp_metadata, load_torch_file
+from megatron_compat.checkpoint.safe_pickle import dcp_metadata, load_torch_file
 from fsdp2_backend.distributed.console import print_rank0
 from fsdp2_backend.usage_errors import UsageError
 
@@ -69,24 +69,6 @@ _UNMAPPED_SHARDING = ("dp_zero_gather_scatter", "fully_sharded_bucket_space", "f
 
 
 # ------------------------------------------------------------------------------------------------ reading
-def _torch_dist_tensors(it_dir: Path, keep) -> dict[str, Any]:
-    """The DCP entries of a torch_dist checkpoint whose key passes ``keep`` (tensors, and pickled objects such as
-    the RNG's ShardedObject), read without a process group."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-
-    state: dict[str, Any] = {}
-    for key, meta in dcp_metadata(it_dir).state_dict_metadata.items():
-        if not keep(key):
-            continue
-        if isinstance(meta, TensorStorageMetadata):
-            state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-        elif isinstance(meta, BytesStorageMetadata):
-            state[key] = io.BytesIO()
-    if state:
-        dcp_load(state, it_dir)  # byte entries come back as the objects they pickle (through the allow-list)
-    return state
-
-
 def _tensor_shapes(it_dir: Path) -> dict[str, torch.Tensor]:
     """The model tensors of a checkpoint as meta tensors (shapes only), for the HF config."""
     if checkpoint_format(it_dir) == "torch_dist":
@@ -204,7 +186,7 @@ def _torch_dist_optimizer(it_dir: Path, common: dict, weights: dict) -> tuple[di
         out, objects = read_dp_reshardable(it_dir, weights)
         common["optimizer"].update(objects)  # the step and the grad scaler are ShardedObjects in this format
         return out, _common_step(common["optimizer"], it_dir)
-    tensors = _torch_dist_tensors(it_dir, lambda k: bool(_OPTIM_RE.match(k)))
+    tensors = read_flat_entries(it_dir, lambda k: bool(_OPTIM_RE.match(k)))
     out: dict[str, dict] = {"exp_avg": {}, "exp_avg_sq": {}, "param": {}}
     for key, value in tensors.items():
         kind, name = _OPTIM_RE.match(key).groups()
@@ -314,7 +296,7 @@ def read_megatron_state(it_dir: Path, *, load_optim: bool = True, load_rng: bool
     print_rank0(f" loading Megatron-LM {fmt} checkpoint from {it_dir.parent} at iteration {it_dir.name}")
     if fmt == "torch_dist":
         common = mc._load_pickled(it_dir / "common.pt")
-        weights = _torch_dist_tensors(it_dir, lambda k: not k.startswith(("optimizer.", "rng_state", "rerun_state"))
+        weights = read_flat_entries(it_dir, lambda k: not k.startswith(("optimizer.", "rng_state", "rerun_state"))
                                       and "_extra_state" not in k)
         files = None
     else:  # legacy, or torch_dcp: the legacy format's dict in DCP files (one "rank")
@@ -352,7 +334,7 @@ def _rng_entry(it_dir: Path, common: dict, fmt: str, args: Any, rank: int) -> Op
     """This rank's RNG states (the first entry, or the rank's own with --data-parallel-random-init)."""
     entries = common.get("rng_state")
     if fmt == "torch_dist":
-        found = _torch_dist_tensors(it_dir, lambda k: k.startswith("rng_state"))
+        found = read_flat_entries(it_dir, lambda k: k.startswith("rng_state"))
         if found:  # one ShardedObject per (pp, tp) rank: the first tensor-parallel rank's (DCP unpickles it)
             entries = found[sorted(found)[0]]
     while isinstance(entries, (list, tuple)) and len(entries) == 1 and isinstance(entries[0], (list, tuple)):

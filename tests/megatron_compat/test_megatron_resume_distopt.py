@@ -140,11 +140,12 @@ def test_the_bucket_reader_gives_megatron_cores_per_parameter_state(megatron_dp2
     (each rank's shard of every parameter's main weight and moments, put together); the other spec's parameter
     order (Transformer Engine's) does not reproduce the saved weights, so it is not taken."""
     from megatron_compat.checkpoint import distopt as md
-    from megatron_compat.checkpoint.resume import _torch_dist_optimizer, _torch_dist_tensors
+    from megatron_compat.checkpoint.dcp_format import read_flat_entries
+    from megatron_compat.checkpoint.resume import _torch_dist_optimizer
 
     root, _, _ = megatron_dp2
     it_dir = root / "mg" / f"iter_{K:07d}"
-    weights = _torch_dist_tensors(it_dir, lambda k: not k.startswith(("optimizer.", "rng_state"))
+    weights = read_flat_entries(it_dir, lambda k: not k.startswith(("optimizer.", "rng_state"))
                                   and "_extra_state" not in k)
     got, objects = md.read_dp_reshardable(it_dir, weights)
     saved_name = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",  # local spec's names
@@ -162,12 +163,12 @@ def test_the_bucket_reader_gives_megatron_cores_per_parameter_state(megatron_dp2
         tensor = got[kind][key] if layer is None else got[kind][key][int(layer)]
         assert torch.equal(tensor.reshape(-1), value), (kind, name)  # NaN left = a range no rank owned: unequal
     assert {g["step"] for g in objects["optimizer"]["param_groups"]} == {float(K)}
-    (record,) = _torch_dist_tensors(it_dir, lambda k: "per_bucket_numel_unpadded" in k).values()
+    (record,) = read_flat_entries(it_dir, lambda k: "per_bucket_numel_unpadded" in k).values()
     unpadded = next(iter(record[0][0].values()))  # [one shard: [one grad buffer: {dtypes: sizes}]]
     assert len(unpadded) > 2  # the layout spans several buckets
     te_order = md._place(md._param_order(weights, md._TE, it_dir), weights, unpadded)
     buckets = [{"param": t} for _, t in sorted(
-        (int(md._BUCKET_RE.match(k).group(5)), v) for k, v in _torch_dist_tensors(
+        (int(md._BUCKET_RE.match(k).group(5)), v) for k, v in read_flat_entries(
             it_dir, lambda k: bool(md._BUCKET_RE.match(k)) and k.endswith(".param")).items())]
     assert te_order is None or not md._matches(te_order, weights, buckets)
     # model tensors the buckets' main weights do not reproduce: declined, naming what to do
