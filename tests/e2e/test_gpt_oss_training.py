@@ -11,7 +11,7 @@ import torch
 
 from tests.support.launchers import REPO, free_port
 from tests.support.tiny_models import train_bytelevel_tokenizer
-from tests.e2e.test_mindspeed_yaml import LOG_LINE_START, _failure, _run
+from tests.support.launchers import LOG_LINE_START, failure_report, run_command
 
 YAML = os.path.join(REPO, "tests", "data", "mindspeed_fsdp2", "head",
                     "examples__fsdp2__gpt_oss__pretrain_gpt_oss_20b_4k_fsdp2_A3.yaml")
@@ -58,8 +58,8 @@ def _train(assets, out, ranks, ep, yaml_file=YAML):
             "--data.cutoff_len", "64", "--training.save_steps", "4", "--training.lr", "1e-3"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), yaml_file, *args]
-    result = _run(command, {}, timeout=600)
-    assert result.returncode == 0, _failure(result, command)
+    result = run_command(command, {}, timeout=600)
+    assert result.returncode == 0, failure_report(result, command)
     log = result.stdout + result.stderr
     lines = [parsed for line in log.splitlines() for start in LOG_LINE_START.finditer(line)
              if (parsed := parse_train_line(line[start.start():]))]

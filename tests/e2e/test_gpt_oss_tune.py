@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.launchers import REPO, free_port
 from tests.support.tiny_models import train_bytelevel_tokenizer
-from tests.e2e.test_mindspeed_yaml import _failure, _run, train_lines
+from tests.support.launchers import failure_report, run_command, train_lines
 
 HEAD = os.path.join(REPO, "tests", "data", "mindspeed_fsdp2", "head")
 # (YAML, the launcher's --optimization switches, the layout scaled to 2 ranks)
@@ -63,8 +63,8 @@ def test_tune_yaml_trains_three_steps_on_two_ranks(assets, tmp_path, name):
             "--training.dataloader_num_workers", "0", "--training.lr", "1e-3"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), os.path.join(HEAD, name), *args]
-    result = _run(command, {}, timeout=600)
-    assert result.returncode == 0, _failure(result, command)
+    result = run_command(command, {}, timeout=600)
+    assert result.returncode == 0, failure_report(result, command)
     lines = train_lines(result.stdout + result.stderr, parse_train_line)
-    assert [line["iteration"] for line in lines] == [1, 2, 3], _failure(result, command)
+    assert [line["iteration"] for line in lines] == [1, 2, 3], failure_report(result, command)
     assert all(math.isfinite(line["losses"]["lm loss"]) for line in lines)

@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +28,7 @@ import yaml
 
 from tests.support.launchers import REPO, free_port
 from tests.support.tiny_models import tiny_model_dir, train_bytelevel_tokenizer
+from tests.support.launchers import failure_report, run_command, train_lines
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "mindspeed_fsdp2"
 COMMITS = ("f88dd26d", "head", "v26.1.0")  # v26.1.0: the release (branch and tag 26.1.0), besides master
@@ -151,18 +150,6 @@ def _with_paths(yaml_file: Path, args, paths):
     return args
 
 
-def _run(command, env_extra, timeout):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **env_extra}
-    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
-
-
-def _failure(result, command) -> str:
-    return (f"exit {result.returncode}\n$ {' '.join(command)}\n--- stderr (tail)\n{result.stderr[-4000:]}\n"
-            f"--- stdout (tail)\n{result.stdout[-2000:]}")
-
-
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A tiny tokenizer, a parquet file of raw text ("text" column, like the alpaca parquet's) and lazily built
@@ -222,7 +209,7 @@ def _dry_run(assets, tmp_path, yaml_file, entry):
     dataset = json.dumps({"file_name": assets["parquet"]})
     args = _with_paths(yaml_file, entry["args"], (model, model, dataset, str(tmp_path / "output")))
     command = [sys.executable, os.path.join(REPO, "pretrain_fsdp2.py"), str(yaml_file), *args, "--dry-run"]
-    return command, _run(command, {"WORLD_SIZE": str(entry["world"])}, timeout=300)
+    return command, run_command(command, {"WORLD_SIZE": str(entry["world"])}, timeout=300)
 
 
 def test_every_launcher_in_scope_maps_to_a_copied_yaml():
@@ -249,7 +236,7 @@ FULL_PRECISION = [case for case in PRETRAIN if case not in QUANT]
 @pytest.mark.parametrize("commit,launcher,entry,yaml_file", QUANT, ids=_ids(QUANT))
 def test_mxfp8_launcher_dry_runs_with_its_quant_fields(assets, tmp_path, commit, launcher, entry, yaml_file):
     command, result = _dry_run(assets, tmp_path, yaml_file, entry)
-    assert result.returncode == 0, _failure(result, command)
+    assert result.returncode == 0, failure_report(result, command)
     model = yaml.safe_load(result.stdout)["model"]
     assert model["quant_recipe_name"] == "mxfp8" and model["enable_fsdp_low_precision_all_gather"] is True
     assert model["quant_converters"] == ["quantize.linear.mx", "quantize.moe.mx"]
@@ -258,7 +245,7 @@ def test_mxfp8_launcher_dry_runs_with_its_quant_fields(assets, tmp_path, commit,
 @pytest.mark.parametrize("commit,launcher,entry,yaml_file", FULL_PRECISION, ids=_ids(FULL_PRECISION))
 def test_dry_run_at_launcher_world_size(assets, tmp_path, commit, launcher, entry, yaml_file):
     command, result = _dry_run(assets, tmp_path, yaml_file, entry)
-    assert result.returncode == 0, _failure(result, command)
+    assert result.returncode == 0, failure_report(result, command)
     printed = yaml.safe_load(result.stdout)
     assert isinstance(printed, dict) and printed["training"]["stage"] == "pt", result.stdout[-2000:]
     assert printed["model"]["model_name_or_path"] == assets["real"](_real_model(yaml_file.name))
@@ -276,7 +263,7 @@ def test_sft_launcher_dry_runs_and_trains_on_two_ranks(assets, tmp_path, commit,
     from tests.support.sft_assets import alpaca_rows
 
     command, result = _dry_run(assets, tmp_path, yaml_file, entry)
-    assert result.returncode == 0, _failure(result, command)
+    assert result.returncode == 0, failure_report(result, command)
     assert yaml.safe_load(result.stdout)["training"]["stage"] == "sft", result.stdout[-2000:]
     if commit == "v26.1.0":  # the release's copy differs from master's in its paths and sizes only: dry run alone
         return
@@ -291,24 +278,14 @@ def test_sft_launcher_dry_runs_and_trains_on_two_ranks(assets, tmp_path, commit,
              "--training.output_dir", output, "--training.dataloader_num_workers", "0"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), str(yaml_file), *args]
-    result = _run(command, {}, timeout=600)
-    assert result.returncode == 0, _failure(result, command)
+    result = run_command(command, {}, timeout=600)
+    assert result.returncode == 0, failure_report(result, command)
     lines = train_lines(result.stdout + result.stderr, parse_train_line)
-    assert [line["iteration"] for line in lines] == [1, 2, 3], _failure(result, command)
+    assert [line["iteration"] for line in lines] == [1, 2, 3], failure_report(result, command)
     assert all(math.isfinite(line["losses"]["lm loss"]) for line in lines)
 
 
 TRAIN_CASES = [case for case in PRETRAIN if (case[0], case[1]) in TRAINED]
-
-
-# Where a Megatron log line starts: rank 0's checkpoint message and the last rank's log line share one stdout, and
-# unbuffered (PYTHONUNBUFFERED) a print's text and its newline are two writes, so a line can start mid-line.
-LOG_LINE_START = re.compile(r" \[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}\.\d{6}\] iteration ")
-
-
-def train_lines(log, parse_train_line):
-    return [parsed for line in log.splitlines() for start in LOG_LINE_START.finditer(line)
-            if (parsed := parse_train_line(line[start.start():]))]
 
 
 def _scaled_ep(entry) -> str:
@@ -332,10 +309,10 @@ def test_trains_three_steps_on_two_ranks(assets, tmp_path, commit, launcher, ent
              "--training.output_dir", output]  # the YAML's own data loader workers
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), str(yaml_file), *args]
-    result = _run(command, {}, timeout=600)
-    assert result.returncode == 0, _failure(result, command)
+    result = run_command(command, {}, timeout=600)
+    assert result.returncode == 0, failure_report(result, command)
     lines = train_lines(result.stdout + result.stderr, parse_train_line)
-    assert [line["iteration"] for line in lines] == [1, 2, 3], _failure(result, command)
+    assert [line["iteration"] for line in lines] == [1, 2, 3], failure_report(result, command)
     for line in lines:
         loss = line["losses"].get("lm loss")
         assert loss is not None and math.isfinite(loss), line

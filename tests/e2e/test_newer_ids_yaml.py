@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_mindspeed_yaml import LOG_LINE_START, _failure, _run
+from tests.support.launchers import LOG_LINE_START, failure_report, run_command
 from tests.support.launchers import REPO, free_port
 from tests.support.tiny_models import save_tiny, train_bytelevel_tokenizer
 
@@ -75,8 +75,8 @@ def _train(assets, model_id, out, ranks, *extra, yaml_name=None, folder=DATA):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"),
                str(folder / (yaml_name or EXAMPLES[model_id])), *args]
-    result = _run(command, {}, timeout=600)
-    assert result.returncode == 0, _failure(result, command)
+    result = run_command(command, {}, timeout=600)
+    assert result.returncode == 0, failure_report(result, command)
     log = result.stdout + result.stderr
     return _losses(log), log
 

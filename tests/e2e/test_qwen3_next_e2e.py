@@ -14,8 +14,8 @@ import pytest
 
 from tests.support.launchers import REPO, free_port, run_pretrain
 from tests.support.tiny_models import train_bytelevel_tokenizer
-from tests.e2e.test_mindspeed_yaml import (DATA, _failure, _run, _with_paths, _yaml_file, assets,  # noqa: F401
-                                      train_lines)
+from tests.support.launchers import failure_report, run_command, train_lines
+from tests.e2e.test_mindspeed_yaml import DATA, _with_paths, _yaml_file, assets
 from tests.support.tiny_models import tiny_next_config
 
 GDN_FLAGS = (
@@ -73,12 +73,12 @@ def test_mindspeed_qwen3_next_yaml_trains_on_two_ranks(assets, tmp_path, commit)
              "--optimization.chunk_loss_size", "32", "--training.dataloader_num_workers", "0"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), str(yaml_file), *args]
-    result = _run(command, {}, timeout=900)
-    assert result.returncode == 0, _failure(result, command)
+    result = run_command(command, {}, timeout=900)
+    assert result.returncode == 0, failure_report(result, command)
     log = result.stdout + result.stderr
     assert "use_triton_gdn: no triton Gated DeltaNet kernel on cpu" in log, log[-3000:]
     lines = train_lines(log, parse_train_line)
-    assert [line["iteration"] for line in lines] == [1, 2, 3], _failure(result, command)
+    assert [line["iteration"] for line in lines] == [1, 2, 3], failure_report(result, command)
     assert all(math.isfinite(line["losses"]["lm loss"]) for line in lines)
 
 

@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from tests.support.launchers import REPO, free_port
-from tests.e2e.test_mindspeed_yaml import (DATA, _failure, _run, _with_paths, _yaml_file, assets,  # noqa: F401
-                                      train_lines)
+from tests.support.launchers import failure_report, run_command, train_lines
+from tests.e2e.test_mindspeed_yaml import DATA, _with_paths, _yaml_file, assets
 from tests.e2e.test_qwen3_next_e2e import _tiny_next_dir
 
 SCALED = ["--training.max_steps", "3", "--data.cutoff_len", "64", "--training.per_device_train_batch_size", "1",
@@ -37,9 +37,9 @@ def _command(yaml_file, args):
 def _three_steps(result, command):
     from fsdp2_backend.training.logging import parse_train_line
 
-    assert result.returncode == 0, _failure(result, command)
+    assert result.returncode == 0, failure_report(result, command)
     lines = train_lines(result.stdout + result.stderr, parse_train_line)
-    assert [line["iteration"] for line in lines] == [1, 2, 3], _failure(result, command)
+    assert [line["iteration"] for line in lines] == [1, 2, 3], failure_report(result, command)
     assert all(math.isfinite(line["losses"]["lm loss"]) for line in lines)
     return result.stdout + result.stderr
 
@@ -61,7 +61,7 @@ def test_mindspeed_qwen3_next_tune_yaml_trains_on_two_ranks(tiny_next, tmp_path,
     args = _with_paths(yaml_file, entry["args"], (tiny_next, tiny_next, dataset, str(tmp_path / "output")))
     args += ["--parallel.fsdp_size", "2", *SCALED]
     command = _command(yaml_file, args)
-    _three_steps(_run(command, {}, timeout=900), command)
+    _three_steps(run_command(command, {}, timeout=900), command)
     run = json.loads((tmp_path / "output" / "iter_0000003" / "run_config.json").read_text())
     assert run["training"]["stage"] == "sft" and run["model"]["model_id"] == "qwen3_next"
     assert run["data"]["template"] == "qwen3" and run["model"]["init_model_with_meta_device"] is True
@@ -79,14 +79,14 @@ def test_mindspeed_ascendc_gdn_pack_cp2_yaml(tiny_next, assets, tmp_path):  # no
     args = _with_paths(yaml_file, entry["args"], (tiny_next, tiny_next, dataset, str(tmp_path / "output")))
     args += ["--parallel.fsdp_size", "1", *SCALED]
     command = _command(yaml_file, args)
-    result = _run(command, {}, timeout=900)
-    assert result.returncode != 0 and "exitcode  : 2" in result.stderr, _failure(result, command)
+    result = run_command(command, {}, timeout=900)
+    assert result.returncode != 0 and "exitcode  : 2" in result.stderr, failure_report(result, command)
     assert _error_lines(result) == [
         "optimization.use_flash_gdn: the AscendC Gated DeltaNet ops need an Ascend NPU (this run is on cpu) — set "
-        "it to false (use_triton_gdn on CUDA)"], _failure(result, command)
+        "it to false (use_triton_gdn on CUDA)"], failure_report(result, command)
 
     command = _command(yaml_file, args + ["--optimization.use_flash_gdn", "False"])  # the one change
-    _three_steps(_run(command, {}, timeout=900), command)
+    _three_steps(run_command(command, {}, timeout=900), command)
     run = json.loads((tmp_path / "output" / "iter_0000003" / "run_config.json").read_text())
     assert run["parallel"]["cp_size"] == 2 and run["parallel"]["cp_type"] == "ulysses"
     assert run["data"]["data_manager_type"] == "mg" and run["data"]["append_eod"] is True

@@ -16,7 +16,7 @@ import torch
 
 from tests.support.launchers import REPO, free_port
 from tests.support.tiny_models import train_bytelevel_tokenizer
-from tests.e2e.test_mindspeed_yaml import _failure, _run, train_lines
+from tests.support.launchers import failure_report, run_command, train_lines
 from tests.support.step35_reference import step35_config, step35_config_dict, step35_reference, write_step35_checkpoint
 
 DATA = os.path.join(REPO, "tests", "data", "mindspeed_fsdp2")
@@ -69,8 +69,8 @@ def _train(assets, yaml_file, out, ranks, ep, ep_fsdp, *extra, steps=8):
             "--parallel.param_dtype", "fp32", *extra]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), yaml_file, *args]
-    result = _run(command, {}, timeout=900)
-    assert result.returncode == 0, _failure(result, command)
+    result = run_command(command, {}, timeout=900)
+    assert result.returncode == 0, failure_report(result, command)
     log = result.stdout + result.stderr
     return {line["iteration"]: line["losses"]["lm loss"] for line in train_lines(log, parse_train_line)}, log
 
@@ -130,7 +130,7 @@ def test_f88dd26d_step35_yaml_dry_runs_at_its_world_size(assets, tmp_path):
     command = [sys.executable, os.path.join(REPO, "pretrain_fsdp2.py"), OLD, "--model.model_name_or_path",
                str(real), "--model.tokenizer_name_or_path", str(real), "--data.dataset",
                assets["dataset"], "--training.output_dir", str(tmp_path / "out"), "--dry-run"]
-    result = _run(command, {"WORLD_SIZE": "192"}, timeout=300)
-    assert result.returncode == 0, _failure(result, command)
+    result = run_command(command, {"WORLD_SIZE": "192"}, timeout=300)
+    assert result.returncode == 0, failure_report(result, command)
     parallel = yaml.safe_load(result.stdout)["parallel"]
     assert (parallel["ep_size"], parallel["ep_fsdp_size"], parallel["fsdp_size"]) == (96, 2, 192)

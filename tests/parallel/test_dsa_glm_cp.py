@@ -193,7 +193,7 @@ def _pretrain(assets, out, ranks, *extra):  # noqa: F811
     import sys
 
     from fsdp2_backend.training.logging import parse_train_line
-    from tests.e2e.test_mindspeed_yaml import _failure, _run, train_lines
+    from tests.support.launchers import failure_report, run_command, train_lines
     from tests.e2e.test_newer_ids_yaml import DATA, EXAMPLES, _model_args
     from tests.support.launchers import REPO, free_port
 
@@ -201,8 +201,8 @@ def _pretrain(assets, out, ranks, *extra):  # noqa: F811
             "--parallel.param_dtype", "fp32", "--parallel.fsdp_size", str(ranks), *extra]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), str(DATA / EXAMPLES["glm52"]), *args]
-    result = _run(command, {}, timeout=600)
-    assert result.returncode == 0, _failure(result, command)
+    result = run_command(command, {}, timeout=600)
+    assert result.returncode == 0, failure_report(result, command)
     log = result.stdout + result.stderr
     return {line["iteration"]: line["losses"] for line in train_lines(log, parse_train_line)}, log
 

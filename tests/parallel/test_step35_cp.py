@@ -163,7 +163,7 @@ def _train(assets, out, ranks, *extra, ep=1):  # noqa: F811
     """MindSpeed's step35 examples YAML, paths replaced, fp32 (see tests/e2e/test_step35_training.py), 8 steps of a
     global batch of 2 sequences of 32 tokens: {iteration: lm loss} and the log."""
     from fsdp2_backend.training.logging import parse_train_line
-    from tests.e2e.test_mindspeed_yaml import _failure, _run, train_lines
+    from tests.support.launchers import failure_report, run_command, train_lines
 
     args = ["--model.model_name_or_path", assets["model"], "--model.tokenizer_name_or_path", assets["model"],
             "--data.dataset", assets["dataset"], "--parallel.fsdp_size", str(ranks), "--parallel.ep_size", str(ep),
@@ -174,8 +174,8 @@ def _train(assets, out, ranks, *extra, ep=1):  # noqa: F811
             *extra]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), EXAMPLES, *args]
-    result = _run(command, {}, timeout=900)
-    assert result.returncode == 0, _failure(result, command)
+    result = run_command(command, {}, timeout=900)
+    assert result.returncode == 0, failure_report(result, command)
     log = result.stdout + result.stderr
     return {line["iteration"]: line["losses"]["lm loss"] for line in train_lines(log, parse_train_line)}, log
 

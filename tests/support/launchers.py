@@ -1,5 +1,6 @@
 """How tests start processes: the 2-rank gloo launcher (`run_distributed`, forked ranks) and the entry point run
-as a subprocess (`run_pretrain`, under torchrun for several ranks), with the repository root and a free port.
+as a subprocess (`run_pretrain`, under torchrun for several ranks; `run_command` for any command line), with the
+repository root, a free port and the readers of the runs' logs.
 
 A test module that launches processes marks itself (tests/conftest.py lists the markers; tests/tools/test_test_layout.py
 checks that the marker and the launch go together)."""
@@ -83,3 +84,29 @@ def run_pretrain(flags, save_dir, *extra, ranks: int = 1):
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-3000:]
     return {int(it): (int(consumed), loss) for it, consumed, loss in MEGATRON_LINE.findall(log)}, log
+
+
+def run_command(command, env_extra, timeout):
+    """Runs `command` (an entry point or tool) from the repository root with the launch variables of this
+    process removed and `env_extra` added; returns the CompletedProcess (text output captured)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **env_extra}
+    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
+
+
+def failure_report(result, command) -> str:
+    """A failed run's exit code, command line and the tails of its output, for an assertion message."""
+    return (f"exit {result.returncode}\n$ {' '.join(command)}\n--- stderr (tail)\n{result.stderr[-4000:]}\n"
+            f"--- stdout (tail)\n{result.stdout[-2000:]}")
+
+
+# Where a Megatron log line starts: rank 0's checkpoint message and the last rank's log line share one stdout, and
+# unbuffered (PYTHONUNBUFFERED) a print's text and its newline are two writes, so a line can start mid-line.
+LOG_LINE_START = re.compile(r" \[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}\.\d{6}\] iteration ")
+
+
+def train_lines(log, parse_train_line):
+    """Every Megatron training line of `log` that `parse_train_line` parses, wherever in a line it starts."""
+    return [parsed for line in log.splitlines() for start in LOG_LINE_START.finditer(line)
+            if (parsed := parse_train_line(line[start.start():]))]
