@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.test_mindspeed_yaml import FALLBACK, PATH_FIELDS, _in_scope, _real_model, _with_paths
+from tests.support.mindspeed_yaml import FALLBACK, PATH_FIELDS, in_scope, real_model_name, with_paths
 from tests.support.launchers import REPO
 
 DATA = Path(REPO) / "tests" / "data" / "mindspeed_fsdp2"
@@ -73,11 +73,11 @@ DECLINED = {("head_newer_ids", "examples__fsdp2__deepseek4__pretrain_deepseek4_f
             "parallel.ep_dispatcher: mc2 needs Ascend NPUs (torch_npu MC2 kernels) — use eager or fused"}
 EVERY = [(folder, p.name) for folder in FOLDERS for p in sorted((DATA / folder).glob("*.yaml"))]
 # the qwen3 / qwen3_moe ones a launcher runs: test_mindspeed_yaml.py (through --dry-run); the rest here
-HERE = [case for case in EVERY if not _in_scope(case[1]) or case not in LAUNCHERS]
+HERE = [case for case in EVERY if not in_scope(case[1]) or case not in LAUNCHERS]
 
 
 def _family(name: str) -> str:
-    if _in_scope(name):
+    if in_scope(name):
         return "qwen3"
     for key, family in (("gpt_oss", "gpt_oss"), ("mamba3", "mamba3"), ("minimax", "minimax_m27"),
                         ("qwen3_next", "qwen3_next"), ("qwen3-next", "qwen3_next"), ("step", "step35"),
@@ -92,7 +92,7 @@ def _sized_config(family: str) -> dict:
     import transformers
 
     if family.startswith("Qwen3"):  # the published config.json test_mindspeed_yaml.py's dry runs use
-        from tests.e2e.test_mindspeed_yaml import REAL_MODELS
+        from tests.support.mindspeed_yaml import REAL_MODELS
 
         return REAL_MODELS[family]
     if family == "step35":
@@ -138,7 +138,7 @@ def assets(tmp_path_factory):
 
 
 def test_every_copied_yaml_is_validated_here_or_in_test_mindspeed_yaml():
-    from tests.e2e.test_mindspeed_yaml import MAPPED
+    from tests.support.mindspeed_yaml import MAPPED
 
     there = {(path.parent.name, path.name) for _, _, _, path in MAPPED}
     unlaunched = sorted(case for case in EVERY if case not in LAUNCHERS)
@@ -162,10 +162,10 @@ def test_yaml_validates_at_its_launchers_world_size(assets, tmp_path, folder, na
     own_world = (yaml.safe_load(yaml_file.read_text())["parallel"] or {}).get("fsdp_size", 2)
     world, args = LAUNCHERS.get((folder, name), (own_world, []))
     family = _family(name)
-    model = assets["model"](_real_model(name) if family == "qwen3" else family)
+    model = assets["model"](real_model_name(name) if family == "qwen3" else family)
     dataset = json.dumps({"file_name": assets["parquet"]})
     paths = (model, model, dataset, str(tmp_path / "output"))
-    args = _with_paths(yaml_file, args, paths)
+    args = with_paths(yaml_file, args, paths)
     given = set(args[::1])
     for (group, field), value in zip(PATH_FIELDS, paths):  # the fields neither the YAML nor the launcher gives
         if f"--{group}.{field}" not in given:

@@ -15,7 +15,8 @@ import pytest
 from tests.support.launchers import REPO, free_port, run_pretrain
 from tests.support.tiny_models import train_bytelevel_tokenizer
 from tests.support.launchers import failure_report, run_command, train_lines
-from tests.e2e.test_mindspeed_yaml import DATA, _with_paths, _yaml_file, assets
+from tests.support.mindspeed_yaml import DATA, with_paths, yaml_file_at
+from tests.support.mindspeed_yaml import assets  # noqa: F401  (pytest fixture)
 from tests.support.tiny_models import tiny_next_config
 
 GDN_FLAGS = (
@@ -62,12 +63,12 @@ def test_mindspeed_qwen3_next_yaml_trains_on_two_ranks(assets, tmp_path, commit)
 
     table = json.loads((DATA / "launchers.json").read_text())
     entry = table[commit]["examples__fsdp2__qwen3_next__pretrain_qwen3_next_16k_fsdp2_A3.sh"]
-    yaml_file = _yaml_file(commit, entry["yaml"])
+    yaml_file = yaml_file_at(commit, entry["yaml"])
     assert yaml_file.parent.name == commit  # each version's own copy
     model = _tiny_next_dir(tmp_path / "qwen3-next")
     dataset = json.dumps({"file_name": assets["parquet"]})
     output = str(tmp_path / "output")
-    args = _with_paths(yaml_file, entry["args"], (model, model, dataset, output))
+    args = with_paths(yaml_file, entry["args"], (model, model, dataset, output))
     args += ["--parallel.fsdp_size", "2", "--parallel.ep_size", "2", "--training.max_steps", "3",
              "--data.cutoff_len", "64", "--training.gradient_accumulation_steps", "1", "--training.save_steps", "3",
              "--optimization.chunk_loss_size", "32", "--training.dataloader_num_workers", "0"]

@@ -16,7 +16,8 @@ import pytest
 
 from tests.support.launchers import REPO, free_port
 from tests.support.launchers import failure_report, run_command, train_lines
-from tests.e2e.test_mindspeed_yaml import DATA, _with_paths, _yaml_file, assets
+from tests.support.mindspeed_yaml import DATA, with_paths, yaml_file_at
+from tests.support.mindspeed_yaml import assets  # noqa: F401  (pytest fixture)
 from tests.e2e.test_qwen3_next_e2e import _tiny_next_dir
 
 SCALED = ["--training.max_steps", "3", "--data.cutoff_len", "64", "--training.per_device_train_batch_size", "1",
@@ -53,12 +54,12 @@ def test_mindspeed_qwen3_next_tune_yaml_trains_on_two_ranks(tiny_next, tmp_path,
 
     table = json.loads((DATA / "launchers.json").read_text())
     entry = table[commit]["examples__fsdp2__qwen3_next__tune_qwen3_next_16k_fsdp2_A3.sh"]
-    yaml_file = _yaml_file(commit, entry["yaml"])
+    yaml_file = yaml_file_at(commit, entry["yaml"])
     assert yaml_file.parent.name == commit
     parquet = tmp_path / "alpaca.parquet"
     pq.write_table(pa.Table.from_pylist(alpaca_rows(32)), str(parquet))
     dataset = json.dumps({"file_name": str(parquet), "formatting": "alpaca"})  # for alpaca_full
-    args = _with_paths(yaml_file, entry["args"], (tiny_next, tiny_next, dataset, str(tmp_path / "output")))
+    args = with_paths(yaml_file, entry["args"], (tiny_next, tiny_next, dataset, str(tmp_path / "output")))
     args += ["--parallel.fsdp_size", "2", *SCALED]
     command = _command(yaml_file, args)
     _three_steps(run_command(command, {}, timeout=900), command)
@@ -74,9 +75,9 @@ def test_mindspeed_ascendc_gdn_pack_cp2_yaml(tiny_next, assets, tmp_path):  # no
     tests/parallel/test_packed_context_parallel.py —, recompute, the mg data manager with EOD appended) trains 3 steps."""
     table = json.loads((DATA / "launchers.json").read_text())
     entry = table["head"]["tests__pipeline__st__qwen3-next__qwen3_next_ascendc-GDN_pack_cp2.sh"]
-    yaml_file = _yaml_file("head", entry["yaml"])
+    yaml_file = yaml_file_at("head", entry["yaml"])
     dataset = json.dumps({"file_name": assets["parquet"]})
-    args = _with_paths(yaml_file, entry["args"], (tiny_next, tiny_next, dataset, str(tmp_path / "output")))
+    args = with_paths(yaml_file, entry["args"], (tiny_next, tiny_next, dataset, str(tmp_path / "output")))
     args += ["--parallel.fsdp_size", "1", *SCALED]
     command = _command(yaml_file, args)
     result = run_command(command, {}, timeout=900)
