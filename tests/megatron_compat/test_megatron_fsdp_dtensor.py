@@ -12,8 +12,8 @@ Megatron-LM's documented code does (`fsdp_dtensor_save`): the wrapper's ``module
 import pytest
 import torch
 
-from tests.megatron_compat.test_megatron_import import (SEQ, VOCAB, _hf_logits, _megatron_enums,  # noqa: F401
-                                                        _megatron_gpt, _megatron_logits, megatron)
+from tests.support.megatron_checkpoints import SEQ, VOCAB, hf_logits, megatron_enums, megatron_gpt, megatron_logits
+from tests.support.megatron_checkpoints import megatron  # noqa: F401  (pytest fixture)
 
 
 def _split_fc1(name: str, value):
@@ -56,10 +56,10 @@ def test_a_megatron_fsdp_checkpoint_converts_with_equal_logits(megatron, tmp_pat
     from megatron_compat.checkpoint.dcp_format import model_shapes
     from torch.distributed.checkpoint import FileSystemReader
 
-    model, args = _megatron_gpt(True, False, seed=5)
+    model, args = megatron_gpt(True, False, seed=5)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
-    expected = _megatron_logits(model, tokens)
-    _megatron_enums(args)
+    expected = megatron_logits(model, tokens)
+    megatron_enums(args)
     fsdp_dtensor_save(tmp_path / "mg" / "iter_0000007", args, model, 7)
     keys = FileSystemReader(str(tmp_path / "mg" / "iter_0000007")).read_metadata().state_dict_metadata
     assert "model.module.decoder.layers.1.mlp.linear_fc1.weight_w" in keys  # the layout this test writes
@@ -69,7 +69,7 @@ def test_a_megatron_fsdp_checkpoint_converts_with_equal_logits(megatron, tmp_pat
     from fsdp2_backend.checkpoint.formats import MEGATRON_FSDP_DTENSOR, detect_format
     assert detect_format(tmp_path / "mg" / "iter_0000007") is MEGATRON_FSDP_DTENSOR  # told apart by its saved args
     convert([str(tmp_path / "mg"), str(tmp_path / "hf")])
-    hf_model, got = _hf_logits(tmp_path / "hf", tokens)
+    hf_model, got = hf_logits(tmp_path / "hf", tokens)
     assert hf_model.config.model_type == "qwen3" and hf_model.config.num_key_value_heads == 2
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 

@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from tests.support.launchers import REPO, run_pretrain
-from tests.megatron_compat.test_megatron_import import megatron  # noqa: F401 (fixture)
+from tests.support.megatron_checkpoints import megatron  # noqa: F401  (pytest fixture)
 from tests.megatron_compat.test_megatron_resume import K, _CpuForCuda, _save_like_megatron_lm
 from tests.support.megatron_genuine import genuine_args, listing, megatron_padded_vocab
 from tests.support.megatron_reference import IdsTokenizer, write_corpus

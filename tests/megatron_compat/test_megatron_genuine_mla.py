@@ -44,7 +44,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.megatron_compat.test_megatron_import import _save, megatron  # noqa: F401 (fixture)
+from tests.support.megatron_checkpoints import save_megatron_checkpoint
+from tests.support.megatron_checkpoints import megatron  # noqa: F401  (pytest fixture)
 from tests.megatron_compat.test_megatron_resume import (GBS, K, SEQ, _CpuForCuda, _dataset, _flags, _hf_weights, _log,
                                                         _save_like_megatron_lm, megatron_training_stack)
 from tests.megatron_compat.test_megatron_resume_distopt import _save_like_megatron_lm as _save_dp_reshardable
@@ -147,7 +148,7 @@ def test_a_genuine_mla_checkpoint_converts_to_deepseek_v3_with_megatron_cores_lo
         expected = _main_loss(model(tokens, torch.arange(SEQ)[None].expand_as(tokens),
                                     attention_mask=torch.triu(torch.ones(SEQ, SEQ), 1).bool()[None, None],
                                     labels=labels))
-    _save(model, args, tmp_path / "mg", fmt)
+    save_megatron_checkpoint(model, args, tmp_path / "mg", fmt)
     convert([str(tmp_path / "mg"), str(tmp_path / "hf")])
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
     config = hf.config

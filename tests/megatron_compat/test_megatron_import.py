@@ -8,7 +8,6 @@ dict: megatron-core has no writer for it), with
 a Megatron-style `args` namespace; `tools/convert_checkpoint.py` converts each, and transformers' model from the
 output gives megatron-core's logits on the same tokens.
 """
-import argparse
 import contextlib
 import os
 import sys
@@ -18,108 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.launchers import free_port, run_distributed
+from tests.support.launchers import run_distributed
+from tests.support.megatron_checkpoints import (SEQ, VOCAB, hf_logits, megatron_enums, megatron_gpt, megatron_logits,
+                                                save_megatron_checkpoint)
+from tests.support.megatron_checkpoints import megatron  # noqa: F401  (pytest fixture)
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
-
-VOCAB, SEQ = 128, 12
-
-
-@pytest.fixture(scope="module")
-def megatron():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.cuda, "current_device", lambda: "cpu")
-        mp.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-        mp.setenv("MASTER_ADDR", "127.0.0.1")
-        mp.setenv("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-        parallel_state.initialize_model_parallel()
-        mp.setattr(get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
-        try:
-            yield
-        finally:
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
-
-
-def _megatron_gpt(qk_layernorm: bool, tied: bool, seed: int, parallel_output: bool = True):
-    """megatron-core's GPTModel (local spec) and the args namespace Megatron-LM would save with it."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
-                            ffn_hidden_size=96, normalization="RMSNorm", gated_linear_unit=True,
-                            activation_func=torch.nn.functional.silu, add_bias_linear=False,
-                            qk_layernorm=qk_layernorm, layernorm_epsilon=1e-6, hidden_dropout=0.0,
-                            attention_dropout=0.0, use_cpu_initialization=True, bias_activation_fusion=False,
-                            bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
-    torch.manual_seed(seed)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm"),
-                     vocab_size=VOCAB, max_sequence_length=64, position_embedding_type="rope", rotary_base=10000,
-                     share_embeddings_and_output_weights=tied, parallel_output=parallel_output)
-    with torch.no_grad():  # norms start at 1: make them differ so a misplaced norm shows in the logits
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-    args = argparse.Namespace(
-        num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, group_query_attention=True,
-        num_query_groups=2, kv_channels=16, normalization="RMSNorm", layernorm_epsilon=1e-6, swiglu=True,
-        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=qk_layernorm, position_embedding_type="rope",
-        rotary_base=10000, rotary_percent=1.0, max_position_embeddings=64, seq_length=SEQ,
-        untie_embeddings_and_output_weights=not tied, padded_vocab_size=VOCAB, num_experts=None)
-    return model.eval(), args
-
-
-def _megatron_logits(model, tokens):
-    mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]  # True = masked, Megatron's way
-    with torch.no_grad():
-        return model(tokens, torch.arange(SEQ)[None].expand_as(tokens), attention_mask=mask)
-
-
-def _save(model, args, root, fmt: str) -> None:
-    it_dir = root / "iter_0000005"
-    if fmt == "torch_dist":
-        from megatron.core import dist_checkpointing
-
-        it_dir.mkdir(parents=True)
-        dist_checkpointing.save({"model": model.sharded_state_dict(), "args": args, "iteration": 5,
-                                 "checkpoint_version": 3.0}, str(it_dir))
-    elif fmt == "torch_dcp":  # Megatron-LM's save_checkpoint for --ckpt-format torch_dcp: DCP of the legacy dict
-        from torch.distributed.checkpoint import FileSystemWriter, save
-
-        it_dir.mkdir(parents=True)
-        save({"args": args, "checkpoint_version": 3.0, "iteration": 5, "model": model.state_dict_for_save_checkpoint()},
-             storage_writer=FileSystemWriter(str(it_dir)))
-    else:
-        (it_dir / "mp_rank_00").mkdir(parents=True)
-        torch.save({"model": model.state_dict(), "args": args, "iteration": 5, "checkpoint_version": 3.0},
-                   it_dir / "mp_rank_00" / "model_optim_rng.pt")
-    (root / "latest_checkpointed_iteration.txt").write_text("5")
-
-
-def _hf_logits(out_dir, tokens):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model, model(tokens).logits
-
-
-def _megatron_enums(args):
-    """The non-builtin values Megatron-LM's saved args hold (tests/data/megatron_genuine_args/*/args.json lists
-    them): its AttnBackend and ModelType enums, read back as inert stand-ins, megatron never imported at load time
-    (megatron_compat/checkpoint/safe_pickle.py); ``exit_signal`` (a signal.Signals); the torch dtypes."""
-    import signal
-
-    from megatron.core.enums import ModelType
-    from megatron.core.transformer.enums import AttnBackend
-
-    args.attention_backend, args.model_type = AttnBackend.auto, ModelType.encoder_or_decoder
-    args.exit_signal, args.params_dtype, args.main_grads_dtype = signal.SIGTERM, torch.float32, torch.float32
 
 
 @pytest.mark.parametrize("fmt,qk_layernorm,tied", [("torch_dist", True, False), ("torch", True, False),
@@ -129,13 +32,13 @@ def test_megatron_checkpoint_converts_with_equal_logits(megatron, tmp_path, fmt,
     from fsdp2_backend.checkpoint.resume_point import resume_point
     from fsdp2_backend.cli.convert_checkpoint import main as convert
 
-    model, args = _megatron_gpt(qk_layernorm, tied, seed=3)
+    model, args = megatron_gpt(qk_layernorm, tied, seed=3)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    expected = _megatron_logits(model, tokens)
-    _megatron_enums(args)
-    _save(model, args, tmp_path / "mg", fmt)
+    expected = megatron_logits(model, tokens)
+    megatron_enums(args)
+    save_megatron_checkpoint(model, args, tmp_path / "mg", fmt)
     convert([str(tmp_path / "mg"), str(tmp_path / "hf")])
-    hf_model, got = _hf_logits(tmp_path / "hf", tokens)
+    hf_model, got = hf_logits(tmp_path / "hf", tokens)
     assert hf_model.config.model_type == ("qwen3" if qk_layernorm else "llama")
     assert hf_model.config.tie_word_embeddings == tied
     assert got.shape == expected.shape
@@ -155,9 +58,9 @@ def test_a_checkpoint_it_cannot_convert_is_one_error_line_exit_2(megatron, tmp_p
 
     from tests.support.launchers import REPO
 
-    model, args = _megatron_gpt(True, False, seed=4)
+    model, args = megatron_gpt(True, False, seed=4)
     args.multi_latent_attention = True
-    _save(model, args, tmp_path / "mg", "torch")
+    save_megatron_checkpoint(model, args, tmp_path / "mg", "torch")
     for source, words in ((tmp_path / "mg", "multi-latent attention (--multi-latent-attention)"), (tmp_path / "nothing", "no complete")):
         result = subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"), str(source),
                                  str(tmp_path / "hf")], capture_output=True, text=True)
@@ -200,10 +103,10 @@ def _tp2_rank(rank, world_size, root):
     torch.cuda.synchronize = lambda *a, **k: None
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    model, args = _megatron_gpt(qk_layernorm=True, tied=False, seed=5, parallel_output=False)
+    model, args = megatron_gpt(qk_layernorm=True, tied=False, seed=5, parallel_output=False)
     args.tensor_model_parallel_size = 2
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    logits = _megatron_logits(model, tokens)
+    logits = megatron_logits(model, tokens)
     it_dir = os.path.join(root, "mg", "iter_0000005")
     os.makedirs(it_dir, exist_ok=True)
     dist.barrier()
@@ -227,6 +130,6 @@ def test_a_tensor_parallel_checkpoint_converts_with_equal_logits(tmp_path):
     reference = torch.load(tmp_path / "reference.pt")
     for fmt in ("mg", "legacy"):
         convert([str(tmp_path / fmt), str(tmp_path / f"hf_{fmt}")])
-        _, got = _hf_logits(tmp_path / f"hf_{fmt}", reference["tokens"])
+        _, got = hf_logits(tmp_path / f"hf_{fmt}", reference["tokens"])
         torch.testing.assert_close(got, reference["logits"], rtol=0, atol=1e-5, msg=fmt)
 

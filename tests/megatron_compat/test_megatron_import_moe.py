@@ -29,7 +29,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.megatron_compat.test_megatron_import import SEQ, VOCAB, _hf_logits, _megatron_logits, _save, megatron  # noqa: F401
+from tests.support.megatron_checkpoints import (SEQ, VOCAB, hf_logits, megatron_logits, save_megatron_checkpoint)  # noqa: F401
+from tests.support.megatron_checkpoints import megatron  # noqa: F401  (pytest fixture)
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
@@ -116,10 +117,10 @@ def test_megatron_moe_checkpoint_converts_with_equal_logits(moe_megatron, tmp_pa
 
     model, args = _megatron_moe_gpt(kind, seed=3)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    expected = _megatron_logits(model, tokens)
-    _save(model, args, tmp_path / "mg", fmt)
+    expected = megatron_logits(model, tokens)
+    save_megatron_checkpoint(model, args, tmp_path / "mg", fmt)
     convert([str(tmp_path / "mg"), str(tmp_path / "hf")])
-    hf_model, got = _hf_logits(tmp_path / "hf", tokens)
+    hf_model, got = hf_logits(tmp_path / "hf", tokens)
     assert hf_model.config.model_type == KINDS[kind]
     if kind == "qwen2_moe":
         assert hf_model.config.mlp_only_layers == [0] and not hf_model.config.norm_topk_prob
@@ -138,7 +139,7 @@ def test_a_wrong_expert_layout_fails_the_comparison(moe_megatron, tmp_path, muta
 
     model, args = _megatron_moe_gpt("grouped" if mutation == "grouped_not_transposed" else "qwen3_moe", seed=4)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
-    expected = _megatron_logits(model, tokens)
+    expected = megatron_logits(model, tokens)
     state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
     config = hf_config_from_args(args, state)
     hf_state = to_hf_state_dict(normalize_experts(state), config)
@@ -253,7 +254,7 @@ def _ep2_rank(rank, world_size, root):
     model, args = _megatron_moe_gpt("qwen3_moe", seed=6)
     args.expert_model_parallel_size = 2
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    logits = _megatron_logits(model, tokens)
+    logits = megatron_logits(model, tokens)
     it_dir = os.path.join(root, "mg", "iter_0000005")
     os.makedirs(it_dir, exist_ok=True)
     dist.barrier()
@@ -276,7 +277,7 @@ def test_an_expert_parallel_checkpoint_converts_with_equal_logits(tmp_path):
     reference = torch.load(tmp_path / "reference.pt")
     for fmt in ("mg", "legacy"):
         convert([str(tmp_path / fmt), str(tmp_path / f"hf_{fmt}")])
-        _, got = _hf_logits(tmp_path / f"hf_{fmt}", reference["tokens"])
+        _, got = hf_logits(tmp_path / f"hf_{fmt}", reference["tokens"])
         torch.testing.assert_close(got, reference["logits"], rtol=0, atol=1e-5, msg=fmt)
     # `--load` of the legacy EP split is one line (its per-rank optimizer state is not mapped): convert it instead
     from megatron_compat.checkpoint.resume import megatron_architecture

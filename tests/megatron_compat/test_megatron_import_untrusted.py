@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tests.support.launchers import REPO
-from tests.megatron_compat.test_megatron_import import _megatron_enums, _megatron_gpt, _save, megatron  # noqa: F401
+from tests.support.megatron_checkpoints import megatron_enums, megatron_gpt, save_megatron_checkpoint  # noqa: F401
+from tests.support.megatron_checkpoints import megatron  # noqa: F401  (pytest fixture)
 from tests.support.megatron_reference import write_corpus
 
 pytestmark = pytest.mark.e2e
@@ -52,12 +53,12 @@ def poisoned(megatron, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("poisoned")
     marker = root / "code_ran"
-    model, args = _megatron_gpt(qk_layernorm=True, tied=False, seed=3)
-    _megatron_enums(args)
+    model, args = megatron_gpt(qk_layernorm=True, tied=False, seed=3)
+    megatron_enums(args)
     it = "iter_0000005"
     out = {}
     for fmt in ("torch_dist", "torch"):
-        _save(model, args, root / f"genuine_{fmt}", fmt)
+        save_megatron_checkpoint(model, args, root / f"genuine_{fmt}", fmt)
     # common.pt: the saved args gain the payload
     shutil.copytree(root / "genuine_torch_dist", root / "common")
     common = root / "common" / it / "common.pt"

@@ -31,7 +31,8 @@ from torch.overrides import TorchFunctionMode
 
 from tests.support.launchers import run_pretrain
 from tests.support.megatron_reference import IdsTokenizer, write_corpus
-from tests.megatron_compat.test_megatron_import import SEQ, VOCAB, _megatron_gpt, megatron  # noqa: F401 (fixture)
+from tests.support.megatron_checkpoints import SEQ, VOCAB, megatron_gpt
+from tests.support.megatron_checkpoints import megatron  # noqa: F401  (pytest fixture)
 
 GBS, K, T, SEED = 2, 3, 5, 1234
 LR, MIN_LR, WARMUP, WD, CLIP = 1e-3, 1e-4, 2, 0.1, 1.0
@@ -102,7 +103,7 @@ def _megatron_run(root, fmt: str, distributed_optimizer: bool):
 
     prefix = write_corpus(str(root / "data" / "text_document"), 120, seed=7, vocab_size=VOCAB - 1)
     data = _dataset(prefix, str(root / "mcore_cache"))
-    model, args = _megatron_gpt(qk_layernorm=True, tied=False, seed=11)
+    model, args = megatron_gpt(qk_layernorm=True, tied=False, seed=11)
     model.train()
     reference = {"loss": {}, "lr": {}}
     with _CpuForCuda():
@@ -212,7 +213,7 @@ def test_resumes_a_megatron_core_run_as_megatron_core_continues_it(megatron, tmp
         assert f"{lr:.6E}" == f"{reference['lr'][iteration]:.6E}"
         assert loss == pytest.approx(reference["loss"][iteration], abs=1e-5), iteration  # (a) and (b)
     # (b) after the two steps, megatron-core's weights (its checkpoint's args give the HF layout)
-    _, args = _megatron_gpt(qk_layernorm=True, tied=False, seed=11)
+    _, args = megatron_gpt(qk_layernorm=True, tied=False, seed=11)
     config = hf_config_from_args(args, reference["weights"])
     expected = to_hf_state_dict(reference["weights"], config)
     ours = _hf_weights(tmp_path / "out" / "hf")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.support.launchers import run_pretrain
-from tests.megatron_compat.test_megatron_import import megatron  # noqa: F401 (fixture)
+from tests.support.megatron_checkpoints import megatron  # noqa: F401  (pytest fixture)
 from tests.megatron_compat.test_megatron_resume import (GBS, K, SEED, T, _CpuForCuda, _log, _save_like_megatron_lm,
                                                          megatron_training_stack, megatron_training_step)
 from tests.support.megatron_reference import IdsTokenizer, megatron_lm_args, write_corpus

@@ -23,7 +23,7 @@ import torch
 
 from tests.support.launchers import run_distributed, run_pretrain
 from tests.support.megatron_reference import write_corpus
-from tests.megatron_compat.test_megatron_import import _megatron_gpt
+from tests.support.megatron_checkpoints import megatron_gpt
 from tests.megatron_compat.test_megatron_resume import (GBS, K, VOCAB, _CpuForCuda, _dataset, _flags, _hf_weights, _log,
                                         megatron_training_stack, megatron_training_step)
 from fsdp2_backend.usage_errors import UsageError
@@ -48,7 +48,7 @@ def _megatron_dp2(rank, world_size, root):
     parallel_state.initialize_model_parallel()
     get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     data = _dataset(str(root / "data" / "text_document"), str(root / "mcore_cache"))
-    model, args = _megatron_gpt(qk_layernorm=True, tied=False, seed=11)
+    model, args = megatron_gpt(qk_layernorm=True, tied=False, seed=11)
     model.train()
     args.use_distributed_optimizer, args.overlap_grad_reduce, args.ddp_bucket_size = True, True, BUCKET
     args.data_parallel_size = world_size
