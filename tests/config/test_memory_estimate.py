@@ -10,14 +10,15 @@ import pytest
 
 from fsdp2_backend.config.memory_estimate import GIB, estimate_memory, fit_errors
 from fsdp2_backend.launch import main, parse_command_line
-from tests.e2e.test_faults_processes import ENV, FLAGS
+from tests.support.megatron_lines import FAULT_RUN_FLAGS
+from tests.e2e.test_faults_processes import ENV
 from tests.support.launchers import REPO
 
 MICRO_BATCH = re.compile(r"--(micro|global)-batch-size \d+")
 
 
 def _flags(*extra):
-    return FLAGS + ["--train-iters", "3", *extra]
+    return FAULT_RUN_FLAGS + ["--train-iters", "3", *extra]
 
 
 def test_an_absurd_micro_batch_is_refused_with_the_numbers_before_anything_is_built(tmp_path):

@@ -14,12 +14,8 @@ import time
 from pathlib import Path
 
 from tests.support.launchers import REPO, free_port
+from tests.support.megatron_lines import FAULT_RUN_FLAGS
 
-FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --seq-length 32 "
-         "--max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 2 --lr 1e-3 --min-lr 1e-4 "
-         "--lr-decay-style cosine --lr-decay-iters 1000 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
-         "--swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope --hidden-dropout 0 "
-         "--log-interval 1 --save-interval 1000 --eval-iters 0").split()
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 ENV.pop("WORLD_SIZE", None)
 
@@ -81,10 +77,10 @@ def signal_tree(pid: int, sig) -> None:
 
 def test_a_second_run_into_a_live_runs_save_dir_is_refused_and_a_dead_runs_lock_taken_over(tmp_path):
     save = tmp_path / "save"
-    first = start(FLAGS + ["--train-iters", "100000", "--save", save], tmp_path / "first.log")
+    first = start(FAULT_RUN_FLAGS + ["--train-iters", "100000", "--save", save], tmp_path / "first.log")
     try:
         wait_for(first, tmp_path / "first.log", r"iteration +2/")
-        second = run(FLAGS + ["--train-iters", "4", "--save", save])
+        second = run(FAULT_RUN_FLAGS + ["--train-iters", "4", "--save", save])
         assert second.returncode == 2, second.stderr[-3000:]
         errors = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and "Traceback" not in second.stderr
@@ -97,7 +93,7 @@ def test_a_second_run_into_a_live_runs_save_dir_is_refused_and_a_dead_runs_lock_
     finally:
         signal_tree(first.pid, signal.SIGKILL)
         first.wait()
-    third = run(FLAGS + ["--train-iters", "4", "--save", save])
+    third = run(FAULT_RUN_FLAGS + ["--train-iters", "4", "--save", save])
     assert third.returncode == 0, third.stderr[-3000:]
     assert re.search(re.escape(f"notice: training.output_dir (--save): removed the stale lock of an earlier run "
                                f"(pid {first.pid} on host {socket.gethostname()}, started ") + r"[^;]+; no longer "
@@ -109,7 +105,7 @@ def test_sigterm_to_the_whole_torchrun_tree_saves_at_the_next_iteration_and_exit
     from fsdp2_backend.checkpoint import dirs
 
     save, log = tmp_path / "save", tmp_path / "run.log"
-    args = FLAGS + ["--train-iters", "100000", "--save", save, "--exit-signal-handler"]
+    args = FAULT_RUN_FLAGS + ["--train-iters", "100000", "--save", save, "--exit-signal-handler"]
     launcher = start(args, log, ranks=2)
     try:
         seen = int(wait_for(launcher, log, r"iteration +(\d+)/").group(1))
@@ -126,14 +122,14 @@ def test_sigterm_to_the_whole_torchrun_tree_saves_at_the_next_iteration_and_exit
     assert max(printed) == saved  # no iteration after the saved one ran
     assert not (save / ".fsdp2_run.lock").exists()
     # the same command (with a length that ends soon) resumes from that checkpoint
-    resumed = run(FLAGS + ["--train-iters", saved + 2, "--save", save, "--exit-signal-handler",
+    resumed = run(FAULT_RUN_FLAGS + ["--train-iters", saved + 2, "--save", save, "--exit-signal-handler",
                            "--override-opt_param-scheduler"])  # a shorter run: its own schedule length
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [int(i) for i in re.findall(r" iteration +(\d+)/", resumed.stdout)] == [saved + 1, saved + 2]
 
 
 def test_a_usage_error_under_torchrun_is_printed_once(tmp_path):
-    result = run(FLAGS + ["--train-iters", "4", "--lr", "-1", "--save", tmp_path / "save"], ranks=2)
+    result = run(FAULT_RUN_FLAGS + ["--train-iters", "4", "--lr", "-1", "--save", tmp_path / "save"], ranks=2)
     assert result.returncode != 0
     line = "error: training.lr: must be >= 0, got -1.0 (Megatron --lr) — give the peak learning rate"
     assert result.stderr.count(line) == 1 and (result.stdout + result.stderr).count("error: ") == 1

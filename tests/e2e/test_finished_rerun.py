@@ -14,7 +14,8 @@ import shutil
 
 import pytest
 
-from tests.e2e.test_faults_processes import FLAGS, run
+from tests.support.megatron_lines import FAULT_RUN_FLAGS
+from tests.e2e.test_faults_processes import run
 from tests.support.launchers import MEGATRON_LINE
 from tests.support.megatron_reference import write_corpus
 
@@ -45,7 +46,7 @@ def test_a_finished_run_run_again(tmp_path):
     web = write_corpus(str(data / "web_text_document"), 40, seed=1, vocab_size=128)
     books = write_corpus(str(data / "books_text_document"), 40, seed=2, vocab_size=128)
     save = tmp_path / "ckpt"
-    flags = [f for f in FLAGS if f != "--mock-data"]
+    flags = [f for f in FAULT_RUN_FLAGS if f != "--mock-data"]
     blended = flags + ["--data-path", "0.3", web, "0.7", books, "--train-iters", "3", "--save", str(save),
                        "--save-interval", "2", "--data-cache-path", str(tmp_path / "cache")]
     first = run(blended)

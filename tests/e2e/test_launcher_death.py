@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_faults_processes import FLAGS, process_tree, start, wait_for
+from tests.support.megatron_lines import FAULT_RUN_FLAGS
+from tests.e2e.test_faults_processes import process_tree, start, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -31,8 +32,8 @@ def _checkpoints(save: Path):
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
 def test_kill_9_of_torchrun_ends_its_workers(tmp_path):
     save, log = tmp_path / "ckpt", tmp_path / "run.log"
-    at = FLAGS.index("--save-interval")
-    flags = FLAGS[:at] + FLAGS[at + 2:]
+    at = FAULT_RUN_FLAGS.index("--save-interval")
+    flags = FAULT_RUN_FLAGS[:at] + FAULT_RUN_FLAGS[at + 2:]
     workers = []
     run = start([*flags, "--train-iters", "100000", "--save", str(save), "--save-interval", "3"], log, ranks=2)
     try:

@@ -1,4 +1,4 @@
-"""Megatron launch lines the translation tests extend: a small Llama-style model with non-default values."""
+"""Megatron launch lines the tests extend: small Llama-style models with non-default values, on mock data."""
 
 # a flags-only RoPE / RMSNorm / SwiGLU model, mock data, a global batch of 12: what each test adds flags to
 SMALL_LLAMA_LINE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -6,3 +6,11 @@ SMALL_LLAMA_LINE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --s
                     "--lr 2e-4 --mock-data --tokenizer-type NullTokenizer --vocab-size 1000 "
                     "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
                     "--hidden-dropout 0").split()
+
+# the runs the process tests start, stop and resume: a global batch of 2, a cosine decay, a save interval far off
+FAULT_RUN_FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --seq-length 32 "
+                   "--max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 2 --lr 1e-3 --min-lr 1e-4 "
+                   "--lr-decay-style cosine --lr-decay-iters 1000 --mock-data --tokenizer-type NullTokenizer "
+                   "--vocab-size 128 --swiglu --normalization RMSNorm --disable-bias-linear "
+                   "--position-embedding-type rope --hidden-dropout 0 --log-interval 1 --save-interval 1000 "
+                   "--eval-iters 0").split()
