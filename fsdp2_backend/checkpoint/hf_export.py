@@ -226,12 +226,10 @@ def save_tokenizer(tokenizer: Any, out_dir: Path) -> None:
 
 
 def load_model_state_dict(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The full (unsharded) model weights of one of our checkpoints, read in this process only."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message=".*single process.*")
-        return _load_state_dict_from_keys({"model"}, checkpoint_id=str(checkpoint))["model"]
+    """The full (unsharded) model weights of one of our checkpoints, read in this process only (through the
+    allow-list, as every read of a checkpoint directory)."""
+    checkpoint = Path(checkpoint)
+    return _read_model_tensors(checkpoint, _model_tensors(checkpoint))
 
 
 def convert_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,

@@ -21,7 +21,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Mapping
+from typing import Callable, Dict, List, Mapping
 
 import torch
 
