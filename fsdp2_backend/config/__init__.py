@@ -3,10 +3,10 @@
 Torch-free, so `--dry-run` stays fast. `from fsdp2_backend.config import Config` is the public name.
 """
 from fsdp2_backend.config.layout import ParallelLayout, parallel_layout
-from fsdp2_backend.config.schema import (DTYPES, GROUPS, MODEL_IDS, Config, DataArguments, InferenceArguments,
+from fsdp2_backend.config.schema import (DTYPES, GROUPS, Config, DataArguments, InferenceArguments,
                                          ModelArguments, OptimizationArguments, ParallelArguments,
                                          ProfilingArguments, TrainingArguments)
 
-__all__ = ["DTYPES", "GROUPS", "MODEL_IDS", "Config", "DataArguments", "InferenceArguments", "ModelArguments",
+__all__ = ["DTYPES", "GROUPS", "Config", "DataArguments", "InferenceArguments", "ModelArguments",
            "OptimizationArguments", "ParallelArguments", "ParallelLayout", "ProfilingArguments", "TrainingArguments",
            "parallel_layout"]

@@ -27,6 +27,7 @@ from fsdp2_backend.config.layout import parallel_layout
 from fsdp2_backend.config.schema import Config, TrainingArguments
 from fsdp2_backend.config.signal_names import resolve_signal
 from fsdp2_backend.config.weight_files import weight_file_problems
+from fsdp2_backend.models.registry import spec_for_model_type
 
 # GPT-2-family spellings of the common HF config keys (transformers' GPT2Config.attribute_map, and the names
 # the Megatron translation writes for GPT-style flags).
@@ -124,7 +125,8 @@ def _check_model_shape(config: Config, facts: ModelFacts, errors: List[str]) -> 
         if not values.get("model_type") and not facts.config_json.get("architectures"):
             errors.append(f"{path}: no model_type — transformers cannot tell which model this is; add "
                           f"\"model_type\" (e.g. \"qwen3\")")
-        attention_free = values.get("model_type") in ("mamba", "mamba2", "mamba3")  # SSMs: no attention heads
+        spec = spec_for_model_type(values.get("model_type"))  # SSMs: no attention heads (and ids declaring none)
+        attention_free = values.get("model_type") in ("mamba", "mamba2") or bool(spec and spec.attention_free)
         missing = [key for key in REQUIRED_CONFIG_KEYS if key not in values
                    and not (attention_free and key == "num_attention_heads")
                    and not (key == "num_hidden_layers" and "num_layers" in values)]  # LongCat-Flash: 2 per layer

@@ -4,21 +4,16 @@
 - tensor parallel: attention heads and key/value heads divisible by tp (`config.tp_cp_checks`);
 - context parallel: Ulysses' heads per tp rank divisible by cp (per layer type where a layer type has heads of
   its own: Step-3.5's sliding layers), the sequence cut into cp (Ulysses) or 2 x cp (ring) equal chunks, packed
-  documents (reset_attention_mask / reset_position_ids) not in Ulysses' sliding windows, only full-attention layers (and model_id
-  qwen3_next's Gated DeltaNet layers: parallel/context_parallel/linear_attention.py; model_id gpt_oss's and
-  step35's sliding-window layers: parallel/context_parallel/attention.py; model_id glm52's DSA
-  `indexed_attention` layers: parallel/context_parallel/dsa_glm.py, which splits no heads and takes no packed
-  documents);
+  documents (reset_attention_mask / reset_position_ids) not in Ulysses' sliding windows, only the layer types the
+  model id's context parallel handles (full attention without an id);
 - sequence parallel: the sequence divisible by tp;
 - expert parallel: an MoE model whose experts divide by ep; with tp the sequence divisible by tp (the MoE blocks
   run on sequence shards: parallel/moe_tensor_parallel.py);
-- model_id mamba3: no tp, no cp (declined with the reason).
-- model_id minimax_m27: no tp (q/k RMSNorm over all heads; declined with the reason).
-- gpt_oss (model id or model type): no tp (per-head sinks not in the tp plan; declined with the reason).
+- what the model id's spec (`models/<id>/spec.py`) declines, with its reason: tensor parallel (`tp`), context
+  parallel kinds (`cp_kinds`), packed documents under context parallel (`cp_packed_documents`); the Ulysses head
+  check only where its context parallel splits heads (`cp_splits_heads`). A spec with
+  `declines_transformers_model` declines the same for transformers' model of its type (gpt_oss's sinks).
 - model_type nemotron_h (Megatron's hybrid Mamba flags): no tp (no plan for the Mamba mixers).
-- model_id step35: no tp (head-wise gate, per-layer head counts; declined with the reason).
-- model_id deepseek_v4 under cp: every layer kind (sliding, CSA, HCA: parallel/context_parallel/
-  dsa_deepseek_v4.py), no head split (no Ulysses head check), no packed documents.
 Facts the model does not state (None) are not checked; the runtime stages then assert.
 """
 from __future__ import annotations
@@ -29,10 +24,9 @@ from fsdp2_backend.config.model_facts import ModelFacts
 from fsdp2_backend.config.schema import Config
 from fsdp2_backend.config.tp_cp_checks import (context_parallel_problems, sequence_length_problems,
                                                  tensor_parallel_problems)
+from fsdp2_backend.models.registry import spec_for_model_type, spec_of
 
-CP_LAYER_TYPES = {"full_attention"}
-# model_id deepseek_v4: every layer kind under context parallel (parallel/context_parallel/dsa_deepseek_v4.py)
-DEEPSEEK_V4_CP_LAYER_TYPES = {"sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"}
+CP_LAYER_TYPES = {"full_attention"}  # without a model id
 
 
 def _prefixed(problems: List[str]) -> List[str]:
@@ -65,29 +59,15 @@ def _ulysses_head_problems(p, facts: ModelFacts) -> List[str]:
 
 def check_model_layout(config: Config, facts: ModelFacts, world_size: int, errors: List[str]) -> None:
     p, d = config.parallel, config.data
-    if config.model.model_id == "mamba3" and (p.tp_size > 1 or p.cp_size > 1):
-        # the Mamba-3 mixer is not split by heads (TP) and its scan does not pass states between cp ranks (CP)
-        which = "tp_size" if p.tp_size > 1 else "cp_size"
-        errors.append(f"parallel.{which}: model_id mamba3 runs with FSDP only — tensor and context parallel are "
-                      f"not built for its scan; use tp_size 1 and cp_size 1")
-        return
-    if config.model.model_id == "minimax_m27" and p.tp_size > 1:
-        # q/k RMSNorm runs over the whole projection (all heads): a head-sharded norm would need the variance
-        # summed over the tp ranks, which is not built
-        errors.append("parallel.tp_size: model_id minimax_m27 normalises q and k over all heads at once, which "
-                      "tensor parallel would split — use tp_size 1 (FSDP, EP and CP still apply)")
-        return
-    if (config.model.model_id == "gpt_oss" or facts.model_type == "gpt_oss") and p.tp_size > 1:
-        # the per-head sinks (and the stacked experts' biases) are not in the tp plan: a head-sharded attention
-        # would pair every rank's heads with all the sinks
-        errors.append("parallel.tp_size: gpt_oss's attention sinks (one per head) are not sharded by the "
-                      "tensor-parallel plan — use tp_size 1 (FSDP, EP and Ulysses/ring CP apply)")
-        return
-    if config.model.model_id == "step35" and p.tp_size > 1:
-        # the head-wise output gate (g_proj) and the per-layer-type head counts are not in the tp plan
-        errors.append("parallel.tp_size: model_id step35 is not built for tensor parallel (its head-wise attention "
-                      "gate and per-layer-type head counts are not sharded) — use tp_size 1 (FSDP, EP and CP apply)")
-        return
+    spec = spec_of(config.model.model_id)
+    typed = spec_for_model_type(facts.model_type)
+    for declining in (spec, typed if typed is not None and typed.declines_transformers_model else None):
+        if declining is not None and p.tp_size > 1 and not declining.tp:
+            errors.append(declining.note("tp", which="tp_size"))
+            return
+        if declining is not None and p.cp_size > 1 and p.cp_type not in declining.cp_kinds:
+            errors.append(declining.note("cp", which="cp_size", cp_type=p.cp_type))
+            return
     if facts.model_type == "nemotron_h" and p.tp_size > 1:  # Megatron's hybrid Mamba stack (NemotronH)
         errors.append("parallel.tp_size: model_type nemotron_h (a hybrid Mamba stack) has no tensor-parallel plan "
                       "for its Mamba mixers — use tp_size 1 (FSDP)")
@@ -96,10 +76,10 @@ def check_model_layout(config: Config, facts: ModelFacts, world_size: int, error
     if p.tp_size > 1 and heads:
         errors += _prefixed(tensor_parallel_problems(heads, kv_heads or heads, p.tp_size))
     if p.cp_size > 1:
-        dsa = config.model.model_id in ("glm52", "deepseek_v4")
-        if heads and not dsa:  # DSA (kvallgather) gathers the keys: no head split
+        if heads and (spec is None or spec.cp_splits_heads):  # DSA (kvallgather) gathers the keys: no head split
             errors += _ulysses_head_problems(p, facts)
-        if dsa and (d.reset_attention_mask or d.reset_position_ids or d.neat_packing):
+        if spec and not spec.cp_packed_documents and (d.reset_attention_mask or d.reset_position_ids or
+                                                      d.neat_packing):
             errors.append(f"parallel.cp_size: model_id {config.model.model_id}'s context parallel takes no packed "
                           "documents (data.reset_attention_mask / reset_position_ids / neat_packing) — drop them, or "
                           "use cp_size 1")
@@ -108,10 +88,7 @@ def check_model_layout(config: Config, facts: ModelFacts, world_size: int, error
                 "sliding_attention" in facts.layer_types:  # packed documents: ring masks windows and documents
             errors.append("parallel.cp_type: packed documents (data.reset_attention_mask / reset_position_ids) in "
                           "sliding-window layers are not built for Ulysses — use cp_type ring, or cp_size 1")
-        handled = CP_LAYER_TYPES | ({"linear_attention"} if config.model.model_id == "qwen3_next" else set()) | \
-            ({"sliding_attention"} if config.model.model_id in ("gpt_oss", "step35") else set()) | \
-            ({"indexed_attention"} if config.model.model_id == "glm52" else set()) | \
-            (DEEPSEEK_V4_CP_LAYER_TYPES if config.model.model_id == "deepseek_v4" else set())  # windows (+sinks); DSA
+        handled = CP_LAYER_TYPES | (spec.cp_layer_types if spec else set())  # the id's context parallel
         other = sorted(set(facts.layer_types) - handled)
         if other:
             errors.append(f"parallel.cp_size: layer types {other} of model_type {facts.model_type} are not "

@@ -22,16 +22,10 @@ from dataclasses import replace
 from typing import List
 
 from fsdp2_backend.config.schema import ModelArguments, OptimizationArguments, ParallelArguments
+from fsdp2_backend.models.registry import spec_of, specs
 
-DSA_MODEL_IDS = ("glm52", "deepseek_v4")  # MindSpeed: dsv32 / deepseek_v4 / glm5*
 _KVALLGATHER_AS_RING = ("parallel.cp_type: kvallgather runs as ring here — the same exact attention (each rank's "
                         "queries over every key/value), exchanged in a ring")
-_KVALLGATHER = {  # the DSA ids: MindSpeed's kvallgather itself (parallel/context_parallel/dsa.py)
-    "deepseek_v4": "parallel.cp_type: kvallgather for model_id deepseek_v4 — each rank's queries over the whole "
-                   "sequence's all-gathered K=V and compressor inputs (parallel/context_parallel/dsa_deepseek_v4.py)",
-    "glm52": "parallel.cp_type: kvallgather for model_id glm52 — each rank's queries over the whole sequence's "
-             "all-gathered MLA key latents and indexer keys (parallel/context_parallel/dsa_glm.py)",
-}
 _NPU_ONLY = {
     "use_sparse_flash_attn": "NPU sparse flash attention (torch_npu); DSA attention runs in torch ops here",
     "use_fused_lightning_indexer": "NPU lightning-indexer kernel (torch_npu); the DSA top-k runs in torch ops here",
@@ -72,21 +66,21 @@ def head_field_errors(config) -> List[str]:
                                                                                    t.mtp_loss_scaling_factor):
         errors.append(f"training.mtp_loss_scaling_factor: {t.mtp_loss_scaling_factor} and model.mtp_loss_scaling_"
                       f"factor {m.mtp_loss_scaling_factor} name the same weight — give one")
-    model_id = m.model_id or ""
+    spec = spec_of(m.model_id)
+    dsa_ids = [s.model_id for s in specs() if s.dsa]  # MindSpeed: dsv32 / deepseek_v4 / glm5*
     dsa = [name for name in ("use_sparse_flash_attn", "use_fused_lightning_indexer",
                              "use_fused_lightning_indexer_loss") if getattr(o, name)]
-    if dsa and model_id not in DSA_MODEL_IDS:
-        errors.append(f"optimization.{dsa[0]}: for DSA models only (model_id {' / '.join(DSA_MODEL_IDS)}; "
+    if dsa and not (spec and spec.dsa):
+        errors.append(f"optimization.{dsa[0]}: for DSA models only (model_id {' / '.join(dsa_ids)}; "
                       f"MindSpeed's rule), got model_id {m.model_id} — drop it")
     from fsdp2_backend.config.router_rules import megatron_router_set
 
-    if model_id in ("deepseek_v4", "longcat_flash_ngram") and megatron_router_set(m):
-        errors.append(f"model.moe_router_*: model_id {model_id} routes with transformers' own routers (DeepSeek-V4's "
-                      f"hash and sqrt-softplus routers, LongCat's zero-expert router); Megatron's router options are "
-                      f"not applied to them — drop the options")
+    if spec and spec.router == "own" and megatron_router_set(m):
+        errors.append(spec.note("router"))
+    mhc_ids = " / ".join(s.model_id for s in specs() if s.mindspeed_mhc)
     for name in ("use_ascend_mhc", "use_triton_swiglu_limit"):
-        if getattr(o, name) and model_id != "deepseek_v4":
-            errors.append(f"optimization.{name}: for model_id deepseek_v4 only (MindSpeed's rule), got model_id "
+        if getattr(o, name) and not (spec and spec.mindspeed_mhc):
+            errors.append(f"optimization.{name}: for model_id {mhc_ids} only (MindSpeed's rule), got model_id "
                           f"{m.model_id} — drop it")
     return errors
 
@@ -104,7 +98,8 @@ def head_field_notices(config) -> List[str]:
         notices.append("parallel.ep_dispatcher: mc2 (an Ascend MC2 kernel) has no effect with ep_size 1 — no tokens "
                        "are dispatched")
     if p.cp_type == "kvallgather":
-        notices.append(_KVALLGATHER.get(config.model.model_id, _KVALLGATHER_AS_RING))
+        spec = spec_of(config.model.model_id)  # the DSA ids: MindSpeed's kvallgather itself (the spec's cp_hook)
+        notices.append(spec.note("kvallgather") if spec and "kvallgather" in spec.notes else _KVALLGATHER_AS_RING)
     if not p.enable_chunk_batch:
         defaults = ParallelArguments()
         notices += [f"parallel.{name}: no effect without parallel.enable_chunk_batch"

@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import List, Optional, Set, Tuple
 
 from fsdp2_backend.config.schema import MODEL_ID_ALIASES, Config
+from fsdp2_backend.models.registry import specs
 
 RELEASE, MASTER = "MindSpeed-LLM v26.1.0", "MindSpeed-LLM master"
 MASTER_ONLY = (  # master's argument-class fields that v26.1.0 has not: (group, field)
@@ -29,8 +30,8 @@ MASTER_ONLY = (  # master's argument-class fields that v26.1.0 has not: (group, 
     ("parallel", "chunk_mbs_arg_indexs"), ("parallel", "chunk_mbs_kwarg_names"), ("training", "deterministic"),
     ("training", "indexer_loss_coeff"), ("training", "router_aux_loss_coef"), ("training", "mtp_loss_scaling_factor"),
     ("optimization", "use_ascend_mhc"), ("optimization", "use_triton_swiglu_limit"))
-MASTER_ONLY_VALUES = (("model", "model_id", "deepseek_v4"), ("parallel", "cp_type", "kvallgather"),
-                      ("training", "optimizer", "fused_adamw"))
+MASTER_ONLY_VALUES = (*(("model", "model_id", spec.model_id) for spec in specs() if spec.mindspeed_master_only),
+                      ("parallel", "cp_type", "kvallgather"), ("training", "optimizer", "fused_adamw"))
 INDEXER_DEFAULT = 1.0  # MindSpeed's default weight of the indexer's KL loss (both versions)
 
 

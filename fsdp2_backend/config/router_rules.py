@@ -1,10 +1,13 @@
 """Config rules of Megatron's MoE router fields (`model.moe_router_*`, `moe_*_loss_coeff`), as megatron-core
-checks them, and where the router exists (`fsdp2_backend/models/moe/router.py`: this project's MoE models). Torch-free;
-called once from `validation`.
+checks them, and where the router exists (`fsdp2_backend/models/moe/router.py`: this project's MoE models). Which
+id runs which router is each id's spec (`models/<id>/spec.py`: `router`, `router_promoted`, `router_scores_sigmoid`,
+`expert_bias`, `group_score_top2`, `renormalises_topk`). Torch-free; called once from `validation`.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, List
+
+from fsdp2_backend.models.registry import spec_for_model_type, spec_of
 
 if TYPE_CHECKING:
     from fsdp2_backend.config.model_facts import ModelFacts
@@ -12,11 +15,6 @@ if TYPE_CHECKING:
 
 
 _BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none", "mindspeed_seq_aux_loss")
-# HF model types whose model id (the same name) is transformers' model with this project's router and stacked
-# experts (models/qwen3_moe/modeling.py, models/moe/family_swap.py): selected by normalise() when a run asks for them.
-ROUTER_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe")
-
-
 def megatron_router_set(m) -> bool:
     """True when a `model.moe_router_*` / `moe_*_loss_coeff` field asks for Megatron's router."""
     return any(getattr(m, name) is not None for name in (
@@ -46,54 +44,48 @@ def router_errors(m) -> List[str]:
         errors.append("model.moe_router_load_balancing_type: mindspeed_seq_aux_loss (MindSpeed's --seq-aux under "
                       "balancing 'none') goes with neither aux_loss (both log as load_balancing_loss) nor sinkhorn "
                       "— keep one of them")
+    spec = spec_of(m.model_id)
     if m.moe_router_enable_expert_bias and m.moe_router_score_function not in ("sigmoid", "sqrtsoftplus") and \
-            m.model_id not in ("minimax_m27", "step35"):  # those score with sigmoid by themselves
+            not (spec and spec.router_scores_sigmoid):  # those score with sigmoid by themselves
         errors.append("model.moe_router_enable_expert_bias: the expert bias applies to sigmoid or sqrtsoftplus scores "
                       "(megatron-core and MindSpeed assert it) — set model.moe_router_score_function: sigmoid")
-    if m.moe_router_enable_expert_bias and m.model_id == "step35":
-        errors.append("model.moe_router_enable_expert_bias (--moe-router-enable-expert-bias): model_id step35 "
-                      "selects experts with the checkpoint's moe.router_bias, which this project does not update "
-                      "— drop the flag")
+    if m.moe_router_enable_expert_bias and spec and not spec.expert_bias:
+        errors.append(spec.note("expert_bias"))
     return errors
-
-
-# The model ids whose MoE blocks carry the project's router, by the HF model type they build (besides
-# ROUTER_MODEL_TYPES, promoted automatically).
-_MODEL_IDS_BY_TYPE = {"minimax_m2": "minimax_m27", "gpt_oss": "gpt_oss", "step3p5": "step35",
-                      "qwen3_next": "qwen3_next"}
 
 
 def check_router_model(config: "Config", facts: "ModelFacts", errors: List[str]) -> None:
     """Megatron's router lives in this project's MoE models: a transformers model without a model id has none."""
     m = config.model
-    if megatron_router_set(m) and m.model_id is None and facts.model_type not in (None,) + ROUTER_MODEL_TYPES:
-        model_id = _MODEL_IDS_BY_TYPE.get(facts.model_type)
+    own = spec_for_model_type(facts.model_type)  # the id building this model type, when it has the router
+    own = own if own is not None and own.router == "megatron" else None
+    if megatron_router_set(m) and m.model_id is None and facts.model_type is not None and \
+            not (own and own.router_promoted):  # a promoted type runs as its id by itself (validation.normalise)
+        model_id = own and own.model_id
         errors.append(f"model.moe_router_*: Megatron's router options need this project's model implementation — "
                       + (f"set model.model_id {model_id} for this {facts.model_type} model, or drop them" if model_id
                          else f"no model id here implements {facts.model_type}'s MoE; drop them"))
     norm = (m.architecture or {}).get("norm_topk_prob", (facts.config_json or {}).get("norm_topk_prob"))
-    swapped = m.model_id == "deepseek_v3" or megatron_router_set(m) or config.parallel.ep_size > 1 or \
-        config.optimization.moe_grouped_gemm or config.optimization.fix_router
-    if facts.model_type == "deepseek_v3" and norm is False and swapped and m.moe_router_score_function != "softmax":
-        errors.append("model.model_id deepseek_v3: this DeepSeek-V3 config has norm_topk_prob false, and Megatron's "
-                      "sigmoid router (models/moe/family_swap.py) always renormalises the top-k — set "
+    typed = spec_for_model_type(facts.model_type)
+    swapped = (typed is not None and m.model_id == typed.model_id) or megatron_router_set(m) or \
+        config.parallel.ep_size > 1 or config.optimization.moe_grouped_gemm or config.optimization.fix_router
+    if typed and typed.renormalises_topk and norm is False and swapped and m.moe_router_score_function != "softmax":
+        errors.append(f"model.model_id {typed.model_id}: this {typed.name} config has norm_topk_prob false, and "
+                      "Megatron's sigmoid router (models/moe/family_swap.py) always renormalises the top-k — set "
                       "model.moe_router_score_function softmax, or run transformers' model (no router options, EP, "
                       "grouped GEMM or fix_router)")
-
-
-# HF model types whose routers transformers defines with group-limited selection, scoring a group by the sum of its
-# top 2 scores (DeepseekV3TopkRouter, GlmMoeDsaTopkRouter), and the model ids that run them with this project's
-# router (models/moe/family_swap.py: HF_GROUP_SCORE_TOPK).
-_HF_GROUP_SCORE = {"deepseek_v3": ("deepseek_v3", "DeepSeek-V3"), "glm_moe_dsa": ("glm52", "GLM-MoE-DSA")}
 
 
 def group_score_notices(config: "Config", facts: "ModelFacts") -> List[str]:
     """One line where transformers' group score (the top 2 of a group) and megatron-core's (the top k / group_topk)
     differ for this model: which one the run takes."""
     m = config.model
-    known = _HF_GROUP_SCORE.get(facts.model_type)
-    if known is None or m.model_id != known[0]:
+    # transformers defines the routers of these ids' model types with group-limited selection, scoring a group by
+    # the sum of its top 2 (DeepseekV3TopkRouter, GlmMoeDsaTopkRouter; models/moe/family_swap.py: HF_GROUP_SCORE_TOPK)
+    spec = spec_for_model_type(facts.model_type)
+    if spec is None or not spec.group_score_top2 or m.model_id != spec.model_id:
         return []
+    known = (spec.model_id, spec.name)
     hf = {**(facts.config_json or {}), **(m.architecture or {})}
     megatron = m.moe_router_num_groups is not None or m.moe_router_group_topk is not None
     groups = m.moe_router_num_groups if m.moe_router_num_groups is not None else hf.get("n_group") or 1

@@ -13,12 +13,11 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from fsdp2_backend.config.fields import help_field
 from fsdp2_backend.config.schema_training import TrainingArguments
+from fsdp2_backend.models.registry import model_id_aliases, model_id_names
 
-MODEL_IDS = ("gpt_oss", "qwen3", "qwen3_moe", "qwen3_next", "step35", "mamba3", "minimax_m27", "deepseek_v3",
-             "mixtral", "qwen2_moe", "deepseek_v4", "glm52", "longcat_flash_ngram")
-# Other names of a model id: {name: (model id, whose name it is)}. Accepted by model.model_id, resolved once by
-# validation (config/mindspeed_release_rules.py, which says which name the run took) and by models/registry.
-MODEL_ID_ALIASES = {"longcat_flash": ("longcat_flash_ngram", "MindSpeed-LLM v26.1.0's name")}
+# Other names of a model id: {name: (model id, whose name it is)}, declared by the ids' specs. Accepted by
+# model.model_id, resolved once by validation (config/mindspeed_release_rules.py, which says which name the run took).
+MODEL_ID_ALIASES = model_id_aliases()
 DTYPES = ("bf16", "fp16", "fp32")
 
 
@@ -28,7 +27,7 @@ class ModelArguments:
 
     model_name_or_path: Optional[str] = help_field(None, "Local path of the model (HF directory). Required, unless "
                                                "`architecture` describes a model to build from scratch.")
-    model_id: Optional[Literal[MODEL_IDS + tuple(MODEL_ID_ALIASES)]] = help_field(  # type: ignore[valid-type]
+    model_id: Optional[Literal[model_id_names()]] = help_field(  # type: ignore[valid-type]  (read live)
         None, "Model id of this project's own model implementation; unset runs the native transformers forward "
               "(longcat_flash: MindSpeed-LLM v26.1.0's name of longcat_flash_ngram).")
     init_model_with_meta_device: bool = help_field(False, "Build the model on the meta device, shard, then load or "

@@ -27,11 +27,13 @@ from fsdp2_backend.config.mindspeed_release_rules import release_readings
 from fsdp2_backend.config.mla_rules import mla_scale_errors
 from fsdp2_backend.config.mup_rules import mup_errors
 from fsdp2_backend.config.quant_rules import check_quantization, quant_notices
-from fsdp2_backend.config.router_rules import (ROUTER_MODEL_TYPES, check_router_model, group_score_notices,
+from fsdp2_backend.config.router_rules import (check_router_model, group_score_notices,
                                                megatron_router_set, router_errors)
 from fsdp2_backend.config.layout import parallel_layout
 from fsdp2_backend.config.schema import Config, dataset_entries
 from fsdp2_backend.config.sft_rules import check_sft, normalise_sft, sft_notices
+from fsdp2_backend.models import registry
+from fsdp2_backend.models.registry import spec_for_model_type, spec_of
 from fsdp2_backend.usage_errors import UsageError
 
 # Data fields that only the SFT data path (data_manager_type lf) reads: with pretraining they have no effect, and
@@ -52,8 +54,6 @@ NOT_YET = (
 
 def registered_model_ids() -> List[str]:
     """Model ids with an implementation in this project (the registry, read without importing torch)."""
-    from fsdp2_backend.models import registry
-
     return sorted(registry.registered_model_ids())
 
 
@@ -175,13 +175,12 @@ def _check_seed_rules(config: Config, errors: List[str]) -> None:
     if mtp is not None and mtp < 1:
         errors.append(f"model.mtp_num_layers: {mtp} is not a number of MTP depths — give at least 1, or unset it")
     elif mtp:  # models/mtp.py: plain modules under FSDP2 / TP / CP / EP (their experts get the expert plan, build._with_mtp)
+        spec = spec_of(config.model.model_id)
         for name, why in ((chunk, "optimization.chunk_loss_size (the head computes the MTP loss from full logits)"),
-                          (config.model.model_id not in (None, "qwen3", "qwen3_next", "step35", "deepseek_v3",
-                                                         "deepseek_v4"),  # mtp_layouts.py
+                          (spec is not None and spec.mtp_layout is None,  # its spec names no MTP layout
                            f"model.model_id {config.model.model_id} (no MTP layer layout for it yet)"),
-                          (config.model.model_id == "qwen3_next" and mtp != 1,  # one fc / norm pair in its layout
-                           f"model.model_id qwen3_next and mtp_num_layers {mtp} (Qwen3-Next's MTP layout holds one "
-                           f"depth: give mtp_num_layers 1)"),
+                          (spec is not None and spec.mtp_depths not in (None, mtp),  # e.g. one fc / norm pair
+                           spec and spec.note("mtp", mtp=mtp)),
                           (config.model.init_model_with_meta_device,
                            "model.init_model_with_meta_device (MTP weights are initialised on a real device)")):
             if name:
@@ -289,15 +288,11 @@ _MEGATRON_CHECKPOINT_WORDING = {"hidden_size": "hidden_size", "num_hidden_layers
                                 "max_position_embeddings": "max_position_embeddings"}
 
 
-# Model types transformers builds no causal LM for, and the model id that does.
-_MODEL_ID_REQUIRED = {"step3p5": "step35"}
-
-
 def _check_model_defined(config: Config, facts: ModelFacts, errors: List[str]) -> None:
-    needed = _MODEL_ID_REQUIRED.get(facts.model_type)
-    if needed and config.model.model_id is None:
+    needed = spec_for_model_type(facts.model_type)  # a model type transformers builds no causal LM for
+    if needed and needed.needs_model_id and config.model.model_id is None:
         errors.append(f"model.model_id: the model ({facts.model_type}, from the {facts.source}) has no causal LM in "
-                      f"transformers — set model.model_id {needed}")
+                      f"transformers — set model.model_id {needed.model_id}")
     if facts.source:
         return
     load = config.training.resume_from_checkpoint
@@ -376,15 +371,16 @@ def _notices(config: Config) -> List[str]:
 
 def normalise(config: Config, world_size: int, facts: ModelFacts = None) -> Config:
     """Fills derived values, once: packing implied by neat_packing, gradient accumulation from the global batch,
-    the pretraining dataset as a list, and the stacked-expert MoE model (model_id = the model type: qwen3_moe,
-    deepseek_v3, mixtral, qwen2_moe) when expert parallel, MoE kernels or Megatron's router options ask for it."""
+    the pretraining dataset as a list, and the stacked-expert MoE model (the id whose spec is `router_promoted` for
+    the model type) when expert parallel, MoE kernels or Megatron's router options ask for it."""
     data, training, model = config.data, config.training, config.model
     wants_moe_model = (config.parallel.ep_size > 1 or config.optimization.moe_grouped_gemm
                        or config.optimization.fix_router or megatron_router_set(model))
     model_type = facts.model_type if facts is not None else (model.architecture or {}).get("model_type")
     recorded_router = facts is not None and bool((facts.config_json or {}).get("moe_router"))  # models/moe/router.py
-    if model.model_id is None and (wants_moe_model or recorded_router) and model_type in ROUTER_MODEL_TYPES:
-        model = replace(model, model_id=model_type)
+    promoted = spec_for_model_type(model_type)  # transformers' model swapped for the id's stacked experts
+    if model.model_id is None and (wants_moe_model or recorded_router) and promoted and promoted.router_promoted:
+        model = replace(model, model_id=promoted.model_id)
     if data.neat_packing and not data.packing:
         data = replace(data, packing=True)
     if data.data_manager_type == "mg" and data.dataset is not None:

@@ -24,9 +24,10 @@ import torch
 from torch import nn
 
 from fsdp2_backend.config import ModelArguments
-from fsdp2_backend.distributed.dtensor import local_tensor
+from fsdp2_backend.distributed.dtensor import own_class, write_whole
 from fsdp2_backend.usage_errors import UsageError
-from fsdp2_backend.models.registry import ModelSpec, model_spec, register_model_types
+from fsdp2_backend.models.registry import model_spec, register_model_types, spec_for_model_type
+from fsdp2_backend.models.spec import ModelSpec
 from fsdp2_backend.models.nemotron_h import honour_time_step_limit
 
 Parallelize = Callable[[nn.Module], nn.Module]
@@ -141,15 +142,7 @@ def _module_tensors(module: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
 
 def _assign_full(target: torch.Tensor, full: torch.Tensor) -> None:
     """Writes `full` (the whole tensor) into `target`, which may be a sharded DTensor: keep the local shard."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    full = full.to(dtype=target.dtype)
-    if isinstance(target, DTensor):
-        # Every rank holds the same full tensor, so slicing locally (src_data_rank=None) needs no comms.
-        local = local_tensor(distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None))
-        local_tensor(target).copy_(local)
-    else:
-        target.copy_(full)
+    write_whole(target, full.to(dtype=target.dtype))  # every rank holds the same full tensor: no comms
 
 
 @torch.no_grad()
@@ -191,9 +184,7 @@ def seeded_initialize(model: nn.Module, seed: int, *, buffers_only: bool = False
 
 def _stand_in(module: nn.Module) -> nn.Module:
     """A shallow copy of `module` as its own class (not FSDP's subclass), with tensor dicts of its own."""
-    from torch.distributed.fsdp import FSDPModule
-
-    cls = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    cls = own_class(module)
     stand_in = object.__new__(cls)
     stand_in.__dict__.update(module.__dict__)
     stand_in._parameters, stand_in._buffers = dict(module._parameters), dict(module._buffers)
@@ -266,9 +257,8 @@ def native_checkpoint_layout(hf_config) -> Optional[ModelSpec]:
     class's in-memory names to its checkpoints' keys, where transformers converts them in `from_pretrained`
     (MiniMax-M2: `block_sparse_moe.experts.{e}.w1/w3/w2` → stacked experts; Qwen3-MoE / Qwen3-Next:
     `mlp.experts.{e}.gate_proj/up_proj/down_proj` → stacked `gate_up_proj` / `down_proj`)."""
-    model_id = {"minimax_m2": "minimax_m27", "qwen3_moe": "qwen3_moe",
-                "qwen3_next": "qwen3_next"}.get(getattr(hf_config, "model_type", None))
-    return model_spec(model_id) if model_id else None
+    spec = spec_for_model_type(getattr(hf_config, "model_type", None))
+    return spec if spec is not None and spec.native_checkpoint_layout else None
 
 
 def create_model(model_args: ModelArguments, hf_config, *, seed: int, device: torch.device,

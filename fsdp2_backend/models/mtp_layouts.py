@@ -266,14 +266,13 @@ class Step35Layout(TrailingLayersLayout):
 
 
 def mtp_layout(config) -> MTPLayout:
-    """The layout for an HF config: the released one of its model type, else this project's own."""
-    model_type = getattr(config, "model_type", None)
-    if model_type == "deepseek_v4":  # its own module (it imports this one)
-        from fsdp2_backend.models.deepseek_v4.mtp import DeepseekV4Layout
+    """The layout for an HF config: the released one of its model type (the `mtp_layout` of the spec that builds
+    it, `models/<id>/spec.py`), else this project's own."""
+    from fsdp2_backend.models.registry import spec_for_model_type
+    from fsdp2_backend.models.spec import resolve
 
-        return DeepseekV4Layout()
-    return {"qwen3_next": Qwen3NextLayout, "step3p5": Step35Layout, "deepseek_v3": TrailingLayersLayout}.get(
-        model_type, MTPLayout)()
+    spec = spec_for_model_type(getattr(config, "model_type", None))
+    return (resolve(spec.mtp_layout) if spec is not None and spec.mtp_layout else MTPLayout)()
 
 
 def _num_experts(config) -> int:

@@ -14,7 +14,11 @@ under balancing 'none' (a loss of its own, not megatron-core's seq_aux_loss) is 
 from __future__ import annotations
 
 
-ROUTER_FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe")  # = config.router_rules.ROUTER_MODEL_TYPES
+from fsdp2_backend.models.registry import specs
+
+# the model types whose transformers model runs as the model id of the same name with this project's router (the
+# specs' `router_promoted`, models/<id>/spec.py)
+ROUTER_FAMILIES = tuple(t for spec in specs() if spec.router_promoted for t in spec.hf_model_types)
 _ROUTER_FIELDS = (("moe_router_score_function", "moe_router_score_function"),
                   ("moe_router_topk_scaling_factor", "moe_router_topk_scaling_factor"),
                   ("routed_scaling_factor", "moe_router_topk_scaling_factor"),

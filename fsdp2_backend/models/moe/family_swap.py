@@ -31,7 +31,7 @@ Per-expert checkpoint keys: DeepSeek-V3 and Qwen2-MoE hold `mlp.experts.{e}.gate
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Mapping
+from typing import Callable, Dict, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -170,7 +170,7 @@ FAMILIES: Mapping[str, Family] = {
     "deepseek_v3": Family(ds.DeepseekV3ForCausalLM, ds.DeepseekV3MoE, ds.DeepseekV3Experts,
                           DeepseekV3GroupedBlock, DeepseekV3Router, lambda c: c.n_routed_experts),
     # GLM-5.2 (model id glm52): DeepSeek-V3's MoE under DeepSeek sparse attention (its indexer trained by
-    # training.indexer_loss_coeff: models/dsa_indexer_loss.py, hooked in by models/newer_ids.py)
+    # training.indexer_loss_coeff: models/dsa_indexer_loss.py, hooked in by models/moe/hooks.py)
     "glm_moe_dsa": Family(glm.GlmMoeDsaForCausalLM, glm.GlmMoeDsaMoE, glm.GlmMoeDsaExperts, GlmMoeDsaGroupedBlock,
                           GlmMoeDsaRouter, lambda c: c.n_routed_experts),
 }
@@ -233,20 +233,3 @@ GROUPED_CLASSES: Dict[str, type] = {model_type: _grouped_class(model_type) for m
 def build(hf_config) -> nn.Module:
     """The registry builder for `hf_config.model_type` (deepseek_v3, mixtral, qwen2_moe, glm_moe_dsa)."""
     return GROUPED_CLASSES[hf_config.model_type](hf_config)
-
-
-# -- per-expert checkpoint keys (streaming loader) ----------------------------------------------------------------
-def checkpoint_keys(name: str, hf_config) -> List[str]:
-    if hf_config.model_type == "mixtral":
-        from fsdp2_backend.models.minimax_m27 import modeling as minimax_m2
-        return minimax_m2.checkpoint_keys(name, hf_config)
-    from fsdp2_backend.models.qwen3_moe import modeling as qwen3_moe
-    return qwen3_moe.checkpoint_keys(name, FAMILIES[hf_config.model_type].num_experts(hf_config))
-
-
-def param_from_checkpoint(name: str, tensors: Mapping[str, torch.Tensor], hf_config) -> torch.Tensor:
-    if hf_config.model_type == "mixtral":
-        from fsdp2_backend.models.minimax_m27 import modeling as minimax_m2
-        return minimax_m2.param_from_checkpoint(name, tensors, hf_config)
-    from fsdp2_backend.models.qwen3_moe import modeling as qwen3_moe
-    return qwen3_moe.param_from_checkpoint(name, tensors, FAMILIES[hf_config.model_type].num_experts(hf_config))

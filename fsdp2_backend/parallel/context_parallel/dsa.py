@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2_backend.config.tp_cp_checks import normalize_cp_type
 from fsdp2_backend.kernels.varlen import is_packed
+from fsdp2_backend.models.registry import spec_for_model_type
 from fsdp2_backend.parallel.context_parallel.batch import OncePerTensor, sequence_indices
 from fsdp2_backend.usage_errors import UsageError
 
@@ -68,15 +69,16 @@ class SequenceLayout:
                              "on unpacked sequences, or use cp_size 1")
 
 
-_BY_MODEL_TYPE = {  # the config's model_type → (the module of this package, its enable function)
-    "deepseek_v4": ("dsa_deepseek_v4", "enable_deepseek_v4_context_parallel"),
-    "glm_moe_dsa": ("dsa_glm", "enable_glm_context_parallel"),  # model id glm52
-}
+def _own_hook(model: nn.Module) -> Optional[str]:
+    """The model's own context parallel, "module:function" of this package: the `cp_hook` of the spec that
+    builds the config's model_type (models/<id>/spec.py: deepseek_v4, glm52), or None."""
+    spec = spec_for_model_type(getattr(model.config, "model_type", None))
+    return spec.cp_hook if spec is not None else None
 
 
 def dsa_context_parallel(model: nn.Module) -> bool:
     """True when `model`'s attention is DSA, made context parallel by `enable_dsa_context_parallel`."""
-    return getattr(model.config, "model_type", None) in _BY_MODEL_TYPE
+    return _own_hook(model) is not None
 
 
 def enable_dsa_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: str) -> bool:
@@ -84,9 +86,10 @@ def enable_dsa_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, cp_type: 
     from the config's model_type: no DSA model code is imported for them)."""
     import importlib
 
-    entry = _BY_MODEL_TYPE.get(getattr(model.config, "model_type", None))
-    if entry is None:
+    hook = _own_hook(model)
+    if hook is None:
         return False
-    module = importlib.import_module(f"fsdp2_backend.parallel.context_parallel.{entry[0]}")
-    getattr(module, entry[1])(model, cp_mesh, cp_type)
+    module, function = hook.split(":")
+    getattr(importlib.import_module(f"fsdp2_backend.parallel.context_parallel.{module}"), function)(model, cp_mesh,
+                                                                                                      cp_type)
     return True
