@@ -11,7 +11,7 @@ import pytest
 
 from fsdp2_backend.launch import parse_command_line
 from fsdp2_backend.usage_errors import UsageError
-from tests.e2e.test_faults_processes import ENV
+from tests.support.launchers import ENTRY_ENV
 from tests.support.launchers import REPO
 from tests.support.megatron_reference import write_corpus
 
@@ -22,7 +22,7 @@ NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
 
 def _cli(*argv):
     result = subprocess.run([sys.executable, f"{REPO}/pretrain_fsdp2.py", *argv], capture_output=True, text=True,
-                            env=ENV, cwd=REPO, timeout=300)
+                            env=ENTRY_ENV, cwd=REPO, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     return [line for line in result.stderr.splitlines() if line.startswith("error:")]
 

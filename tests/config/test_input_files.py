@@ -129,7 +129,7 @@ def test_blend_weight_of_zero_or_below_is_refused_before_anything_loads(tmp_path
     import subprocess
     import sys
 
-    from tests.e2e.test_faults_processes import ENV
+    from tests.support.launchers import ENTRY_ENV
     from tests.support.launchers import REPO
 
     data = tmp_path / "data"
@@ -138,7 +138,7 @@ def test_blend_weight_of_zero_or_below_is_refused_before_anything_loads(tmp_path
     argv = SHAPE + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--data-path", "0.7", web, "0",
                     books, "-0.5", code]
     result = subprocess.run([sys.executable, f"{REPO}/pretrain_fsdp2.py", *argv], capture_output=True, text=True,
-                            env=ENV, cwd=REPO, timeout=300)
+                            env=ENTRY_ENV, cwd=REPO, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
         f"error: data.dataset (--data-path): weight {w} for {p} — Megatron blends take positive weights only "

@@ -11,7 +11,7 @@ import pytest
 from fsdp2_backend.config.memory_estimate import GIB, estimate_memory, fit_errors
 from fsdp2_backend.launch import main, parse_command_line
 from tests.support.megatron_lines import FAULT_RUN_FLAGS
-from tests.e2e.test_faults_processes import ENV
+from tests.support.launchers import ENTRY_ENV
 from tests.support.launchers import REPO
 
 MICRO_BATCH = re.compile(r"--(micro|global)-batch-size \d+")
@@ -25,7 +25,7 @@ def test_an_absurd_micro_batch_is_refused_with_the_numbers_before_anything_is_bu
     argv = _flags("--micro-batch-size", "100000", "--global-batch-size", "100000", "--seq-length", "4096",
                   "--max-position-embeddings", "4096", "--save", str(tmp_path / "ckpt"))
     result = subprocess.run([sys.executable, f"{REPO}/pretrain_fsdp2.py", *argv], capture_output=True, text=True,
-                            env=ENV, cwd=REPO, timeout=300)
+                            env=ENTRY_ENV, cwd=REPO, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.fullmatch(

@@ -4,83 +4,20 @@ process tree, as a scheduler's preemption does: the workers save at the next ite
 command resumes from there), and a usage error under torchrun printed once."""
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-from tests.support.launchers import REPO, free_port
 from tests.support.megatron_lines import FAULT_RUN_FLAGS
-
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-ENV.pop("WORLD_SIZE", None)
-
-
-def _command(args, ranks):
-    entry = [os.path.join(REPO, "pretrain_fsdp2.py"), *map(str, args)]
-    if ranks == 1:
-        return [sys.executable, *entry]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-            str(free_port()), *entry]
-
-
-def start(args, log: Path, ranks=1) -> subprocess.Popen:
-    """A run in a session of its own, its output (stdout and stderr) in `log`."""
-    return subprocess.Popen(_command(args, ranks), stdout=open(log, "w"), stderr=subprocess.STDOUT, env=ENV,
-                            cwd=REPO, start_new_session=True)
-
-
-def run(args, ranks=1):
-    return subprocess.run(_command(args, ranks), capture_output=True, text=True, env=ENV, cwd=REPO, timeout=600)
-
-
-def wait_for(proc: subprocess.Popen, log: Path, pattern: str, timeout=300.0) -> re.Match:
-    deadline = time.monotonic() + timeout
-    while True:
-        match = re.search(pattern, log.read_text())
-        if match:
-            return match
-        assert proc.poll() is None, f"the run ended first:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-def process_tree(pid: int):
-    """`pid` and all its descendants (torchrun's workers run in sessions of their own: a process group is not
-    enough), read from /proc."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        todo += children.get(current, [])
-    return tree
-
-
-def signal_tree(pid: int, sig) -> None:
-    for member in process_tree(pid):
-        try:
-            os.kill(member, sig)
-        except ProcessLookupError:
-            pass
+from tests.support.launchers import run_entry, signal_tree, start_entry, wait_for_log
 
 
 def test_a_second_run_into_a_live_runs_save_dir_is_refused_and_a_dead_runs_lock_taken_over(tmp_path):
     save = tmp_path / "save"
-    first = start(FAULT_RUN_FLAGS + ["--train-iters", "100000", "--save", save], tmp_path / "first.log")
+    first = start_entry(FAULT_RUN_FLAGS + ["--train-iters", "100000", "--save", save], tmp_path / "first.log")
     try:
-        wait_for(first, tmp_path / "first.log", r"iteration +2/")
-        second = run(FAULT_RUN_FLAGS + ["--train-iters", "4", "--save", save])
+        wait_for_log(first, tmp_path / "first.log", r"iteration +2/")
+        second = run_entry(FAULT_RUN_FLAGS + ["--train-iters", "4", "--save", save])
         assert second.returncode == 2, second.stderr[-3000:]
         errors = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and "Traceback" not in second.stderr
@@ -93,7 +30,7 @@ def test_a_second_run_into_a_live_runs_save_dir_is_refused_and_a_dead_runs_lock_
     finally:
         signal_tree(first.pid, signal.SIGKILL)
         first.wait()
-    third = run(FAULT_RUN_FLAGS + ["--train-iters", "4", "--save", save])
+    third = run_entry(FAULT_RUN_FLAGS + ["--train-iters", "4", "--save", save])
     assert third.returncode == 0, third.stderr[-3000:]
     assert re.search(re.escape(f"notice: training.output_dir (--save): removed the stale lock of an earlier run "
                                f"(pid {first.pid} on host {socket.gethostname()}, started ") + r"[^;]+; no longer "
@@ -106,9 +43,9 @@ def test_sigterm_to_the_whole_torchrun_tree_saves_at_the_next_iteration_and_exit
 
     save, log = tmp_path / "save", tmp_path / "run.log"
     args = FAULT_RUN_FLAGS + ["--train-iters", "100000", "--save", save, "--exit-signal-handler"]
-    launcher = start(args, log, ranks=2)
+    launcher = start_entry(args, log, ranks=2)
     try:
-        seen = int(wait_for(launcher, log, r"iteration +(\d+)/").group(1))
+        seen = int(wait_for_log(launcher, log, r"iteration +(\d+)/").group(1))
         signal_tree(launcher.pid, signal.SIGTERM)  # the launcher and both workers, as SLURM's preemption does
         launcher.wait(timeout=120)
     finally:
@@ -122,14 +59,14 @@ def test_sigterm_to_the_whole_torchrun_tree_saves_at_the_next_iteration_and_exit
     assert max(printed) == saved  # no iteration after the saved one ran
     assert not (save / ".fsdp2_run.lock").exists()
     # the same command (with a length that ends soon) resumes from that checkpoint
-    resumed = run(FAULT_RUN_FLAGS + ["--train-iters", saved + 2, "--save", save, "--exit-signal-handler",
+    resumed = run_entry(FAULT_RUN_FLAGS + ["--train-iters", saved + 2, "--save", save, "--exit-signal-handler",
                            "--override-opt_param-scheduler"])  # a shorter run: its own schedule length
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [int(i) for i in re.findall(r" iteration +(\d+)/", resumed.stdout)] == [saved + 1, saved + 2]
 
 
 def test_a_usage_error_under_torchrun_is_printed_once(tmp_path):
-    result = run(FAULT_RUN_FLAGS + ["--train-iters", "4", "--lr", "-1", "--save", tmp_path / "save"], ranks=2)
+    result = run_entry(FAULT_RUN_FLAGS + ["--train-iters", "4", "--lr", "-1", "--save", tmp_path / "save"], ranks=2)
     assert result.returncode != 0
     line = "error: training.lr: must be >= 0, got -1.0 (Megatron --lr) — give the peak learning rate"
     assert result.stderr.count(line) == 1 and (result.stdout + result.stderr).count("error: ") == 1

@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 from tests.support.megatron_lines import FAULT_RUN_FLAGS
-from tests.e2e.test_faults_processes import run
+from tests.support.launchers import run_entry
 from tests.support.launchers import MEGATRON_LINE
 from tests.support.megatron_reference import write_corpus
 
@@ -49,7 +49,7 @@ def test_a_finished_run_run_again(tmp_path):
     flags = [f for f in FAULT_RUN_FLAGS if f != "--mock-data"]
     blended = flags + ["--data-path", "0.3", web, "0.7", books, "--train-iters", "3", "--save", str(save),
                        "--save-interval", "2", "--data-cache-path", str(tmp_path / "cache")]
-    first = run(blended)
+    first = run_entry(blended)
     assert first.returncode == 0 and (save / "iter_0000003").is_dir() and (save / "hf").is_dir(), first.stderr[-3000:]
     # the export's shards are readable by the other users of a shared file system (safetensors writes 0600), and
     # transformers' empty "Writing model shards: 0it" bar (its config-only save) is not shown
@@ -59,19 +59,19 @@ def test_a_finished_run_run_again(tmp_path):
     assert shards and {oct(p.stat().st_mode & 0o777) for p in shards} == {oct(0o666 & ~umask)}
     assert "Writing model shards" not in first.stdout + first.stderr
     before = _files(save)
-    _finished(run(blended), save)
+    _finished(run_entry(blended), save)
     assert _files(save) == before
     # the export did not complete (e.g. a full disk): the rerun writes it, and saves no checkpoint — whatever the
     # data (here none)
     shutil.rmtree(save / "hf")
-    _finished(run(flags + ["--mock-data", "--train-iters", "3", "--save", str(save)]), save, exported=True)
+    _finished(run_entry(flags + ["--mock-data", "--train-iters", "3", "--save", str(save)]), save, exported=True)
     after = _files(save)
     assert {k: v for k, v in after.items() if not k.startswith("hf/")} == {
         k: v for k, v in before.items() if not k.startswith("hf/")}
     assert sorted(k for k in after if k.startswith("hf/")) == sorted(k for k in before if k.startswith("hf/"))
     # as the line says, a longer --train-iters trains further — its schedule differs from the checkpoint's: one
     # line naming Megatron's two flags (was one line per schedule value, naming the native field)
-    longer = run(blended[:blended.index("--train-iters")] + ["--train-iters", "6"]
+    longer = run_entry(blended[:blended.index("--train-iters")] + ["--train-iters", "6"]
                  + blended[blended.index("--train-iters") + 2:])
     errors = [line for line in longer.stderr.splitlines() if line.startswith("error:")]
     assert longer.returncode == 2 and len(errors) == 1 and errors[0].startswith(

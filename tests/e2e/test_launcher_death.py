@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.megatron_lines import FAULT_RUN_FLAGS
-from tests.e2e.test_faults_processes import process_tree, start, wait_for
+from tests.support.launchers import process_tree, start_entry, wait_for_log
 
 pytestmark = pytest.mark.e2e
 
@@ -35,10 +35,10 @@ def test_kill_9_of_torchrun_ends_its_workers(tmp_path):
     at = FAULT_RUN_FLAGS.index("--save-interval")
     flags = FAULT_RUN_FLAGS[:at] + FAULT_RUN_FLAGS[at + 2:]
     workers = []
-    run = start([*flags, "--train-iters", "100000", "--save", str(save), "--save-interval", "3"], log, ranks=2)
+    run = start_entry([*flags, "--train-iters", "100000", "--save", str(save), "--save-interval", "3"], log, ranks=2)
     try:
-        wait_for(run, log, r"successfully saved checkpoint from iteration\s+3 ")
-        wait_for(run, log, r" iteration\s+4/")
+        wait_for_log(run, log, r"successfully saved checkpoint from iteration\s+3 ")
+        wait_for_log(run, log, r" iteration\s+4/")
         workers += [pid for pid in process_tree(run.pid) if pid != run.pid]
         assert len(workers) >= 2, workers
         before = _checkpoints(save)

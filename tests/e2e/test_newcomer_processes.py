@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_faults_processes import ENV, start, wait_for
+from tests.support.launchers import ENTRY_ENV, start_entry, wait_for_log
 from tests.support.disk import small_disk
 from tests.support.launchers import REPO
 from tests.support.tiny_models import tiny_model_dir
@@ -49,10 +49,10 @@ def _flags(model_dir, save_dir=None):
 def test_ctrl_c_and_a_full_disk_during_the_export(model_dir, tmp_path):
     save = tmp_path / "ckpt"
     log = tmp_path / "tp2.log"
-    run = start(_flags(model_dir, save) + ["--tensor-model-parallel-size", "2"], log, ranks=2)
+    run = start_entry(_flags(model_dir, save) + ["--tensor-model-parallel-size", "2"], log, ranks=2)
     try:
-        wait_for(run, log, r"successfully saved checkpoint from iteration\s+3 ")
-        wait_for(run, log, r" iteration\s+4/")
+        wait_for_log(run, log, r"successfully saved checkpoint from iteration\s+3 ")
+        wait_for_log(run, log, r" iteration\s+4/")
         run.send_signal(signal.SIGINT)  # torchrun alone, as a terminal's Ctrl-C reaches it
         run.wait(timeout=120)
     finally:
@@ -72,9 +72,9 @@ def test_ctrl_c_and_a_full_disk_during_the_export(model_dir, tmp_path):
 
     # a single process: the same line (no checkpoint here) and the shell's code for SIGINT
     log = tmp_path / "one.log"
-    run = start(_flags(model_dir), log)
+    run = start_entry(_flags(model_dir), log)
     try:
-        wait_for(run, log, r" iteration\s+2/")
+        wait_for_log(run, log, r" iteration\s+2/")
         os.killpg(run.pid, signal.SIGINT)  # the whole foreground group, as a terminal does
         assert run.wait(timeout=120) == 130, log.read_text()[-3000:]
     finally:
@@ -94,7 +94,7 @@ def test_ctrl_c_and_a_full_disk_during_the_export(model_dir, tmp_path):
             resource.setrlimit(resource.RLIMIT_FSIZE, (128 * 1024, 128 * 1024))
 
         result = subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"), str(save),
-                                 str(out)], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300,
+                                 str(out)], capture_output=True, text=True, env=ENTRY_ENV, cwd=REPO, timeout=300,
                                 preexec_fn=None if disk else limit_file_size)
         why = "No space left on device" if disk else "File too large"
         assert result.returncode == 1, result.stderr[-3000:]

@@ -11,6 +11,8 @@ import re
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -110,3 +112,68 @@ def train_lines(log, parse_train_line):
     """Every Megatron training line of `log` that `parse_train_line` parses, wherever in a line it starts."""
     return [parsed for line in log.splitlines() for start in LOG_LINE_START.finditer(line)
             if (parsed := parse_train_line(line[start.start():]))]
+
+
+# The environment of the entry point's runs: offline, one thread, and no WORLD_SIZE of the test's own process.
+ENTRY_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+ENTRY_ENV.pop("WORLD_SIZE", None)
+
+
+def entry_command(args, ranks):
+    """The command line of pretrain_fsdp2.py with `args`: this interpreter, or torchrun when ranks > 1."""
+    entry = [os.path.join(REPO, "pretrain_fsdp2.py"), *map(str, args)]
+    if ranks == 1:
+        return [sys.executable, *entry]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+            str(free_port()), *entry]
+
+
+def start_entry(args, log: Path, ranks=1) -> subprocess.Popen:
+    """A run in a session of its own, its output (stdout and stderr) in `log`."""
+    return subprocess.Popen(entry_command(args, ranks), stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env=ENTRY_ENV, cwd=REPO, start_new_session=True)
+
+
+def run_entry(args, ranks=1):
+    """pretrain_fsdp2.py with `args` (under torchrun when ranks > 1), to its end; returns the CompletedProcess."""
+    return subprocess.run(entry_command(args, ranks), capture_output=True, text=True, env=ENTRY_ENV, cwd=REPO,
+                          timeout=600)
+
+
+def wait_for_log(proc: subprocess.Popen, log: Path, pattern: str, timeout=300.0) -> re.Match:
+    """The first match of `pattern` in the log of the live run `proc`; fails if the run ends or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        match = re.search(pattern, log.read_text())
+        if match:
+            return match
+        assert proc.poll() is None, f"the run ended first:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def process_tree(pid: int):
+    """`pid` and all its descendants (torchrun's workers run in sessions of their own: a process group is not
+    enough), read from /proc."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo += children.get(current, [])
+    return tree
+
+
+def signal_tree(pid: int, sig) -> None:
+    """Sends `sig` to `pid` and all its descendants."""
+    for member in process_tree(pid):
+        try:
+            os.kill(member, sig)
+        except ProcessLookupError:
+            pass
