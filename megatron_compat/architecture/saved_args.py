@@ -4,8 +4,9 @@ whether they come from a command line or from a checkpoint.
 
 A saved namespace holds every argparse dest, given or not; the flags "given" are taken to be the dests whose value
 differs from Megatron-LM's parser default (its own table, `megatron_lm_arguments.json`), so defaults get the
-same disposition as flags left out of a script; the run's training settings (dropouts, init std) are not read. Declines of given flags come back with their reasons; the
-checkpoint reader (`megatron_compat.checkpoint.mla`) refuses the conversion with them.
+same disposition as flags left out of a script; the run's training settings (dropouts, init std) are not read.
+Declines of given flags come back with their reasons; the checkpoint reader (`megatron_compat.checkpoint.mla`)
+refuses the conversion with them. Torch-free, below the checkpoint formats: the parser's table is read by path.
 """
 from __future__ import annotations
 
