@@ -40,7 +40,7 @@ import torch
 
 from tests.support.launchers import REPO, run_pretrain
 from tests.support.megatron_checkpoints import megatron  # noqa: F401  (pytest fixture)
-from tests.megatron_compat.test_megatron_resume import K, _CpuForCuda, _save_like_megatron_lm
+from tests.support.megatron_training import K, CpuForCuda, save_like_megatron_lm
 from tests.support.megatron_genuine import genuine_args, listing, megatron_padded_vocab
 from tests.support.megatron_reference import IdsTokenizer, write_corpus
 
@@ -150,7 +150,7 @@ def _run(root, fmt: str, bf16: bool):
     model = _model(args, bf16).train()
     tokens = torch.randint(0, args.vocab_size, (2, EVAL_SEQ + 1), generator=torch.Generator().manual_seed(4))
     reference = {"loss": {}, "lr": {}, "tokens": tokens}
-    with _CpuForCuda():
+    with CpuForCuda():
         ddp, optimizer, scheduler = _stack(model, args)
         for iteration in range(1, K + 3):
             samples = [data[(iteration - 1) * gbs + j] for j in range(gbs)]
@@ -159,7 +159,7 @@ def _run(root, fmt: str, bf16: bool):
             if iteration == K:
                 args.padded_vocab_size = megatron_padded_vocab(args)  # what the run set on its args
                 args.consumed_train_samples, args.consumed_valid_samples = K * gbs, 0
-                _save_like_megatron_lm(root / "mg", fmt, model, optimizer, scheduler, args, dist_checkpointing,
+                save_like_megatron_lm(root / "mg", fmt, model, optimizer, scheduler, args, dist_checkpointing,
                                        ShardedObject)
                 reference["eval_loss"] = _eval_loss(model, args, tokens)
     return prefix, reference

@@ -46,8 +46,10 @@ import torch.nn.functional as F
 
 from tests.support.megatron_checkpoints import save_megatron_checkpoint
 from tests.support.megatron_checkpoints import megatron  # noqa: F401  (pytest fixture)
-from tests.megatron_compat.test_megatron_resume import (GBS, K, SEQ, _CpuForCuda, _dataset, _flags, _hf_weights, _log,
-                                                        _save_like_megatron_lm, megatron_training_stack)
+from tests.support.megatron_training import (GBS, K, CpuForCuda, hf_weights, megatron_gpt_dataset,
+                                             megatron_training_stack, printed_steps, resume_flags,
+                                             save_like_megatron_lm)
+from tests.support.megatron_checkpoints import SEQ
 from tests.megatron_compat.test_megatron_resume_distopt import _save_like_megatron_lm as _save_dp_reshardable
 from tests.support.megatron_genuine import genuine_args, listing, megatron_padded_vocab
 
@@ -262,7 +264,7 @@ def _megatron_run(tmp_path_factory, fmt: str):
 
     root = tmp_path_factory.mktemp(f"mla_{fmt}")
     prefix = write_corpus(str(root / "data" / "text_document"), 120, seed=7, vocab_size=1000)
-    data = _dataset(prefix, str(root / "mcore_cache"))
+    data = megatron_gpt_dataset(prefix, str(root / "mcore_cache"))
     args = _args()
     # the parser's namespace for the same line without --bf16 (this run is fp32), and without
     # --use-distributed-optimizer for the legacy save (Megatron-LM's legacy format holds the plain optimizer's state)
@@ -270,7 +272,7 @@ def _megatron_run(tmp_path_factory, fmt: str):
     args.use_distributed_optimizer = fmt == "torch_dist"
     model = _mcore_mla_gpt(args, seed=11).train()
     losses = {}
-    with _CpuForCuda():
+    with CpuForCuda():
         ddp, optimizer, scheduler = megatron_training_stack(model, fmt == "torch_dist")
         for iteration in range(1, K + 3):
             samples = [data[(iteration - 1) * GBS + j] for j in range(GBS)]
@@ -279,7 +281,7 @@ def _megatron_run(tmp_path_factory, fmt: str):
             losses[iteration] = _training_step(ddp, optimizer, scheduler, batch)
             if iteration == K:
                 args.consumed_train_samples, args.consumed_valid_samples = K * GBS, 0
-                _save_like_megatron_lm(root / "mg", fmt, model, optimizer, scheduler, args, dist_checkpointing,
+                save_like_megatron_lm(root / "mg", fmt, model, optimizer, scheduler, args, dist_checkpointing,
                                        ShardedObject)
                 if fmt == "torch_dist":  # the genuine run's own default: no --dist-ckpt-optim-fully-reshardable
                     _save_dp_reshardable(root / "mg_dp", "dp_reshardable", 0, model, optimizer, scheduler, args,
@@ -295,16 +297,16 @@ def test_load_continues_a_genuine_mla_run_as_megatron_core_does(mla_megatron, tm
 
     root, prefix, reference, biases = _megatron_run(tmp_path_factory, fmt)
     # the saved args' one hand-set field given too; 2 ranks: one sample each, FSDP2 shards the loaded state
-    flags = _flags(root, prefix, *_model_flags(), "--qk-layernorm", mbs=GBS // ranks)
+    flags = resume_flags(root, prefix, *_model_flags(), "--qk-layernorm", mbs=GBS // ranks)
     flags[flags.index("--vocab-size") + 1] = "1000"  # the genuine run's NullTokenizer vocabulary
     out = tmp_path_factory.mktemp(f"out_{fmt}")
     _, log = run_pretrain(flags, out, ranks=ranks)
-    got = _log(log)
+    got = printed_steps(log)
     assert sorted(got) == [K + 1, K + 2], log[-2000:]
     for iteration in (K + 1, K + 2):
         assert got[iteration][2] == pytest.approx(reference[iteration], abs=1e-5), (iteration, log[-2000:])
     # the aux-loss-free expert bias went on moving as megatron-core moved it (main layer and MTP layer)
-    ours = _hf_weights(out / "hf")
+    ours = hf_weights(out / "hf")
     for theirs, name in (("decoder.layers.1.mlp.router.expert_bias", "model.layers.1.mlp.gate.e_score_correction_bias"),
                          ("mtp.layers.0.transformer_layer.mlp.router.expert_bias",
                           "model.layers.2.mlp.gate.e_score_correction_bias")):

@@ -192,16 +192,16 @@ def _megatron_moe_run(root, kind: str, fmt: str):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from tests.support.megatron_reference import write_corpus
-    from tests.megatron_compat.test_megatron_resume import (GBS, K, _CpuForCuda, _dataset, _save_like_megatron_lm,
-                                            megatron_training_stack, megatron_training_step)
+    from tests.support.megatron_training import (GBS, K, CpuForCuda, megatron_gpt_dataset, megatron_training_stack,
+                                                 megatron_training_step, save_like_megatron_lm)
 
     prefix = write_corpus(str(root / "data" / "text_document"), 120, seed=7, vocab_size=VOCAB - 1)
-    data = _dataset(prefix, str(root / "mcore_cache"))
+    data = megatron_gpt_dataset(prefix, str(root / "mcore_cache"))
     model, args = _megatron_moe_gpt(kind, seed=11)
     distributed = fmt == "torch_dist"
     model.train()
     losses = {}
-    with _CpuForCuda():
+    with CpuForCuda():
         ddp, optimizer, scheduler = megatron_training_stack(model, distributed)
         for iteration in range(1, K + 3):
             samples = [data[(iteration - 1) * GBS + j] for j in range(GBS)]
@@ -210,7 +210,7 @@ def _megatron_moe_run(root, kind: str, fmt: str):
             losses[iteration] = megatron_training_step(ddp, optimizer, scheduler, batch)
             if iteration == K:
                 args.consumed_train_samples, args.consumed_valid_samples = K * GBS, 0
-                _save_like_megatron_lm(root / "mg", fmt, model, optimizer, scheduler, args,
+                save_like_megatron_lm(root / "mg", fmt, model, optimizer, scheduler, args,
                                        dist_checkpointing, ShardedObject)
     return prefix, losses
 
@@ -224,11 +224,11 @@ def test_load_resumes_a_megatron_core_moe_run_as_megatron_core_continues_it(moe_
     megatron-core's. Without MoE flags the model is transformers' own; `--moe-grouped-gemm` selects this project's
     stacked-expert model (model_id qwen3_moe): the same parameter names, so the same state lands on it."""
     from tests.support.launchers import run_pretrain
-    from tests.megatron_compat.test_megatron_resume import K, _flags, _log
+    from tests.support.megatron_training import K, printed_steps, resume_flags
 
     prefix, reference = _megatron_moe_run(tmp_path, kind, fmt)
-    _, log = run_pretrain(_flags(tmp_path, prefix, *extra), tmp_path / "out", ranks=1)
-    got = _log(log)
+    _, log = run_pretrain(resume_flags(tmp_path, prefix, *extra), tmp_path / "out", ranks=1)
+    got = printed_steps(log)
     assert sorted(got) == [K + 1, K + 2], log[-2000:]
     for iteration in (K + 1, K + 2):
         assert got[iteration][2] == pytest.approx(reference[iteration], abs=1e-5), (iteration, log[-2000:])

@@ -21,79 +21,17 @@ tensors megatron-core's optimizer creates on `device="cuda"` on the CPU and lets
 see a CUDA type name.
 """
 import os
-import random
-import re
 
-import numpy as np
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from tests.support.launchers import run_pretrain
-from tests.support.megatron_reference import IdsTokenizer, write_corpus
-from tests.support.megatron_checkpoints import SEQ, VOCAB, megatron_gpt
+from tests.support.megatron_reference import write_corpus
+from tests.support.megatron_checkpoints import VOCAB, megatron_gpt
 from tests.support.megatron_checkpoints import megatron  # noqa: F401  (pytest fixture)
-
-GBS, K, T, SEED = 2, 3, 5, 1234
-LR, MIN_LR, WARMUP, WD, CLIP = 1e-3, 1e-4, 2, 0.1, 1.0
-LOG_LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*? learning rate: (\S+) \|"
-                      r".*? lm loss: (\S+) \|")
-
-
-class _CpuForCuda(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        device = kwargs.get("device")
-        if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
-            kwargs["device"] = "cpu"
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            return func(*args).replace("torch.", "torch.cuda.", 1)
-        return func(*args, **kwargs)
-
-
-def _dataset(prefix, cache):
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
-    config = GPTDatasetConfig(random_seed=SEED, sequence_length=SEQ, blend=([prefix], None), split="100,0,0",
-                              tokenizer=IdsTokenizer(vocab_size=VOCAB, eod=VOCAB - 1), reset_position_ids=False,
-                              reset_attention_mask=False, eod_mask_loss=False, path_to_cache=cache)
-    return BlendedMegatronDatasetBuilder(GPTDataset, [T * GBS, 0, 0], lambda: True, config).build()[0]
-
-
-def megatron_training_stack(model, distributed_optimizer: bool, **ddp_options):
-    """megatron-core's own DDP, optimizer (torch AdamW) and scheduler over `model`, with this file's settings;
-    call inside `_CpuForCuda`. `ddp_options`: more DistributedDataParallelConfig fields (bucket size, ...)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer, **ddp_options), model)
-    optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-        clip_grad=CLIP, use_distributed_optimizer=distributed_optimizer), [ddp])
-    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=LR, min_lr=MIN_LR,
-                                        lr_warmup_steps=WARMUP * GBS, lr_decay_steps=T * GBS,
-                                        lr_decay_style="cosine", start_wd=WD, end_wd=WD, wd_incr_steps=T * GBS,
-                                        wd_incr_style="constant")
-    return ddp, optimizer, scheduler
-
-
-def megatron_training_step(ddp, optimizer, scheduler, batch) -> float:
-    """One megatron-core iteration on `batch` (tokens, labels, loss_mask, position_ids): the loss before it."""
-    mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    losses = ddp(batch["tokens"], batch["position_ids"], attention_mask=mask, labels=batch["labels"])
-    loss = (losses.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
-    loss.backward()
-    ddp.finish_grad_sync()
-    assert optimizer.step()[0]
-    scheduler.step(increment=GBS)
-    return loss.item()
+from tests.support.megatron_training import (GBS, K, CpuForCuda, hf_weights, megatron_gpt_dataset,
+                                             megatron_training_stack, megatron_training_step, printed_steps,
+                                             resume_flags, save_like_megatron_lm)
 
 
 def _megatron_run(root, fmt: str, distributed_optimizer: bool):
@@ -102,11 +40,11 @@ def _megatron_run(root, fmt: str, distributed_optimizer: bool):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     prefix = write_corpus(str(root / "data" / "text_document"), 120, seed=7, vocab_size=VOCAB - 1)
-    data = _dataset(prefix, str(root / "mcore_cache"))
+    data = megatron_gpt_dataset(prefix, str(root / "mcore_cache"))
     model, args = megatron_gpt(qk_layernorm=True, tied=False, seed=11)
     model.train()
     reference = {"loss": {}, "lr": {}}
-    with _CpuForCuda():
+    with CpuForCuda():
         ddp, optimizer, scheduler = megatron_training_stack(model, distributed_optimizer)
         for iteration in range(1, K + 3):
             samples = [data[(iteration - 1) * GBS + j] for j in range(GBS)]
@@ -116,69 +54,11 @@ def _megatron_run(root, fmt: str, distributed_optimizer: bool):
             reference["lr"][iteration] = next(g["lr"] for g in optimizer.param_groups if g["default_config"])
             if iteration == K:
                 args.consumed_train_samples, args.consumed_valid_samples = K * GBS, 0
-                _save_like_megatron_lm(root / "mg", fmt, model, optimizer, scheduler, args, dist_checkpointing,
+                save_like_megatron_lm(root / "mg", fmt, model, optimizer, scheduler, args, dist_checkpointing,
                                        ShardedObject)
     reference["weights"] = {k: v.detach().clone() for k, v in model.state_dict().items()
                             if isinstance(v, torch.Tensor) and "_extra_state" not in k}
     return prefix, reference
-
-
-def _save_like_megatron_lm(root, fmt, model, optimizer, scheduler, args, dist_checkpointing, ShardedObject):
-    """Megatron-LM's save_checkpoint, reduced to one rank: the same keys in the same files."""
-    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-           "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}
-    it_dir = root / f"iter_{K:07d}"
-    common = {"args": args, "checkpoint_version": 3.0, "iteration": K, "opt_param_scheduler": scheduler.state_dict(),
-              "num_floating_point_operations_so_far": 0}
-    if fmt == "torch_dist":
-        metadata = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
-                    "chained_optim_avoid_prefix": True}
-        model_sd = model.sharded_state_dict(metadata=metadata)
-        it_dir.mkdir(parents=True)
-        dist_checkpointing.save({**common, "model": model_sd,
-                                 "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata),
-                                 "rng_state": ShardedObject("rng_state", [rng], (1, 1), (0, 0), replica_id=0)},
-                                str(it_dir))
-    elif fmt == "fsdp_dtensor":  # Megatron-FSDP's layout (test_megatron_fsdp_dtensor.py), from megatron-core's state
-        from tests.megatron_compat.test_megatron_fsdp_dtensor import fsdp_dtensor_save
-
-        names = {param: name for name, param in model.named_parameters()}
-        state = {names[p]: st for o in getattr(optimizer, "chained_optimizers", [optimizer])
-                 for p, st in o.optimizer.state.items()}
-        fsdp_dtensor_save(it_dir, args, model, K, state, scheduler.state_dict(), rng)
-    elif fmt == "torch_dcp":  # CheckpointType.GLOBAL: torch.distributed.checkpoint.save of the legacy dict
-        from torch.distributed.checkpoint import FileSystemWriter, save
-
-        it_dir.mkdir(parents=True)
-        save({**common, "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(),
-              "rng_state": [rng]}, storage_writer=FileSystemWriter(str(it_dir)))
-    else:
-        (it_dir / "mp_rank_00").mkdir(parents=True)
-        torch.save({**common, "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(),
-                    "rng_state": [rng]}, it_dir / "mp_rank_00" / "model_optim_rng.pt")
-    (root / "latest_checkpointed_iteration.txt").write_text(str(K))
-    return rng
-
-
-def _flags(root, prefix, *extra, mbs=GBS):
-    return ["--load", str(root / "mg"), "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1),
-            "--data-path", prefix, "--split", "100,0,0", "--data-cache-path", str(root / "cache"),
-            "--seq-length", str(SEQ), "--micro-batch-size", str(mbs), "--global-batch-size", str(GBS),
-            "--train-iters", str(T), "--lr", str(LR), "--min-lr", str(MIN_LR), "--lr-decay-style", "cosine",
-            "--lr-warmup-iters", str(WARMUP), "--weight-decay", str(WD), "--clip-grad", str(CLIP),
-            "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8", "--seed", str(SEED),
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1", "--eval-iters", "0",
-            *extra]
-
-
-def _log(log):
-    return {int(it): (int(consumed), float(lr), float(loss)) for it, consumed, lr, loss in LOG_LINE.findall(log)}
-
-
-def _hf_weights(directory):
-    from safetensors.torch import load_file
-
-    return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 _RUNS: dict = {}
@@ -204,8 +84,8 @@ def test_resumes_a_megatron_core_run_as_megatron_core_continues_it(megatron, tmp
     tmp_path, prefix, reference = _reference(megatron, tmp_path_factory, fmt, distributed_optimizer)
     # 2 ranks: one sample each (FSDP2 shards the loaded weights and moments); every sample has SEQ loss tokens,
     # so the token-weighted loss equals megatron-core's mean over its one micro-batch of 2
-    _, log = run_pretrain(_flags(tmp_path, prefix, mbs=GBS // ranks), tmp_path / "out", ranks=ranks)
-    got = _log(log)
+    _, log = run_pretrain(resume_flags(tmp_path, prefix, mbs=GBS // ranks), tmp_path / "out", ranks=ranks)
+    got = printed_steps(log)
     assert sorted(got) == [K + 1, K + 2], log[-2000:]
     for iteration in (K + 1, K + 2):  # (c) iteration, consumed samples, lr as Megatron prints them
         consumed, lr, loss = got[iteration]
@@ -216,7 +96,7 @@ def test_resumes_a_megatron_core_run_as_megatron_core_continues_it(megatron, tmp
     _, args = megatron_gpt(qk_layernorm=True, tied=False, seed=11)
     config = hf_config_from_args(args, reference["weights"])
     expected = to_hf_state_dict(reference["weights"], config)
-    ours = _hf_weights(tmp_path / "out" / "hf")
+    ours = hf_weights(tmp_path / "out" / "hf")
     assert set(expected) <= set(ours)
     for name, value in expected.items():
         torch.testing.assert_close(ours[name].float(), value.float(), rtol=0, atol=2e-6, msg=name)
@@ -231,13 +111,13 @@ def test_without_the_optimizer_state_the_next_step_differs_and_finetune_starts_a
     """The continuation above is not a coincidence: --no-load-optim (fresh Adam moments, iteration and samples
     kept, as Megatron) gives iteration K+1's loss but not K+2's; --finetune starts at iteration 1, sample 0."""
     root, prefix, reference = _reference(megatron, tmp_path_factory, "torch_dist", True)
-    _, log = run_pretrain(_flags(root, prefix, "--no-load-optim"), tmp_path / "out", ranks=1)
-    got = _log(log)
+    _, log = run_pretrain(resume_flags(root, prefix, "--no-load-optim"), tmp_path / "out", ranks=1)
+    got = printed_steps(log)
     assert got[K + 1][0] == (K + 1) * GBS
     assert got[K + 1][2] == pytest.approx(reference["loss"][K + 1], abs=1e-5)
     assert abs(got[K + 2][2] - reference["loss"][K + 2]) > 1e-4
-    _, log = run_pretrain(_flags(root, prefix, "--finetune"), tmp_path / "ft", "--exit-interval", "1", ranks=1)
-    got = _log(log)
+    _, log = run_pretrain(resume_flags(root, prefix, "--finetune"), tmp_path / "ft", "--exit-interval", "1", ranks=1)
+    got = printed_steps(log)
     assert sorted(got) == [1] and got[1][0] == GBS
 
 
@@ -263,7 +143,7 @@ def test_what_cannot_be_mapped_is_one_line(megatron, tmp_path_factory, tmp_path)
                                            "value (3)")]
     for extra, words in cases:
         result = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_fsdp2.py"),
-                                 *_flags(tmp_path, prefix, *extra), "--save", str(tmp_path / "out")],
+                                 *resume_flags(tmp_path, prefix, *extra), "--save", str(tmp_path / "out")],
                                 capture_output=True, text=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         assert result.returncode == 2, result.stderr[-2000:]
         assert words in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]

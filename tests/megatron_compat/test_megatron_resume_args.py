@@ -15,8 +15,8 @@ import torch
 
 from tests.support.launchers import run_pretrain
 from tests.support.megatron_checkpoints import megatron  # noqa: F401  (pytest fixture)
-from tests.megatron_compat.test_megatron_resume import (GBS, K, SEED, T, _CpuForCuda, _log, _save_like_megatron_lm,
-                                                         megatron_training_stack, megatron_training_step)
+from tests.support.megatron_training import (GBS, K, SEED, T, CpuForCuda, megatron_training_stack,
+                                             megatron_training_step, printed_steps, save_like_megatron_lm)
 from tests.support.megatron_reference import IdsTokenizer, megatron_lm_args, write_corpus
 
 SEQ, TOKENS, PADDED = 12, 100, 144  # NullTokenizer --vocab-size 99: 100 ids (eod last); padded to a multiple of 48
@@ -79,7 +79,7 @@ def run(megatron, tmp_path_factory):
     tokens = torch.randint(0, TOKENS, (2, SEQ + 1), generator=torch.Generator().manual_seed(5))
     mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
     reference = {"loss": {}}
-    with _CpuForCuda():
+    with CpuForCuda():
         ddp, optimizer, scheduler = megatron_training_stack(model, distributed_optimizer=True)
         for iteration in range(1, K + 3):
             samples = [data[(iteration - 1) * GBS + j] for j in range(GBS)]
@@ -89,7 +89,7 @@ def run(megatron, tmp_path_factory):
             if iteration == K:
                 args = megatron_lm_args(*ARCH, *TRAIN, padded_vocab_size=PADDED, consumed_train_samples=K * GBS,
                                         consumed_valid_samples=0)
-                _save_like_megatron_lm(root / "mg", "torch_dist", model, optimizer, scheduler, args,
+                save_like_megatron_lm(root / "mg", "torch_dist", model, optimizer, scheduler, args,
                                        dist_checkpointing, ShardedObject)
                 model.eval()
                 with torch.no_grad():
@@ -123,7 +123,7 @@ def test_continuation_with_the_runs_own_flags(run, tmp_path):
     flags = ["--load", str(root / "mg"), *ARCH, *TRAIN, "--data-path", prefix, "--data-cache-path",
              str(tmp_path / "cache"), "--log-interval", "1", "--eval-iters", "0"]
     _, log = run_pretrain(flags, tmp_path / "out", ranks=1)
-    got = _log(log)
+    got = printed_steps(log)
     assert sorted(got) == [K + 1, K + 2], log[-3000:]
     for iteration in (K + 1, K + 2):
         assert got[iteration][0] == iteration * GBS

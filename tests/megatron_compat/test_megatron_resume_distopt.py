@@ -24,8 +24,10 @@ import torch
 from tests.support.launchers import run_distributed, run_pretrain
 from tests.support.megatron_reference import write_corpus
 from tests.support.megatron_checkpoints import megatron_gpt
-from tests.megatron_compat.test_megatron_resume import (GBS, K, VOCAB, _CpuForCuda, _dataset, _flags, _hf_weights, _log,
-                                        megatron_training_stack, megatron_training_step)
+from tests.support.megatron_training import (GBS, K, CpuForCuda, hf_weights, megatron_gpt_dataset,
+                                             megatron_training_stack, megatron_training_step, printed_steps,
+                                             resume_flags)
+from tests.support.megatron_checkpoints import VOCAB
 from fsdp2_backend.usage_errors import UsageError
 
 BUCKET = 6000  # parameters per bucket: the tiny model (~33k parameters) spans several buckets
@@ -47,13 +49,13 @@ def _megatron_dp2(rank, world_size, root):
     torch.set_num_threads(1)
     parallel_state.initialize_model_parallel()
     get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    data = _dataset(str(root / "data" / "text_document"), str(root / "mcore_cache"))
+    data = megatron_gpt_dataset(str(root / "data" / "text_document"), str(root / "mcore_cache"))
     model, args = megatron_gpt(qk_layernorm=True, tied=False, seed=11)
     model.train()
     args.use_distributed_optimizer, args.overlap_grad_reduce, args.ddp_bucket_size = True, True, BUCKET
     args.data_parallel_size = world_size
     reference = {"loss": {}, "lr": {}}
-    with _CpuForCuda():
+    with CpuForCuda():
         ddp, optimizer, scheduler = megatron_training_stack(model, True, overlap_grad_reduce=True,
                                                             bucket_size=BUCKET)
         for iteration in range(1, K + 3):
@@ -130,7 +132,7 @@ def _reap_checkpoint_writers():
 def megatron_dp2(tmp_path_factory):
     root = tmp_path_factory.mktemp("mg_dp2")
     prefix = write_corpus(str(root / "data" / "text_document"), 120, seed=7, vocab_size=VOCAB - 1)
-    _dataset(prefix, str(root / "mcore_cache"))  # the index cache, written once before the ranks read it
+    megatron_gpt_dataset(prefix, str(root / "mcore_cache"))  # the index cache, written once before the ranks read it
     run_distributed(_megatron_dp2, 2, root)
     return root, prefix, torch.load(root / "reference.pt", weights_only=False)
 
@@ -188,8 +190,8 @@ def test_resumes_a_dp_reshardable_run_as_megatron_core_continues_it(megatron_dp2
     from megatron_compat.checkpoint.convert import hf_config_from_args, to_hf_state_dict
 
     root, prefix, reference = megatron_dp2
-    _, log = run_pretrain(_flags(root, prefix), tmp_path / "out", ranks=1)
-    got = _log(log)
+    _, log = run_pretrain(resume_flags(root, prefix), tmp_path / "out", ranks=1)
+    got = printed_steps(log)
     assert sorted(got) == [K + 1, K + 2], log[-2000:]
     for iteration in (K + 1, K + 2):
         consumed, lr, loss = got[iteration]
@@ -199,13 +201,13 @@ def test_resumes_a_dp_reshardable_run_as_megatron_core_continues_it(megatron_dp2
     args = torch.load(root / "mg" / f"iter_{K:07d}" / "common.pt", weights_only=False)["args"]  # as megatron saved
     config = hf_config_from_args(args, reference["weights"])
     expected = to_hf_state_dict(reference["weights"], config)
-    ours = _hf_weights(tmp_path / "out" / "hf")
+    ours = hf_weights(tmp_path / "out" / "hf")
     for name, value in expected.items():
         torch.testing.assert_close(ours[name].float(), value.float(), rtol=0, atol=2e-6, msg=name)
     print(f"\ndp_reshardable (DP 2 saved, 1 rank resumed): |loss - megatron-core| at K+1, K+2 = "
           f"{[abs(got[i][2] - reference['loss'][i]) for i in (K + 1, K + 2)]}, max |weight diff| after K+2 = "
           f"{max((ours[n].float() - v.float()).abs().max().item() for n, v in expected.items()):.2e}")
-    _, log = run_pretrain(_flags(root, prefix, "--no-load-optim"), tmp_path / "fresh", ranks=1)
-    fresh = _log(log)
+    _, log = run_pretrain(resume_flags(root, prefix, "--no-load-optim"), tmp_path / "fresh", ranks=1)
+    fresh = printed_steps(log)
     assert fresh[K + 1][2] == pytest.approx(reference["loss"][K + 1], abs=1e-5)
     assert abs(fresh[K + 2][2] - reference["loss"][K + 2]) > 1e-4
