@@ -4,7 +4,7 @@ import pytest
 from fsdp2_backend.config import Config
 from fsdp2_backend.config.validation import validate, validate_with_notices
 from megatron_compat.translate import translate_megatron
-from tests.megatron_compat.test_translate import BASE
+from tests.support.megatron_lines import TRANSLATE_BASE_FLAGS
 from fsdp2_backend.usage_errors import UsageError
 
 
@@ -55,12 +55,12 @@ def test_mode_without_low_precision_gather_is_a_notice():
 
 
 def test_megatron_mxfp8_flags_map_to_the_quant_fields():
-    fields = translate_megatron(BASE + "--fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather".split()).fields
+    fields = translate_megatron(TRANSLATE_BASE_FLAGS + "--fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather".split()).fields
     assert fields["model"]["quant_recipe_name"] == "mxfp8"
     assert fields["model"]["enable_fsdp_low_precision_all_gather"] is True
-    fields = translate_megatron(BASE + "--fp8-format e4m3 --fp8-recipe mxfp8".split()).fields
+    fields = translate_megatron(TRANSLATE_BASE_FLAGS + "--fp8-format e4m3 --fp8-recipe mxfp8".split()).fields
     assert fields["model"]["enable_fsdp_low_precision_all_gather"] is False  # Megatron gathers bf16 without it
-    assert "quant_recipe_name" not in translate_megatron(BASE).fields["model"]
+    assert "quant_recipe_name" not in translate_megatron(TRANSLATE_BASE_FLAGS).fields["model"]
 
 
 @pytest.mark.parametrize("flags, why", [("--fp8-format e4m3 --fp8-recipe delayed", "--fp8-recipe delayed"),
@@ -68,7 +68,7 @@ def test_megatron_mxfp8_flags_map_to_the_quant_fields():
                                         ("--fp8-format hybrid --fp8-recipe mxfp8", "E5M2 gradients")])
 def test_other_fp8_recipes_are_declined_with_a_reason(flags, why):
     with pytest.raises(UsageError) as err:
-        translate_megatron(BASE + flags.split())
+        translate_megatron(TRANSLATE_BASE_FLAGS + flags.split())
     line = next(m for m in err.value.messages if m.startswith("--fp8-format:"))
     assert why in line and " — " in line
 

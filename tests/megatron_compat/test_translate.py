@@ -8,11 +8,9 @@ from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.parse.arguments import build_parser, defaults, option_strings
 from megatron_compat.translate import report_lines, translate_megatron, translate_report
 
-# A small model trained from scratch on mock data: translates with nothing declined.
-BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
-        "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --lr 1e-3 --mock-data "
-        "--tokenizer-type NullTokenizer --vocab-size 100").split()
-LLAMA = BASE + ("--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
+from tests.support.megatron_lines import TRANSLATE_BASE_FLAGS
+
+LLAMA = TRANSLATE_BASE_FLAGS + ("--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
                "--hidden-dropout 0").split()
 
 
@@ -50,12 +48,12 @@ def _dest_of(flag):
 
 
 def test_base_line_translates_cleanly():
-    translation = translate_megatron(BASE)
+    translation = translate_megatron(TRANSLATE_BASE_FLAGS)
     assert translation.report.declined == []
 
 
 # The same model, defined by an HF directory instead (architecture flags are then checked, not built).
-HF_BASE = BASE + ["--load", "/hf/model", "--save", "/out"]
+HF_BASE = TRANSLATE_BASE_FLAGS + ["--load", "/hf/model", "--save", "/out"]
 
 
 def _disposition_defects(base):
@@ -79,7 +77,7 @@ def _disposition_defects(base):
     return defects
 
 
-@pytest.mark.parametrize("base", [BASE, HF_BASE], ids=["from-scratch", "hf-directory"])
+@pytest.mark.parametrize("base", [TRANSLATE_BASE_FLAGS, HF_BASE], ids=["from-scratch", "hf-directory"])
 def test_every_flag_lands_in_exactly_one_disposition(base):
     """Each of the ~1150 known flags, set to a value other than its default, is mapped, without effect or declined."""
     assert len(ACTIONS) > 1100
@@ -88,7 +86,7 @@ def test_every_flag_lands_in_exactly_one_disposition(base):
 
 def test_declined_flags_raise_one_message_each():
     with pytest.raises(UsageError) as err:
-        translate_megatron(BASE + ["--fp8-format", "hybrid", "--mtp-detach-heads", "--moe-use-sinkhorn"])
+        translate_megatron(TRANSLATE_BASE_FLAGS + ["--fp8-format", "hybrid", "--mtp-detach-heads", "--moe-use-sinkhorn"])
     messages = err.value.messages
     assert [m.split(":")[0] for m in messages] == ["--fp8-format", "--mtp-detach-heads", "--moe-use-sinkhorn"] or \
         sorted(m.split(":")[0] for m in messages) == ["--fp8-format", "--moe-use-sinkhorn", "--mtp-detach-heads"]
@@ -96,7 +94,7 @@ def test_declined_flags_raise_one_message_each():
 
 
 def test_no_effect_report_is_one_line():
-    translation = translate_megatron(BASE + "--use-distributed-optimizer --overlap-grad-reduce "
+    translation = translate_megatron(TRANSLATE_BASE_FLAGS + "--use-distributed-optimizer --overlap-grad-reduce "
                                             "--transformer-impl local --no-masked-softmax-fusion".split())
     lines = report_lines(translation.report)
     no_effect = [line for line in lines if line.startswith("accepted without effect under FSDP2: ")]
@@ -114,20 +112,20 @@ def test_global_batch_gives_gradient_accumulation():
         config = Config(**{group: GROUPS[group](**values) for group, values in fields.items()})
         return validate(config, world).training.gradient_accumulation_steps
 
-    assert accumulation(BASE + ["--tensor-model-parallel-size", "2"], 8) == 1  # 8 / (2 × 8 / 2)
-    assert accumulation(BASE, 2) == 2  # 8 / (2 × 2)
+    assert accumulation(TRANSLATE_BASE_FLAGS + ["--tensor-model-parallel-size", "2"], 8) == 1  # 8 / (2 × 8 / 2)
+    assert accumulation(TRANSLATE_BASE_FLAGS, 2) == 2  # 8 / (2 × 2)
     with pytest.raises(UsageError) as err:
-        accumulation(BASE, 3)
+        accumulation(TRANSLATE_BASE_FLAGS, 3)
     assert err.value.messages[0].startswith("training.global_batch_size: 8 is not divisible by micro batch 2 x "
                                             "data-parallel size 3")
 
 
 def test_blend_syntax_is_kept():
-    fields = translate_megatron(BASE + ["--data-path", "0.3", "/d/a_text_document", "0.7", "/d/b_text_document",
+    fields = translate_megatron(TRANSLATE_BASE_FLAGS + ["--data-path", "0.3", "/d/a_text_document", "0.7", "/d/b_text_document",
                                         "--split", "949,50,1"]).fields
     assert fields["data"]["dataset"] == ["0.3", "/d/a_text_document", "0.7", "/d/b_text_document"]
     assert fields["data"]["split"] == "949,50,1"
-    assert translate_megatron(BASE + ["--data-path", "/d/a"]).fields["data"]["split"] == "969,30,1"
+    assert translate_megatron(TRANSLATE_BASE_FLAGS + ["--data-path", "/d/a"]).fields["data"]["split"] == "969,30,1"
 
 
 @pytest.mark.parametrize("algo, cp_type", [("ulysses_cp_algo", "ulysses"), ("megatron_cp_algo", "ring"),
@@ -141,9 +139,9 @@ def test_context_parallel_algorithms(algo, cp_type):
 
 
 def test_megatron_cp_defaults_to_ring_and_follows_cp_comm_type():
-    assert translate_megatron(BASE + ["--context-parallel-size", "2"], world_size=2).fields["parallel"]["cp_type"] \
+    assert translate_megatron(TRANSLATE_BASE_FLAGS + ["--context-parallel-size", "2"], world_size=2).fields["parallel"]["cp_type"] \
         == "ring"
-    fields = translate_megatron(BASE + "--context-parallel-size 2 --cp-comm-type a2a".split(), world_size=2).fields
+    fields = translate_megatron(TRANSLATE_BASE_FLAGS + "--context-parallel-size 2 --cp-comm-type a2a".split(), world_size=2).fields
     assert fields["parallel"]["cp_type"] == "ulysses"
 
 
@@ -158,12 +156,12 @@ def test_recompute_full_block_lists_the_first_layers_of_each_stage():
 
 
 def test_recompute_selective_and_uniform():
-    parallel = translate_megatron(BASE + ["--recompute-activations"]).fields["parallel"]
+    parallel = translate_megatron(TRANSLATE_BASE_FLAGS + ["--recompute-activations"]).fields["parallel"]
     assert parallel["recompute_modules"] == ["model.layers.{*}.self_attn"]
-    parallel = translate_megatron(BASE + "--recompute-granularity full --recompute-method uniform "
+    parallel = translate_megatron(TRANSLATE_BASE_FLAGS + "--recompute-granularity full --recompute-method uniform "
                                          "--recompute-num-layers 1".split()).fields["parallel"]
     assert parallel["recompute_modules"] == ["model.layers.{*}"]
-    report = translate_megatron(BASE + ["--recompute-num-layers", "2"]).report
+    report = translate_megatron(TRANSLATE_BASE_FLAGS + ["--recompute-num-layers", "2"]).report
     assert "--recompute-num-layers" in report.no_effect
 
 
@@ -186,7 +184,7 @@ def test_architecture_from_scratch_is_a_buildable_hf_config():
 
 
 def test_default_megatron_gpt_is_gpt2_with_4h_ffn():
-    arch = translate_megatron(BASE).fields["model"]["architecture"]
+    arch = translate_megatron(TRANSLATE_BASE_FLAGS).fields["model"]["architecture"]
     assert arch["model_type"] == "gpt2" and arch["n_inner"] == 256 and arch["n_embd"] == 64
     assert arch["activation_function"] == "gelu" and arch["resid_pdrop"] == 0.1
     transformers = pytest.importorskip("transformers")
@@ -253,7 +251,7 @@ def test_moe_flags_map_to_hf_keys():
 
 
 def test_precision_save_load_and_megatron_defaults():
-    fields = translate_megatron(BASE).fields
+    fields = translate_megatron(TRANSLATE_BASE_FLAGS).fields
     assert fields["parallel"]["param_dtype"] == "fp32"  # neither --bf16 nor --fp16
     assert fields["training"]["save_checkpoints"] is False and "output_dir" not in fields["training"]
     assert fields["model"]["train_from_scratch"] is True
@@ -261,14 +259,14 @@ def test_precision_save_load_and_megatron_defaults():
     assert (t["lr_scheduler_type"], t["adam_beta2"], t["seed"], t["logging_steps"], t["min_lr"], t["warmup_ratio"]) \
         == ("linear", 0.999, 1234, 100, 0.0, 0.0)
     assert (t["stage"], fields["data"]["data_manager_type"]) == ("pt", "mg")
-    fields = translate_megatron(BASE + "--bf16 --save /out --load /out --save-interval 5".split()).fields
+    fields = translate_megatron(TRANSLATE_BASE_FLAGS + "--bf16 --save /out --load /out --save-interval 5".split()).fields
     assert fields["parallel"]["param_dtype"] == "bf16"
     assert fields["training"]["output_dir"] == "/out" and fields["training"]["save_steps"] == 5
     assert fields["training"]["resume_from_checkpoint"] == "/out"  # Megatron's --load X --save X resume pattern
 
 
 def test_training_flags():
-    argv = BASE + ("--train-samples 1000 --exit-interval 7 --eval-interval 5 --eval-iters 3 --no-load-optim "
+    argv = TRANSLATE_BASE_FLAGS + ("--train-samples 1000 --exit-interval 7 --eval-interval 5 --eval-iters 3 --no-load-optim "
                    "--lr-decay-style cosine --lr-warmup-iters 2 --lr-decay-iters 9 --clip-grad 0.5 "
                    "--weight-decay 0.1 --adam-eps 1e-6 --tensorboard-dir /tb --calculate-per-token-loss").split()
     t = translate_megatron(argv).fields["training"]
@@ -281,7 +279,7 @@ def test_training_flags():
 
 
 def test_shell_residue_is_expanded_with_a_warning():
-    argv = BASE + ["--pipeline-model-parallel-size", "$((${GPUS_PER_NODE:-8}*${NUM_NODES:-1}))",
+    argv = TRANSLATE_BASE_FLAGS + ["--pipeline-model-parallel-size", "$((${GPUS_PER_NODE:-8}*${NUM_NODES:-1}))",
                    "--save", "${1:-checkpoints/x}", "if", "[", "!", "-f", "x", "];", "then", "fi"]
     translation = translate_megatron(argv)
     assert translation.fields["training"]["output_dir"] == "checkpoints/x"
@@ -300,8 +298,8 @@ def test_every_default_is_exposed():
 
 
 def test_a_model_from_scratch_needs_megatrons_required_flags(tmp_path):
-    argv = BASE[2:]
-    assert BASE[:2] == ["--num-layers", "2"]
+    argv = TRANSLATE_BASE_FLAGS[2:]
+    assert TRANSLATE_BASE_FLAGS[:2] == ["--num-layers", "2"]
     with pytest.raises(UsageError) as err:
         translate_megatron(argv)
     assert err.value.messages == ["--num-layers: required to build the model (no --load with an HF directory or a "
@@ -315,14 +313,14 @@ def test_a_model_from_scratch_needs_megatrons_required_flags(tmp_path):
 
 
 def test_profiling_and_sequence_parallel_follow_megatron():
-    fields = translate_megatron(BASE + "--profile --sequence-parallel".split()).fields
+    fields = translate_megatron(TRANSLATE_BASE_FLAGS + "--profile --sequence-parallel".split()).fields
     profiling = {k: v for k, v in fields["profiling"].items() if k in ("profile", "profile_step_start",
                                                                       "profile_step_end", "profile_ranks")}
     assert profiling == {"profile": True, "profile_step_start": 10, "profile_step_end": 12,
                          "profile_ranks": [-1]}  # Megatron: no --profile-ranks profiles every rank
     assert fields["parallel"]["sequence_parallel"] is False  # Megatron turns it off without tensor parallel
     assert fields["training"]["num_train_epochs"] == 0.0
-    fields = translate_megatron(BASE + "--profile --profile-ranks 0 1 --sequence-parallel "
+    fields = translate_megatron(TRANSLATE_BASE_FLAGS + "--profile --profile-ranks 0 1 --sequence-parallel "
                                        "--tensor-model-parallel-size 2".split(), world_size=2).fields
     assert fields["profiling"]["profile_ranks"] == [0, 1] and fields["parallel"]["sequence_parallel"] is True
 
@@ -337,12 +335,12 @@ def test_handlers_and_architecture_flags_are_disjoint():
 
 
 def test_flags_named_at_their_default_are_still_reported_when_without_effect():
-    report = translate_megatron(BASE + ["--transformer-impl", "transformer_engine"]).report
+    report = translate_megatron(TRANSLATE_BASE_FLAGS + ["--transformer-impl", "transformer_engine"]).report
     assert "--transformer-impl" in report.no_effect
 
 
 def test_sources_name_the_flag_behind_each_field():
-    sources = translate_megatron(BASE + ["--lr", "2e-3"]).sources
+    sources = translate_megatron(TRANSLATE_BASE_FLAGS + ["--lr", "2e-3"]).sources
     assert sources["training.lr"] == "--lr"
     assert sources["training.adam_beta2"] == "(Megatron default)"
     assert sources["training.per_device_train_batch_size"] == "--micro-batch-size"
@@ -365,11 +363,11 @@ def test_expert_bias_maps_for_qwen3_moe_and_mixtral():
                                   "--make-vocab-size-divisible-by"])
 def test_zero_sizes_are_usage_errors(flag):
     with pytest.raises(UsageError) as err:
-        translate_megatron(BASE + [flag, "0"], world_size=2)
+        translate_megatron(TRANSLATE_BASE_FLAGS + [flag, "0"], world_size=2)
     assert err.value.messages == [f"{flag}: must be at least 1, got 0 — give a positive number"]
 
 
 def test_megatron_samplers_drop_the_last_incomplete_group():
-    translation = translate_megatron(BASE, world_size=1)
+    translation = translate_megatron(TRANSLATE_BASE_FLAGS, world_size=1)
     assert translation.fields["training"]["dataloader_drop_last"] is True
     assert translation.sources["training.dataloader_drop_last"] == "(Megatron default)"

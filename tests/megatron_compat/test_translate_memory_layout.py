@@ -8,11 +8,11 @@ from fsdp2_backend.config.layout import parallel_layout
 from fsdp2_backend.config.schema import ParallelArguments
 from fsdp2_backend.usage_errors import UsageError
 from megatron_compat.translate import translate_megatron, translate_report
-from tests.megatron_compat.test_translate import BASE
+from tests.support.megatron_lines import TRANSLATE_BASE_FLAGS
 
 
 def _parallel(argv, world_size):
-    return translate_megatron(BASE + argv, world_size=world_size).fields.get("parallel", {})
+    return translate_megatron(TRANSLATE_BASE_FLAGS + argv, world_size=world_size).fields.get("parallel", {})
 
 
 @pytest.mark.parametrize("argv, world, fsdp_size, shard, replicate", [
@@ -30,13 +30,13 @@ def test_distributed_optimizer_instances_are_hsdp_replicas(argv, world, fsdp_siz
 
 def test_hsdp_flags_decline_or_say_what_differs():
     with pytest.raises(UsageError, match="--num-distributed-optimizer-instances: 3 instances do not divide"):
-        translate_megatron(BASE + "--num-distributed-optimizer-instances 3".split(), world_size=8)
-    report = translate_report(BASE + "--num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim"
+        translate_megatron(TRANSLATE_BASE_FLAGS + "--num-distributed-optimizer-instances 3".split(), world_size=8)
+    report = translate_report(TRANSLATE_BASE_FLAGS + "--num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim"
                               .split(), world_size=4).report
     assert any("optim" in w and "replicated across the replica groups" in w for w in report.warnings)
-    alone = translate_report(BASE + "--outer-dp-sharding-strategy optim".split(), world_size=4).report
+    alone = translate_report(TRANSLATE_BASE_FLAGS + "--outer-dp-sharding-strategy optim".split(), world_size=4).report
     assert "--outer-dp-sharding-strategy" in alone.no_effect
-    replication = translate_report(BASE + "--num-distributed-optimizer-instances 4".split(), world_size=4)
+    replication = translate_report(TRANSLATE_BASE_FLAGS + "--num-distributed-optimizer-instances 4".split(), world_size=4)
     assert "fsdp_size" not in replication.fields.get("parallel", {})
     assert any("plain replication" in w for w in replication.report.warnings)
 
@@ -47,12 +47,12 @@ def test_offload_flags_map_and_fractions_are_declined():
     assert parallel["cpu_offload"] is True and parallel["activation_offload_layers"] == 3
     assert "cpu_offload" not in _parallel([], 2)
     with pytest.raises(UsageError, match="--optimizer-offload-fraction: 0.5: FSDP2's CPU offload moves the whole"):
-        translate_megatron(BASE + "--optimizer-cpu-offload --optimizer-offload-fraction 0.5".split())
-    unused = translate_report(BASE + "--optimizer-offload-fraction 0.5".split()).report
+        translate_megatron(TRANSLATE_BASE_FLAGS + "--optimizer-cpu-offload --optimizer-offload-fraction 0.5".split())
+    unused = translate_report(TRANSLATE_BASE_FLAGS + "--optimizer-offload-fraction 0.5".split()).report
     assert "--optimizer-offload-fraction" in unused.no_effect and not unused.declined
 
 
 def test_no_shared_storage_reaches_the_data_field():
     """Megatron's --no-shared-storage: each node's local rank 0 builds the index caches (data.no_shared_storage)."""
-    assert translate_megatron(BASE + ["--no-shared-storage"]).fields["data"]["no_shared_storage"] is True
-    assert translate_megatron(BASE).fields["data"]["no_shared_storage"] is False
+    assert translate_megatron(TRANSLATE_BASE_FLAGS + ["--no-shared-storage"]).fields["data"]["no_shared_storage"] is True
+    assert translate_megatron(TRANSLATE_BASE_FLAGS).fields["data"]["no_shared_storage"] is False

@@ -163,8 +163,8 @@ def test_flags_map_and_bad_settings_are_refused():
 
 def test_megatron_flags_map_to_the_model_fields():
     from megatron_compat.translate import translate_megatron
-    from tests.megatron_compat.test_translate import BASE
+    from tests.support.megatron_lines import TRANSLATE_BASE_FLAGS
 
-    fields = translate_megatron(BASE + ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.25"]).fields
+    fields = translate_megatron(TRANSLATE_BASE_FLAGS + ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.25"]).fields
     assert fields["model"]["mtp_num_layers"] == 2 and fields["model"]["mtp_loss_scaling_factor"] == 0.25
-    assert translate_megatron(BASE).fields["model"].get("mtp_num_layers") is None
+    assert translate_megatron(TRANSLATE_BASE_FLAGS).fields["model"].get("mtp_num_layers") is None

@@ -14,3 +14,9 @@ FAULT_RUN_FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-
                    "--vocab-size 128 --swiglu --normalization RMSNorm --disable-bias-linear "
                    "--position-embedding-type rope --hidden-dropout 0 --log-interval 1 --save-interval 1000 "
                    "--eval-iters 0").split()
+
+
+# A small model trained from scratch on mock data: translates with nothing declined.
+TRANSLATE_BASE_FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+        "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --lr 1e-3 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 100").split()
