@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.support.launchers import REPO, run_pretrain
-from tests.e2e.test_resume_e2e import FLAGS
+from tests.support.megatron_lines import RESUME_RUN_FLAGS
 
 pytestmark = pytest.mark.e2e
 
@@ -45,17 +45,17 @@ def losses(lines):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    lines, _ = run_pretrain(FLAGS, tmp_path_factory.mktemp("straight"))
+    lines, _ = run_pretrain(RESUME_RUN_FLAGS, tmp_path_factory.mktemp("straight"))
     assert sorted(lines) == list(range(1, 13))
     return lines
 
 
 def test_load_equals_save_starts_fresh_then_resumes(straight, tmp_path):
     run = tmp_path / "run"
-    first, log = run_pretrain(FLAGS, run, "--load", str(run), "--exit-interval", "6")
+    first, log = run_pretrain(RESUME_RUN_FLAGS, run, "--load", str(run), "--exit-interval", "6")
     assert f"no checkpoint found in {run}: training starts from scratch" in log
     assert sorted(first) == list(range(1, 7))
-    second, log = run_pretrain(FLAGS, run, "--load", str(run), "--exit-interval", "6")
+    second, log = run_pretrain(RESUME_RUN_FLAGS, run, "--load", str(run), "--exit-interval", "6")
     assert "resuming from the newest complete checkpoint" in log
     assert sorted(second) == list(range(7, 13))
     for it in range(1, 13):
@@ -64,8 +64,8 @@ def test_load_equals_save_starts_fresh_then_resumes(straight, tmp_path):
 
 def test_load_of_a_checkpoint_needs_no_architecture_flags(straight, tmp_path):
     stopped = tmp_path / "stopped"
-    run_pretrain(FLAGS, stopped, "--exit-interval", "6")
-    bare = without_architecture(FLAGS)
+    run_pretrain(RESUME_RUN_FLAGS, stopped, "--exit-interval", "6")
+    bare = without_architecture(RESUME_RUN_FLAGS)
     assert "--num-layers" not in bare and "--hidden-size" not in bare
     resumed, log = run_pretrain(bare, tmp_path / "continued", "--load", str(stopped), ranks=2)
     assert f"resuming from the newest complete checkpoint {stopped / 'iter_0000006'}" in log
@@ -78,8 +78,8 @@ def test_load_of_a_checkpoint_needs_no_architecture_flags(straight, tmp_path):
 
 def test_finetune_starts_at_iteration_zero_from_the_loaded_weights(straight, tmp_path):
     trained = tmp_path / "trained"
-    run_pretrain(FLAGS, trained)
-    tuned, log = run_pretrain(without_architecture(FLAGS), tmp_path / "tuned", "--load", str(trained),
+    run_pretrain(RESUME_RUN_FLAGS, trained)
+    tuned, log = run_pretrain(without_architecture(RESUME_RUN_FLAGS), tmp_path / "tuned", "--load", str(trained),
                               "--finetune", "--train-iters", "3")
     assert "successfully loaded checkpoint" in log and "at iteration 0" in log
     assert sorted(tuned) == [1, 2, 3] and tuned[1][0] == straight[1][0]  # iteration and samples from 0

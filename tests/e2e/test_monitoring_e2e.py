@@ -10,7 +10,7 @@ import struct
 
 from fsdp2_backend.training.throughput import model_flops_per_token
 from tests.support.launchers import run_pretrain
-from tests.e2e.test_resume_e2e import FLAGS
+from tests.support.megatron_lines import RESUME_RUN_FLAGS
 
 EXTRAS = ("--train-iters 6 --exit-interval 4 --eval-interval 3 --eval-iters 1 --tensorboard-log-interval 2 "
           "--log-params-norm --log-memory-to-tensorboard --log-timers-to-tensorboard --log-throughput "
@@ -72,8 +72,8 @@ def test_tensorboard_wandb_and_progress_of_a_resumed_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     save, tb = tmp_path / "run", tmp_path / "tb"
     args = (*EXTRAS, "--tensorboard-dir", str(tb))
-    first, log1 = run_pretrain(FLAGS, save, *args)
-    second, log2 = run_pretrain(FLAGS, save, *args)
+    first, log1 = run_pretrain(RESUME_RUN_FLAGS, save, *args)
+    second, log2 = run_pretrain(RESUME_RUN_FLAGS, save, *args)
     assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [5, 6]
     printed = {it: float(loss) for it, (_, loss) in {**first, **second}.items()}
     lines = [line for line in (log1 + log2).splitlines() if " iteration " in line and "lm loss:" in line]

@@ -1,18 +1,11 @@
 """Resume through the real entry point: a run stopped by --exit-interval and restarted with the very same
 command prints the same losses as a straight run, and a 2-rank checkpoint resumes on 1 rank."""
 from tests.support.launchers import run_pretrain
-
-FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
-         "--num-query-groups 2 --seq-length 32 --max-position-embeddings 64 --micro-batch-size 2 "
-         "--global-batch-size 4 --train-iters 12 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
-         "--lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 --swiglu "
-         "--normalization RMSNorm --disable-bias-linear --position-embedding-type rope "
-         "--untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0 --log-interval 1 "
-         "--save-interval 3 --eval-iters 0").split()
+from tests.support.megatron_lines import RESUME_RUN_FLAGS
 
 
 def train(save_dir, *extra, ranks=1):
-    return run_pretrain(FLAGS, save_dir, *extra, ranks=ranks)
+    return run_pretrain(RESUME_RUN_FLAGS, save_dir, *extra, ranks=ranks)
 
 
 def test_exit_and_restart_prints_the_straight_runs_losses(tmp_path):

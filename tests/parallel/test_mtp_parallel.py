@@ -7,13 +7,13 @@ import torch
 
 from fsdp2_backend.training.logging import parse_train_line
 from tests.support.launchers import run_pretrain
-from tests.e2e.test_resume_e2e import FLAGS
+from tests.support.megatron_lines import RESUME_RUN_FLAGS
 
 pytestmark = pytest.mark.e2e
 
 
 def _flags():
-    flags = list(FLAGS)
+    flags = list(RESUME_RUN_FLAGS)
     flags[flags.index("--train-iters") + 1] = "3"
     return flags + ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]
 

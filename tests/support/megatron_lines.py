@@ -20,3 +20,12 @@ FAULT_RUN_FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-
 TRANSLATE_BASE_FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
         "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --lr 1e-3 --mock-data "
         "--tokenizer-type NullTokenizer --vocab-size 100").split()
+
+
+RESUME_RUN_FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
+         "--num-query-groups 2 --seq-length 32 --max-position-embeddings 64 --micro-batch-size 2 "
+         "--global-batch-size 4 --train-iters 12 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
+         "--lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 --swiglu "
+         "--normalization RMSNorm --disable-bias-linear --position-embedding-type rope "
+         "--untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0 --log-interval 1 "
+         "--save-interval 3 --eval-iters 0").split()

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests.support.launchers import REPO, run_pretrain
-from tests.e2e.test_resume_e2e import FLAGS
+from tests.support.megatron_lines import RESUME_RUN_FLAGS
 from fsdp2_backend.cli.compare_runs import compare, main, parse_log_line, read_run, DEFAULT_RTOL
 
 DATA = f"{REPO}/tests/data/megatron_logs"
@@ -64,11 +64,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     logs = {}
     extra = ("--log-throughput",)
-    _, logs["straight"] = run_pretrain(FLAGS, root / "straight", *extra, "--tensorboard-dir", str(root / "tb"))
-    _, first = run_pretrain(FLAGS, root / "resumed", *extra, "--exit-interval", "6")
-    _, second = run_pretrain(FLAGS, root / "resumed", *extra, "--exit-interval", "6")
+    _, logs["straight"] = run_pretrain(RESUME_RUN_FLAGS, root / "straight", *extra, "--tensorboard-dir", str(root / "tb"))
+    _, first = run_pretrain(RESUME_RUN_FLAGS, root / "resumed", *extra, "--exit-interval", "6")
+    _, second = run_pretrain(RESUME_RUN_FLAGS, root / "resumed", *extra, "--exit-interval", "6")
     logs["resumed"] = first + second
-    _, logs["lr"] = run_pretrain([*FLAGS, "--lr", "3e-3"], root / "lr", *extra)
+    _, logs["lr"] = run_pretrain([*RESUME_RUN_FLAGS, "--lr", "3e-3"], root / "lr", *extra)
     for name, log in logs.items():
         (root / f"{name}.log").write_text(log)
     return root
