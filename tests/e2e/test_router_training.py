@@ -15,6 +15,7 @@ from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter, finish_r
 from fsdp2_backend.models.qwen3_moe.modeling import build_qwen3_moe, configure_moe
 from tests.support.launchers import run_pretrain
 from tests.support.tiny_models import tiny_moe_config
+from tests.support.megatron_lines import ROUTER_RUN_FLAGS
 
 
 class _Fields:
@@ -95,17 +96,6 @@ def test_expert_bias_buffers_start_at_zero_on_meta():
     assert torch.equal(router.expert_bias, torch.zeros(4))
 
 
-FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
-         "--num-query-groups 2 --seq-length 32 --max-position-embeddings 64 --micro-batch-size 2 "
-         "--global-batch-size 4 --train-iters 8 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
-         "--lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 --swiglu "
-         "--normalization RMSNorm --disable-bias-linear --position-embedding-type rope "
-         "--untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0 --log-interval 1 "
-         "--save-interval 4 --eval-iters 0 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
-         "--qk-layernorm --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
-         "--moe-router-bias-update-rate 0.01 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001").split()
-
-
 def _moe_losses(log):
     import re
 
@@ -123,8 +113,8 @@ def _expert_biases(checkpoint):
 
 
 def test_expert_parallel_2_equals_one_rank_with_megatron_router(tmp_path):
-    _, log1 = run_pretrain(FLAGS, tmp_path / "one")
-    _, log2 = run_pretrain(FLAGS, tmp_path / "ep2", "--expert-model-parallel-size", "2", ranks=2)
+    _, log1 = run_pretrain(ROUTER_RUN_FLAGS, tmp_path / "one")
+    _, log2 = run_pretrain(ROUTER_RUN_FLAGS, tmp_path / "ep2", "--expert-model-parallel-size", "2", ranks=2)
     one, ep2 = _moe_losses(log1), _moe_losses(log2)
     assert sorted(one) == list(range(1, 9)) and sorted(ep2) == list(range(1, 9))
     for it in one:
@@ -137,7 +127,7 @@ def test_expert_parallel_2_equals_one_rank_with_megatron_router(tmp_path):
     from tests.e2e.test_load_semantics_e2e import without_architecture
 
     shutil.copytree(tmp_path / "ep2" / "iter_0000004", tmp_path / "ckpt" / "iter_0000004")
-    _, log = run_pretrain(without_architecture(FLAGS), tmp_path / "continued", "--load", str(tmp_path / "ckpt"))
+    _, log = run_pretrain(without_architecture(ROUTER_RUN_FLAGS), tmp_path / "continued", "--load", str(tmp_path / "ckpt"))
     continued = _moe_losses(log)
     assert sorted(continued) == [5, 6, 7, 8]
     for it in continued:

@@ -310,9 +310,9 @@ def test_context_parallel_2_prints_the_one_rank_mindspeed_loss(tmp_path):
     group) adds up to the one-rank loss; 4 steps agree (the gradients too, or later steps would drift)."""
     from tests.support.launchers import run_pretrain
     from tests.parallel.test_router_context_parallel import _values
-    from tests.e2e.test_router_training import FLAGS
+    from tests.support.megatron_lines import ROUTER_RUN_FLAGS
 
-    flags = list(FLAGS)
+    flags = list(ROUTER_RUN_FLAGS)
     for flag, value in (("--train-iters", "4"), ("--save-interval", "100"), ("--moe-router-score-function",
                                                                              "sqrtsoftplus")):
         flags[flags.index(flag) + 1] = value

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from tests.support.launchers import run_pretrain
-from tests.e2e.test_router_training import FLAGS
+from tests.support.megatron_lines import ROUTER_RUN_FLAGS
 
 LOSSES = ["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "global_aux_loss",
           "--moe-aux-loss-coeff", "0.01", "0.02", "0.03"]
@@ -18,7 +18,7 @@ NAMES = ("lm loss", "z_loss", "load_balancing_loss", "seq_load_balancing_loss", 
 
 
 def _flags():
-    flags = list(FLAGS)
+    flags = list(ROUTER_RUN_FLAGS)
     i = flags.index("--train-iters")
     flags[i + 1] = "4"
     i = flags.index("--moe-aux-loss-coeff")
