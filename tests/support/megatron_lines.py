@@ -15,28 +15,28 @@ FAULT_RUN_FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-
                    "--position-embedding-type rope --hidden-dropout 0 --log-interval 1 --save-interval 1000 "
                    "--eval-iters 0").split()
 
-
 # A small model trained from scratch on mock data: translates with nothing declined.
-TRANSLATE_BASE_FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
-        "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --lr 1e-3 --mock-data "
-        "--tokenizer-type NullTokenizer --vocab-size 100").split()
+TRANSLATE_BASE_FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+                        "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --train-iters 10 "
+                        "--lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 100").split()
 
+# the resume tests' run: GQA, untied embeddings, a warmup and cosine decay, a save every 3 iterations
+RESUME_RUN_FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+                    "--group-query-attention --num-query-groups 2 --seq-length 32 --max-position-embeddings 64 "
+                    "--micro-batch-size 2 --global-batch-size 4 --train-iters 12 --lr 1e-3 --min-lr 1e-4 "
+                    "--lr-decay-style cosine --lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer "
+                    "--vocab-size 128 --swiglu --normalization RMSNorm --disable-bias-linear "
+                    "--position-embedding-type rope --untie-embeddings-and-output-weights --attention-dropout 0 "
+                    "--hidden-dropout 0 --log-interval 1 --save-interval 3 --eval-iters 0").split()
 
-RESUME_RUN_FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
-         "--num-query-groups 2 --seq-length 32 --max-position-embeddings 64 --micro-batch-size 2 "
-         "--global-batch-size 4 --train-iters 12 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
-         "--lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 --swiglu "
-         "--normalization RMSNorm --disable-bias-linear --position-embedding-type rope "
-         "--untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0 --log-interval 1 "
-         "--save-interval 3 --eval-iters 0").split()
-
-
-ROUTER_RUN_FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
-         "--num-query-groups 2 --seq-length 32 --max-position-embeddings 64 --micro-batch-size 2 "
-         "--global-batch-size 4 --train-iters 8 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
-         "--lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 --swiglu "
-         "--normalization RMSNorm --disable-bias-linear --position-embedding-type rope "
-         "--untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0 --log-interval 1 "
-         "--save-interval 4 --eval-iters 0 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
-         "--qk-layernorm --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
-         "--moe-router-bias-update-rate 0.01 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001").split()
+# the router training runs: 4 experts, sigmoid scores with an expert bias, aux and z losses
+ROUTER_RUN_FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+                    "--group-query-attention --num-query-groups 2 --seq-length 32 --max-position-embeddings 64 "
+                    "--micro-batch-size 2 --global-batch-size 4 --train-iters 8 --lr 1e-3 --min-lr 1e-4 "
+                    "--lr-decay-style cosine --lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer "
+                    "--vocab-size 128 --swiglu --normalization RMSNorm --disable-bias-linear "
+                    "--position-embedding-type rope --untie-embeddings-and-output-weights --attention-dropout 0 "
+                    "--hidden-dropout 0 --log-interval 1 --save-interval 4 --eval-iters 0 --num-experts 4 "
+                    "--moe-router-topk 2 --moe-ffn-hidden-size 32 --qk-layernorm --moe-router-score-function sigmoid "
+                    "--moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01 --moe-aux-loss-coeff 0.01 "
+                    "--moe-z-loss-coeff 0.001").split()
