@@ -202,6 +202,7 @@ def build(config: Config) -> TrainJob:
     from fsdp2_backend.checkpoint.resume_point import resume_checkpoint
     from fsdp2_backend.distributed.console import print_rank0
     from fsdp2_backend.config.batch_schedule import schedule_for
+    from fsdp2_backend.parallel.float8_delayed import delayed_scaling  # the delayed FP8 recipe's histories, or None
     from fsdp2_backend.training.muon import megatron_muon_options
     from fsdp2_backend.training.checkpointer import Checkpointer
     from fsdp2_backend.training.save_dir_guard import SaveDirGuard
@@ -255,7 +256,8 @@ def build(config: Config) -> TrainJob:
         scheduler = ParamScheduler(optimizer, **scheduler_steps(training, gbs, train_iters))
         loss_scaler = LossScaler.for_dtype(config.parallel.param_dtype)
         checkpointer = Checkpointer(config, resume, states=dict(model=model, optimizer=optimizer, scheduler=scheduler,
-                                                                train_state=state, loss_scaler=loss_scaler),
+                                                                train_state=state, loss_scaler=loss_scaler,
+                                                                fp8_delayed=delayed_scaling(model)),
                                     tokenizer=tokenizer, model_config=getattr(model, "config", hf_config), guard=guard)
         checkpointer.load()
         if state.iteration and state.iteration >= train_iters:  # a finished run, run again: nothing to train

@@ -17,7 +17,9 @@ from fsdp2_backend.config.quant_names import (CONVERTERS, EXPERTS_CONVERTER, FLO
 # Model fields that only a quantisation recipe reads.
 QUANT_ONLY_MODEL_FIELDS = ("quant_apply_modules", "quant_ignored_modules", "quant_converters",
                            "enable_fsdp_low_precision_all_gather", "fsdp_low_precision_all_gather_mode",
-                           "quant_fp8_format")
+                           "quant_fp8_format", "quant_fp8_amax_history_len", "quant_fp8_amax_compute_algo",
+                           "quant_fp8_margin")
+DELAYED_ONLY_FIELDS = ("quant_fp8_amax_history_len", "quant_fp8_amax_compute_algo", "quant_fp8_margin")
 
 
 def check_quantization(config: Config, errors: List[str]) -> None:
@@ -42,6 +44,9 @@ def check_quantization(config: Config, errors: List[str]) -> None:
     if wrong:
         errors.append(f"model.quant_converters: {', '.join(wrong)} do not go with quant_recipe_name "
                       f"{m.quant_recipe_name} — use {FLOAT8_LINEAR_CONVERTER if float8 else ', '.join(MX_CONVERTERS)}")
+    if float8 and m.quant_fp8_amax_history_len < 1:
+        errors.append(f"model.quant_fp8_amax_history_len: {m.quant_fp8_amax_history_len} — the history holds at "
+                      f"least the current step's amax: give 1 or more")
     if float8:
         # tensor and context parallel take the scales over their ranks (parallel/float8_tp.py); a blockwise
         # 128-token block must lie on one rank (ring attention holds 2 chunks of seq / (2 cp) tokens per sample)
@@ -70,6 +75,10 @@ def quant_notices(config: Config) -> List[str]:
     if m.quant_recipe_name is None:
         return []
     notices = []
+    if m.quant_recipe_name != "delayed":
+        defaults = Config().model
+        notices += [f"model.{name}: no effect with quant_recipe_name {m.quant_recipe_name} (read by the delayed "
+                    f"recipe only)" for name in DELAYED_ONLY_FIELDS if getattr(m, name) != getattr(defaults, name)]
     if m.quant_recipe_name in FLOAT8_RECIPES:
         if m.enable_fsdp_low_precision_all_gather:
             notices.append(f"model.enable_fsdp_low_precision_all_gather: the {m.quant_recipe_name} FP8 weights are "

@@ -52,16 +52,24 @@ class ModelArguments:
     hf_hub_token: Optional[str] = help_field(None, "Hugging Face Hub token.")
     ms_hub_token: Optional[str] = help_field(None, "ModelScope Hub token.")
     om_hub_token: Optional[str] = help_field(None, "Modelers Hub token.")
-    quant_recipe_name: Optional[Literal["mxfp8", "tensorwise", "rowwise", "blockwise"]] = help_field(
+    quant_recipe_name: Optional[Literal["mxfp8", "tensorwise", "rowwise", "blockwise", "delayed"]] = help_field(
         None, "Quantisation recipe: mxfp8 (MX blocks of 32), or FP8 with one scale per tensor (tensorwise), per row "
-              "(rowwise) or per 1x128 / 128x128 block (blockwise) (Megatron --fp8-recipe).")
+              "(rowwise) or per 1x128 / 128x128 block (blockwise), or per tensor from an amax history (delayed) "
+              "(Megatron --fp8-recipe).")
     quant_apply_modules: List[str] = help_field(["model.layers.{*}"], "Modules quantisation applies to.")
     quant_ignored_modules: List[str] = help_field(["*lm_head", "*gate"], "Modules quantisation skips.")
     quant_converters: List[str] = help_field(["quantize.linear.mx"], "Quantisation converters.")
     enable_fsdp_low_precision_all_gather: bool = help_field(True, "Low-precision FSDP all-gather (with quantisation).")
     quant_fp8_format: Literal["e4m3", "hybrid"] = help_field(
-        "e4m3", "FP8 element format of the tensorwise / rowwise / blockwise recipes: e4m3 everywhere, or hybrid (E5M2 "
-                "gradients) (Megatron --fp8-format).")
+        "e4m3", "FP8 element format of the tensorwise / rowwise / blockwise / delayed recipes: e4m3 everywhere, or "
+                "hybrid (E5M2 gradients) (Megatron --fp8-format).")
+    quant_fp8_amax_history_len: int = help_field(1, "(Megatron) The delayed recipe's amax history length "
+                                                     "(--fp8-amax-history-len).")
+    quant_fp8_amax_compute_algo: Literal["most_recent", "max"] = help_field(
+        "most_recent", "(Megatron) The delayed recipe's amax from its history: the latest or the maximum "
+                       "(--fp8-amax-compute-algo).")
+    quant_fp8_margin: int = help_field(0, "(Megatron) The delayed recipe's scale is divided by 2^margin "
+                                          "(--fp8-margin).")
     fsdp_low_precision_all_gather_mode: Literal["on-demand", "all"] = help_field(
         "on-demand", "Low-precision all-gather mode: on demand for forward/backward weights, or all.")
     # Megatron extensions

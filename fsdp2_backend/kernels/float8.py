@@ -8,8 +8,11 @@ Recipes (Megatron `--fp8-recipe`, torchao `Float8LinearConfig` recipes, DeepSeek
     tensorwise   x: tensor, W: tensor      dy: tensor, W: tensor      dy: tensor, x: tensor         fp32
     rowwise      x: 1×K, W: 1×K (rows)     dy: 1×N, W: N×1 (cols)     dy, x: M×1 (per column)       powers of 2
     blockwise    x: 1×128, W: 128×128      dy: 1×128, W: 128×128      dy, x: 128×1 (along tokens)   powers of 2
+    delayed      as tensorwise, the scale from the tensor's amax history (`scaled_quantize`)  fp32
 
-(M tokens, K inputs, N outputs: every block runs along the GEMM's reduction dim.) Gradients (`dy`) are E5M2 with
+(M tokens, K inputs, N outputs: every block runs along the GEMM's reduction dim.) `delayed` is Transformer Engine's
+DelayedScaling (Megatron's default recipe): its scales come from earlier steps, so its quantiser carries them
+(`parallel/float8_delayed.py`); an operand and its transpose share one scale. Gradients (`dy`) are E5M2 with
 `grad_format="hybrid"` (Megatron `--fp8-format hybrid`), E4M3 otherwise. A block dim that does not divide its
 tensor is zero-padded (zeros change no amax); blockwise weights must be whole 128×128 blocks
 (`blockwise_supported`).
@@ -28,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-RECIPES = ("tensorwise", "rowwise", "blockwise")
+RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
 BLOCK = 128
 _EPS = 1e-12
 
@@ -56,6 +59,12 @@ def fake_quantize(x: torch.Tensor, block: Tuple[int, int], dtype: torch.dtype = 
     return out[:rows, :cols]
 
 
+def scaled_quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """x quantised to `dtype` with a given scale (a 0-d fp32 tensor) and back, in fp32: saturate(x · scale) / scale."""
+    fmax = torch.finfo(dtype).max
+    return (x.float() * scale).clamp(-fmax, fmax).to(dtype).float() / scale
+
+
 # (x, W) forward, (dy, W) grad input, (dy.T, x.T) grad weight: each operand's block, rows × cols of the operand as it
 # enters its GEMM (A @ B.T, both with the reduction dim last).
 _BLOCKS = {
@@ -64,6 +73,8 @@ _BLOCKS = {
     "blockwise": dict(x=(1, BLOCK), w=(BLOCK, BLOCK), dy=(1, BLOCK), w_t=(BLOCK, BLOCK), dy_t=(1, BLOCK),
                       x_t=(1, BLOCK)),
 }
+_BLOCKS["delayed"] = _BLOCKS["tensorwise"]
+_POW2 = ("rowwise", "blockwise")  # scales rounded down to powers of two
 
 
 def blockwise_supported(weight_shape) -> bool:
@@ -99,7 +110,7 @@ class _Float8Linear(torch.autograd.Function):
                 quantize: Quantizer, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
         ctx.recipe, ctx.grad_format, ctx.weight_dtype, ctx.quantize = recipe, grad_format, weight.dtype, quantize
         ctx.save_for_backward(x, weight)
-        b, pow2 = _BLOCKS[recipe], recipe != "tensorwise"
+        b, pow2 = _BLOCKS[recipe], recipe in _POW2
         x2 = x.reshape(-1, x.shape[-1])
         out = _gemm(quantize("x", x2, b["x"], E4M3, pow2), quantize("w", weight.detach(), b["w"], E4M3, pow2))
         return out.to(out_dtype or x.dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -107,7 +118,7 @@ class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        b, pow2, quantize = _BLOCKS[ctx.recipe], ctx.recipe != "tensorwise", ctx.quantize
+        b, pow2, quantize = _BLOCKS[ctx.recipe], ctx.recipe in _POW2, ctx.quantize
         gdt = E5M2 if ctx.grad_format == "hybrid" else E4M3
         x2, g2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = None
@@ -132,5 +143,8 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     parallel keeps a partial GEMM output in the accumulator's fp64 until the ranks' parts are summed."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown float8 recipe {recipe!r}: one of {', '.join(RECIPES)}")
+    if recipe == "delayed" and quantize is local_quantizer:
+        raise ValueError("the delayed recipe takes its scales from an amax history: pass its quantizer "
+                         "(parallel/float8_delayed.py)")
     out = _Float8Linear.apply(x, weight, recipe, grad_format, quantize, out_dtype)
     return out if bias is None else out + bias.to(out.dtype)

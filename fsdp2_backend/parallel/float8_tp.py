@@ -84,10 +84,15 @@ def _as_dtensor(x: torch.Tensor, mesh) -> DTensor:
 
 
 def float8_linear_tp(x: torch.Tensor, weight: DTensor, bias: Optional[torch.Tensor], recipe: str,
-                     grad_format: str, token_group=None) -> DTensor:
+                     grad_format: str, token_group=None, quantize=None) -> DTensor:
     """`float8_linear` for a weight that is a DTensor on a 1-D tp mesh (Shard(0), Shard(1) or Replicate);
-    `token_group`: the context-parallel group splitting the tokens, if any."""
+    `token_group`: the context-parallel group splitting the tokens, if any. `quantize`: a quantiser whose scales
+    are already the whole tensor's (the delayed recipe's, `float8_delayed`), used on the shards as it is."""
     tokens = {"M": token_group} if token_group is not None else {}
+
+    def shard_quantizer(splits):
+        return quantize if quantize is not None else ShardQuantizer(splits)
+
     mesh = weight.device_mesh
     (placement,) = weight.placements
     x = _as_dtensor(x, mesh)
@@ -98,18 +103,18 @@ def float8_linear_tp(x: torch.Tensor, weight: DTensor, bias: Optional[torch.Tens
         # (the cast first: DTensor keeps a Partial gradient partial through a cast, the redistribute sums it)
         x = x.to(_WIDE).redistribute(mesh, [Replicate()])
         local = float8_linear(x.to_local(grad_placements=[Partial()]), weight.to_local(), None, recipe,
-                              grad_format, ShardQuantizer({"N": mesh.get_group(), **tokens}), out_dtype=dtype)
+                              grad_format, shard_quantizer({"N": mesh.get_group(), **tokens}), out_dtype=dtype)
         out = DTensor.from_local(local, mesh, [Shard(last)], run_check=False)
     elif isinstance(placement, Shard):  # row-parallel: K split, partial outputs summed in fp64, then rounded
         x = x.redistribute(mesh, [Shard(last)])
         local = float8_linear(x.to_local(), weight.to_local(), None, recipe, grad_format,
-                              ShardQuantizer({"K": mesh.get_group(), **tokens}), out_dtype=_WIDE)
+                              shard_quantizer({"K": mesh.get_group(), **tokens}), out_dtype=_WIDE)
         out = DTensor.from_local(local, mesh, [Partial()], run_check=False)
         out = out.redistribute(mesh, [Replicate()]).to(dtype)  # the layer's output layout then takes its part
     else:  # replicated weight: the whole GEMM on every rank
         placements = x.placements
         x = x.redistribute(mesh, [Replicate()])
-        local = float8_linear(x.to_local(), weight.to_local(), None, recipe, grad_format, ShardQuantizer(tokens))
+        local = float8_linear(x.to_local(), weight.to_local(), None, recipe, grad_format, shard_quantizer(tokens))
         out = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
         if placements != out.placements:
             out = out.redistribute(mesh, placements)

@@ -10,7 +10,8 @@ Selection (MindSpeed-LLM's fields): a module is converted when its name or an an
   (MX blocks), others stay high precision and are listed once;
 - `quantize.moe.mx`: stacked MoE experts (`GroupedExperts`) run the MXFP8 grouped GEMM
   (`kernels.mx_linear.mx_grouped_linear`) through their `gemm` hook; their weights gather in high precision;
-- `quantize.linear.float8` (recipes tensorwise / rowwise / blockwise, `kernels.float8`): an `nn.Linear`'s
+- `quantize.linear.float8` (recipes tensorwise / rowwise / blockwise / delayed, `kernels.float8`; delayed's
+  amax histories: `float8_delayed`, updated by an after-step hook): an `nn.Linear`'s
   forward becomes `float8_linear` on the instance (its weight stays a plain parameter, gathered by FSDP in
   param_dtype and quantised in the call; under tensor parallel `float8_tp` quantises each rank's shards with the
   whole tensor's scales); blockwise needs whole 128×128 weight blocks, others stay high precision.
@@ -58,7 +59,7 @@ def apply_quantization(model: nn.Module, config: Config, token_group=None) -> Li
 
     m = config.model
     lenient_matches(model, m.quant_apply_modules, "model.quant_apply_modules")
-    converted, skipped = [], []
+    converted, skipped, float8_modules = [], [], []
     for name, module in model.named_modules():
         if not name or not _selected(name, m.quant_apply_modules, m.quant_ignored_modules):
             continue
@@ -69,6 +70,7 @@ def apply_quantization(model: nn.Module, config: Config, token_group=None) -> Li
             module.forward = functools.partial(_float8_forward, module, m.quant_recipe_name, m.quant_fp8_format,
                                                token_group)
             converted.append(name)
+            float8_modules.append(module)
         elif LINEAR_CONVERTER in m.quant_converters and isinstance(module, nn.Linear):
             if module.in_features % BLOCK or module.out_features % BLOCK:
                 skipped.append(name)
@@ -86,6 +88,8 @@ def apply_quantization(model: nn.Module, config: Config, token_group=None) -> Li
                 continue
             module.gemm = mx_grouped_linear
             converted.append(name)
+    if m.quant_recipe_name == "delayed":
+        _delayed_scaling(model, m, converted, float8_modules)
     if EXPERTS_CONVERTER in m.quant_converters and not any(isinstance(x, GroupedExperts) for x in model.modules()):
         print_rank0(f"notice: model.quant_converters: {EXPERTS_CONVERTER} found no stacked experts (GroupedExperts) in "
                     f"{type(model).__name__}; its experts stay high precision — set model.model_id (e.g. qwen3_moe)")
@@ -98,16 +102,34 @@ def apply_quantization(model: nn.Module, config: Config, token_group=None) -> Li
     return converted
 
 
+def _delayed_scaling(model: nn.Module, m, names: List[str], modules: List[nn.Linear]) -> None:
+    """The delayed recipe: one history per scaled tensor of the converted linears (`float8_delayed`), updated
+    after each optimizer step and kept in the checkpoint."""
+    from fsdp2_backend.parallel.float8_delayed import DelayedScaling, attach
+    from fsdp2_backend.training.optimizer_step import step_hooks
+
+    state = DelayedScaling(names, m.quant_fp8_amax_history_len, m.quant_fp8_amax_compute_algo, m.quant_fp8_margin,
+                           m.quant_fp8_format)
+    for index, module in enumerate(modules):
+        module.__dict__["_fp8_quantizer"] = state.quantizer(index, module)
+    attach(model, state)
+    step_hooks(model).after_step["fp8_delayed"] = state.after_step
+
+
 def _float8_forward(module: nn.Linear, recipe: str, grad_format: str, token_group, x):
     """`module`'s forward with its GEMMs in FP8 (the weight as FSDP hands it in, i.e. gathered; under tensor
     parallel a DTensor on the tp mesh, whose scales `float8_tp` takes over the tp ranks, and over the cp ranks
     for the token dim under context parallel)."""
     from torch.distributed.tensor import DTensor
 
+    delayed = module.__dict__.get("_fp8_quantizer")  # the delayed recipe's: its scales are the whole tensor's
     if isinstance(module.weight, DTensor):
         from fsdp2_backend.parallel.float8_tp import float8_linear_tp
 
-        return float8_linear_tp(x, module.weight, module.bias, recipe, grad_format, token_group)
+        return float8_linear_tp(x, module.weight, module.bias, recipe, grad_format, token_group, quantize=delayed)
+    if delayed is not None:
+        return float8_linear(x, module.weight, module.bias, recipe=recipe, grad_format=grad_format,
+                             quantize=delayed)
     if token_group is not None:
         from fsdp2_backend.parallel.float8_tp import ShardQuantizer
 

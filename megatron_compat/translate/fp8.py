@@ -7,11 +7,13 @@
               tensor itself), quant_fp8_format F (hybrid: E5M2 gradients)
   blockwise   model.quant_recipe_name blockwise (TE's Float8BlockScaling, DeepSeek-V3's: 1×128 activations and
               gradients, 128×128 weights), quant_fp8_format F
-  delayed     declined: scales from an amax history (TE's DelayedScaling), updated at TE's own points and kept as TE
-              state; without TE here a reimplementation could not be checked against Megatron's numbers
+  delayed     model.quant_recipe_name delayed (TE's DelayedScaling, Megatron's default: one scale per tensor from an
+              amax history, `fsdp2_backend/parallel/float8_delayed.py`), quant_fp8_format F
   custom      declined: a quantizer factory is Python code of the user's
 --fp8-param-gather: model.enable_fsdp_low_precision_all_gather.
---fp8-margin / --fp8-interval / --fp8-amax-history-len / --fp8-amax-compute-algo: read by the delayed recipe only.
+--fp8-margin / --fp8-amax-history-len / --fp8-amax-compute-algo → model.quant_fp8_margin / _amax_history_len /
+  _amax_compute_algo, read by the delayed recipe only; --fp8-interval has no effect (TE >= 1.8 ignores it, Megatron
+  warns).
 --first-last-layers-bf16 (--num-layers-at-start-in-bf16 N, --num-layers-at-end-in-bf16 M, default 1 each): the
   first N and last M decoder layers stay high precision → model.quant_ignored_modules.
 """
@@ -20,7 +22,8 @@ from __future__ import annotations
 from megatron_compat.translate.handler_table import handles
 
 _FLOAT8_CONVERTER = "quantize.linear.float8"  # = fsdp2_backend.config.quant_names.FLOAT8_LINEAR_CONVERTER
-_DELAYED_ONLY = ("fp8_margin", "fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo")
+_DELAYED_FIELDS = {"fp8_amax_history_len": "quant_fp8_amax_history_len",
+                   "fp8_amax_compute_algo": "quant_fp8_amax_compute_algo", "fp8_margin": "quant_fp8_margin"}
 
 
 @handles("fp8", "model.quant_recipe_name (the --fp8-recipe)")
@@ -29,15 +32,6 @@ def _fp8_format(ctx, value):
     if value is None:
         return
     recipe = ctx.get("fp8_recipe")
-    if recipe == "delayed":  # Megatron's default recipe
-        ctx.decline("fp8", "--fp8-recipe delayed (Megatron's default): Transformer Engine's DelayedScaling takes "
-                           "each tensor's scale from the amax history of earlier iterations, which TE updates at "
-                           "its own points (after each micro-batch's forward inside fp8_autocast, reduced over the "
-                           "amax group) and keeps as TE state in the checkpoint; with no TE to check a "
-                           "reimplementation against, its numbers would differ from Megatron's unnoticed — use "
-                           "--fp8-recipe tensorwise (TE's current scaling: the scale from the tensor itself, under "
-                           "TP and CP too), blockwise or mxfp8, or drop the fp8 flags to train in bf16")
-        return
     if recipe == "custom":
         ctx.decline("fp8", "--fp8-recipe custom: Transformer Engine's custom FP8 recipe (a quantizer factory of "
                            "your own) is not available (it would change the numerics) — use --fp8-recipe "
@@ -51,6 +45,9 @@ def _fp8_format(ctx, value):
     if recipe != "mxfp8":
         ctx.set("model.quant_converters", [_FLOAT8_CONVERTER])
         ctx.set("model.quant_fp8_format", value)
+    if recipe == "delayed":  # Megatron's default recipe: its history settings (Megatron's defaults when not given)
+        for dest, field in _DELAYED_FIELDS.items():
+            ctx.set_from(dest, f"model.{field}", ctx.get(dest))
     ctx.set("model.enable_fsdp_low_precision_all_gather", bool(ctx.get("fp8_param_gather")))
 
 
@@ -66,16 +63,22 @@ def _fp8_param_gather(ctx, value):
         ctx.record("fp8_param_gather", "no_effect", "without --fp8-format parameters are gathered in bf16")
 
 
-for _dest in _DELAYED_ONLY:
-    @handles(_dest, "(the delayed FP8 recipe)")
+for _dest in _DELAYED_FIELDS:
+    @handles(_dest, f"model.{_DELAYED_FIELDS[_dest]} (with --fp8-recipe delayed)")
     def _delayed_only(ctx, value, _dest=_dest):
         if _dest not in ctx.active:
             return
         if ctx.get("fp8") is not None and ctx.get("fp8_recipe") == "delayed":
-            ctx.decline(_dest, "read only by Transformer Engine's delayed FP8 recipe, which is not available — "
-                               "drop it and use --fp8-recipe tensorwise, blockwise or mxfp8")
+            ctx.record(_dest, "mapped", f"model.{_DELAYED_FIELDS[_dest]}")
         else:
             ctx.record(_dest, "no_effect", "read only by --fp8-recipe delayed")
+
+
+@handles("fp8_interval", "(no effect: Transformer Engine >= 1.8 ignores it)")
+def _fp8_interval(ctx, value):
+    if "fp8_interval" in ctx.active:
+        ctx.record("fp8_interval", "no_effect", "Transformer Engine 1.8 and later ignore it (Megatron warns): the "
+                                                "delayed scales are updated after every step")
 
 
 @handles("first_last_layers_bf16", "model.quant_ignored_modules (the first and last decoder layers)")

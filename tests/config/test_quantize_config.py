@@ -63,8 +63,7 @@ def test_megatron_mxfp8_flags_map_to_the_quant_fields():
     assert "quant_recipe_name" not in translate_megatron(TRANSLATE_BASE_FLAGS).fields["model"]
 
 
-@pytest.mark.parametrize("flags, why", [("--fp8-format e4m3 --fp8-recipe delayed", "--fp8-recipe delayed"),
-                                        ("--fp8-format e4m3 --fp8-recipe custom", "--fp8-recipe custom"),
+@pytest.mark.parametrize("flags, why", [("--fp8-format e4m3 --fp8-recipe custom", "--fp8-recipe custom"),
                                         ("--fp8-format hybrid --fp8-recipe mxfp8", "E5M2 gradients")])
 def test_other_fp8_recipes_are_declined_with_a_reason(flags, why):
     with pytest.raises(UsageError) as err:

@@ -1,7 +1,8 @@
 """The training-line tail of issue 28: Megatron flags that used to decline lines, with Megatron's meaning.
 
 - --fp8-format / --fp8-recipe tensorwise and blockwise → the FP8 recipes (model.quant_recipe_name, E5M2 gradients
-  with hybrid), delayed / custom declined with the reason; the delayed recipe's own flags have no effect otherwise;
+  with hybrid), delayed (Megatron's default) → the delayed recipe with its history flags, custom declined with the
+  reason; the delayed recipe's own flags have no effect otherwise;
 - --first-last-layers-bf16 with --num-layers-at-start/end-in-bf16 → those decoder layers in quant_ignored_modules
   (the recipe's defaults kept), no effect without --fp8-format;
 - --vocab-size sizes the model only for NullTokenizer / TikTokenizer (Megatron pads the tokenizer's own
@@ -33,11 +34,11 @@ def test_fp8_recipes_map_to_the_float8_recipes(flags, recipe, fmt):
     assert m.enable_fsdp_low_precision_all_gather is True
 
 
-def test_delayed_recipe_and_its_flags_are_declined_and_unread_elsewhere():
-    with pytest.raises(UsageError) as err:
-        translate_megatron(BASE + "--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max".split())
-    flags = sorted(m.split(":")[0] for m in err.value.messages)
-    assert flags == ["--fp8-amax-compute-algo", "--fp8-amax-history-len", "--fp8-format"]  # delayed: the default
+def test_delayed_recipe_takes_its_flags_which_are_unread_elsewhere():
+    m = _model("--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-margin 2")
+    assert (m.quant_recipe_name, m.quant_fp8_format, m.quant_converters) == ("delayed", "hybrid",
+                                                                              ["quantize.linear.float8"])
+    assert (m.quant_fp8_amax_history_len, m.quant_fp8_amax_compute_algo, m.quant_fp8_margin) == (1024, "max", 2)
     report = translate_megatron(BASE + "--fp8-format hybrid --fp8-recipe tensorwise --fp8-margin 2".split()).report
     assert report.no_effect_reasons["--fp8-margin"] == "read only by --fp8-recipe delayed"
 

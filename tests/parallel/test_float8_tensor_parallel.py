@@ -1,7 +1,8 @@
 """FP8 training recipes under tensor and context parallel (fsdp2_backend/parallel/float8_tp.py): TP 2, TP 2 with
 sequence parallel, TP 2 × FSDP 2, CP 2 and TP 2 × CP 2 on gloo give the 1-rank losses of the same recipe (1e-4
-relative: the scales are the whole tensors'); a checkpoint saved at TP 2 resumes at 1 rank with the losses of an
-uninterrupted 1-rank run.
+relative: the scales are the whole tensors'); the delayed recipe (parallel/float8_delayed.py, non-default history
+settings) too, its amaxes reduced over every rank; a delayed checkpoint (weights and amax histories) saved at TP 2
+resumes at 1 rank with the losses of an uninterrupted 1-rank run.
 
 The model (hidden 128, 4 heads of 32, MLP 256) makes both blockwise paths run: gate/up (256 rows → 128 per rank)
 and down (256 inputs → 128) keep whole 128-blocks per shard, q/o (128 → 64 per rank) split blocks across ranks."""
@@ -15,9 +16,9 @@ from tests.support.tiny_models import tiny_qwen3_config
 from tests.support.trainer_parity import ConstantLR, masked_samples, rank_micro_batches
 
 STEPS, GBS, MBS, SEQ = 4, 4, 2, 16
-RECIPES = (("tensorwise", "hybrid"), ("rowwise", "e4m3"), ("blockwise", "e4m3"))
+RECIPES = (("tensorwise", "hybrid"), ("rowwise", "e4m3"), ("blockwise", "e4m3"), ("delayed", "hybrid"))
 # Under context parallel a blockwise 128-token block lies on one rank: 2 chunks of seq / (2 cp) tokens per rank.
-SEQ_OF = {"tensorwise": SEQ, "rowwise": SEQ, "blockwise": 2 * 2 * 128}
+SEQ_OF = {"tensorwise": SEQ, "rowwise": SEQ, "blockwise": 2 * 2 * 128, "delayed": SEQ}
 
 
 
@@ -27,6 +28,7 @@ def _train(model_dir, recipe, fp8_format, tp=1, sp=False, steps=(0, STEPS), save
     from fsdp2_backend.build import TrainJob
     from fsdp2_backend.distributed.context import ParallelContext
     from fsdp2_backend.models.loading import create_model, load_hf_config
+    from fsdp2_backend.parallel.float8_delayed import delayed_scaling
     from fsdp2_backend.parallel.apply import apply_parallelism
     from fsdp2_backend.training.checkpoint import CheckpointManager, load_checkpoint
     from fsdp2_backend.training.trainer import Trainer
@@ -39,12 +41,15 @@ def _train(model_dir, recipe, fp8_format, tp=1, sp=False, steps=(0, STEPS), save
     config.training.per_device_train_batch_size = MBS
     config.model.quant_recipe_name, config.model.quant_fp8_format = recipe, fp8_format
     config.model.quant_converters = ["quantize.linear.float8"]
+    config.model.quant_fp8_amax_history_len, config.model.quant_fp8_amax_compute_algo = 3, "max"
+    config.model.quant_fp8_margin = 1
     ctx = ParallelContext.create(config.parallel)
     model = create_model(config.model, load_hf_config(config.model), seed=0, device=ctx.device.torch_device,
                          parallelize=lambda m: apply_parallelism(m, config, ctx))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # AdamW would hide a wrong clipping norm
+    extra = {"fp8_delayed": delayed_scaling(model)} if recipe == "delayed" else None
     if load:
-        load_checkpoint(load, model, optimizer, no_load_rng=True)
+        load_checkpoint(load, model, optimizer, no_load_rng=True, extra_states=extra)
     first, last = steps
     batches = rank_micro_batches(masked_samples(GBS * STEPS, seq, seed=7)[first * GBS:last * GBS], ctx.dp_size,
                                  ctx.dp_rank, MBS)
@@ -53,7 +58,7 @@ def _train(model_dir, recipe, fp8_format, tp=1, sp=False, steps=(0, STEPS), save
                                micro_batches=GBS // (MBS * ctx.dp_size)))
     losses = trainer.train().losses
     if save:
-        CheckpointManager(save).save(last, model, optimizer)
+        CheckpointManager(save).save(last, model, optimizer, extra_states=extra)
     ctx.close()
     return losses
 
@@ -68,7 +73,7 @@ def _layouts(rank, world_size, model_dir, out_path):
     if world_size == 4:  # Megatron's functional test layout, tp × cp
         results["tensorwise tp2 cp2"] = _train(model_dir, "tensorwise", "hybrid", tp=2, cp=2)
     if world_size == 2:  # the checkpoint half of the resume check
-        results["saved"] = _train(model_dir, "tensorwise", "hybrid", tp=2, steps=(0, 2), save=out_path + ".ckpt")
+        results["saved"] = _train(model_dir, "delayed", "hybrid", tp=2, steps=(0, 2), save=out_path + ".ckpt")
     if rank == 0:
         with open(out_path, "w") as handle:
             json.dump(results, handle)
@@ -102,7 +107,11 @@ def test_fp8_recipes_under_tensor_parallel_equal_one_rank(tmp_path):
     torch.testing.assert_close(torch.tensor(four["tensorwise tp2 cp2"]), torch.tensor(one["tensorwise"]), rtol=1e-4,
                                atol=0)
     # saved at tp 2 after two steps, resumed at 1 rank for the last two: the uninterrupted 1-rank losses
-    resumed = _train(model, "tensorwise", "hybrid", steps=(2, STEPS), load=str(tmp_path / "two.json.ckpt" /
-                                                                              "iter_0000002"))
-    torch.testing.assert_close(torch.tensor(two["saved"] + resumed), torch.tensor(one["tensorwise"]), rtol=1e-4,
+    resumed = _train(model, "delayed", "hybrid", steps=(2, STEPS), load=str(tmp_path / "two.json.ckpt" /
+                                                                           "iter_0000002"))
+    torch.testing.assert_close(torch.tensor(two["saved"] + resumed), torch.tensor(one["delayed"]), rtol=1e-4,
                                atol=0)
+    ratios = {f"{recipe} {layout}{suffix}": max(abs(a / b - 1) for a, b in zip(got, one[recipe]))
+              for source, suffix in ((two, ""), (four, " on 4 ranks")) for key, got in source.items() if key != "saved"
+              for recipe, layout in [key.split(" ", 1)] if recipe in one and layout != "cp2"}
+    print("FP8 max |loss / 1-rank loss - 1|:", json.dumps(ratios))
