@@ -12,6 +12,8 @@ from fsdp2_backend.config.loading import build_config, coerce, load_yaml, split_
 from fsdp2_backend.config.validation import normalise, validate
 from fsdp2_backend.usage_errors import UsageError
 
+from tests.support.configs import messages, pt_config
+
 SEED = Path(__file__).resolve().parents[1] / "data" / "fsdp2_arguments_reference.txt"
 SECTION_GROUP = {"ModelArguments": "model", "DataArguments": "data", "ParallelArguments": "parallel",
                  "TrainingArguments": "training", "profiling参数": "profiling", "InferenceArguments": "inference",
@@ -65,20 +67,6 @@ def test_every_seed_field_present_with_seed_default():
     for group, name, tp, default in rows:
         assert name in defaults[group], f"{group}.{name} missing"
         assert defaults[group][name] == _seed_value(tp, default), f"{group}.{name}"
-
-
-def pt_config(**groups):
-    base = {"model": {"model_name_or_path": "/m"}, "data": {"dataset": "/d", "data_manager_type": "mg"},
-            "training": {"output_dir": "/o", "stage": "pt", "max_steps": 4}}
-    for group, values in groups.items():
-        base.setdefault(group, {}).update(values)
-    return build_config([("test", base)])
-
-
-def messages(config, world_size=1):
-    with pytest.raises(UsageError) as info:
-        validate(config, world_size)
-    return info.value.messages
 
 
 def test_valid_pretraining_config_passes():

@@ -106,7 +106,7 @@ def test_context_parallel_layout_rule_accepts_gdn_layers_of_the_model_id_only():
     class, whose GDN layers have no CP."""
     from fsdp2_backend.config.layout_rules import check_model_layout
     from fsdp2_backend.config.model_facts import ModelFacts
-    from tests.config.test_config import pt_config
+    from tests.support.configs import pt_config
 
     facts = ModelFacts(source="hf directory", model_type="qwen3_next", num_heads=4, num_kv_heads=2,
                        layer_types=("linear_attention", "full_attention"))

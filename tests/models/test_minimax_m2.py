@@ -110,7 +110,7 @@ def test_fused_rotary_leaves_partial_rope_alone():
 def test_tp_declined():
     from fsdp2_backend.config.layout_rules import check_model_layout
     from fsdp2_backend.config.model_facts import ModelFacts
-    from tests.config.test_config import messages, pt_config
+    from tests.support.configs import messages, pt_config
 
     config = pt_config(model={"model_id": "minimax_m27"}, parallel={"tp_size": 2})
     errors = []
@@ -128,7 +128,7 @@ def test_expert_bias_update_moves_the_checkpoint_bias():
     from fsdp2_backend.models.minimax_m27.modeling import configure_minimax
     from fsdp2_backend.models.moe.router import finish_router_step
     from fsdp2_backend.config.validation import validate
-    from tests.config.test_config import pt_config
+    from tests.support.configs import pt_config
 
     validate(pt_config(model={"model_id": "minimax_m27", "moe_router_enable_expert_bias": True}))  # no decline
     _, ours = _pair()
