@@ -15,28 +15,9 @@ import yaml
 
 from tests.support.launchers import REPO, run_pretrain
 from tests.support.megatron_lines import RESUME_RUN_FLAGS
+from tests.support.megatron_lines import without_architecture
 
 pytestmark = pytest.mark.e2e
-
-# The flags that describe the model's shape; the rest (data, schedule, tokenizer) stay.
-ARCHITECTURE = {"--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
-                "--num-query-groups", "--max-position-embeddings", "--normalization", "--position-embedding-type",
-                "--attention-dropout", "--hidden-dropout", "--num-experts", "--moe-router-topk",
-                "--moe-ffn-hidden-size"}
-SWITCHES = {"--group-query-attention", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-            "--qk-layernorm"}
-
-
-def without_architecture(flags):
-    out, skip = [], False
-    for flag in flags:
-        if skip:
-            skip = False
-        elif flag in ARCHITECTURE:
-            skip = True
-        elif flag not in SWITCHES:
-            out.append(flag)
-    return out
 
 
 def losses(lines):

@@ -51,7 +51,7 @@ def resume_on_one_rank(flags, run_dir, tmp_path):
 def continue_without_architecture_flags(flags, run_dir, tmp_path, ranks=1):
     """`--load <the layout's iteration-4 checkpoint> --save NEW` with no architecture flag and no parallel flag:
     the checkpoint describes its model; it continues at `ranks` plain FSDP ranks."""
-    from tests.e2e.test_load_semantics_e2e import without_architecture
+    from tests.support.megatron_lines import without_architecture
 
     checkpoint = run_dir / f"iter_{SAVED_AT:07d}"
     bare = without_architecture(flags)

@@ -124,7 +124,7 @@ def test_expert_parallel_2_equals_one_rank_with_megatron_router(tmp_path):
     for name, bias in _expert_biases(tmp_path / "ep2" / "iter_0000004").items():
         torch.testing.assert_close(bias, biases[name], rtol=0, atol=1e-7)
     # the EP 2 checkpoint continues at one rank, with no architecture flag: steps 5..8 as the one-rank run
-    from tests.e2e.test_load_semantics_e2e import without_architecture
+    from tests.support.megatron_lines import without_architecture
 
     shutil.copytree(tmp_path / "ep2" / "iter_0000004", tmp_path / "ckpt" / "iter_0000004")
     _, log = run_pretrain(without_architecture(ROUTER_RUN_FLAGS), tmp_path / "continued", "--load", str(tmp_path / "ckpt"))

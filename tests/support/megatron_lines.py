@@ -40,3 +40,26 @@ ROUTER_RUN_FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num
                     "--moe-router-topk 2 --moe-ffn-hidden-size 32 --qk-layernorm --moe-router-score-function sigmoid "
                     "--moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01 --moe-aux-loss-coeff 0.01 "
                     "--moe-z-loss-coeff 0.001").split()
+
+
+# The flags that describe the model's shape; the rest (data, schedule, tokenizer) stay.
+ARCHITECTURE = {"--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
+                "--num-query-groups", "--max-position-embeddings", "--normalization", "--position-embedding-type",
+                "--attention-dropout", "--hidden-dropout", "--num-experts", "--moe-router-topk",
+                "--moe-ffn-hidden-size"}
+
+
+SWITCHES = {"--group-query-attention", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+            "--qk-layernorm"}
+
+
+def without_architecture(flags):
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag in ARCHITECTURE:
+            skip = True
+        elif flag not in SWITCHES:
+            out.append(flag)
+    return out
