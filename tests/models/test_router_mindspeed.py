@@ -309,7 +309,7 @@ def test_context_parallel_2_prints_the_one_rank_mindspeed_loss(tmp_path):
     """Ulysses cp 2: each rank's share of every sequence's loss (its own scores, the counts summed over the cp
     group) adds up to the one-rank loss; 4 steps agree (the gradients too, or later steps would drift)."""
     from tests.support.launchers import run_pretrain
-    from tests.parallel.test_router_context_parallel import _values
+    from tests.support.router_runs import logged_losses
     from tests.support.megatron_lines import ROUTER_RUN_FLAGS
 
     flags = list(ROUTER_RUN_FLAGS)
@@ -320,7 +320,7 @@ def test_context_parallel_2_prints_the_one_rank_mindspeed_loss(tmp_path):
     _, log1 = run_pretrain(flags, tmp_path / "one")
     _, log2 = run_pretrain(flags, tmp_path / "cp2", "--context-parallel-size", "2",
                            "--context-parallel-algo", "ulysses_cp_algo", ranks=2)
-    one, cp2 = _values(log1), _values(log2)
+    one, cp2 = logged_losses(log1), logged_losses(log2)
     assert sorted(one) == [1, 2, 3, 4] and sorted(cp2) == [1, 2, 3, 4], (log1[-1500:], log2[-1500:])
     for it in one:
         assert set(one[it]) == {"lm loss", "z_loss", "load_balancing_loss"}, one[it]

@@ -5,46 +5,20 @@ prints, at cp 2 (Ulysses), the one-rank lm loss and every MoE loss of the log li
 agree too, or the later steps' losses would drift. With the counts of each rank's own tokens instead (the old
 behaviour), the printed `load_balancing_loss` differs from the one-rank value.
 """
-import re
 
 import pytest
 
 from tests.support.launchers import run_pretrain
-from tests.support.megatron_lines import ROUTER_RUN_FLAGS
-
-LOSSES = ["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "global_aux_loss",
-          "--moe-aux-loss-coeff", "0.01", "0.02", "0.03"]
-NAMES = ("lm loss", "z_loss", "load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss")
-
-
-def _flags():
-    flags = list(ROUTER_RUN_FLAGS)
-    i = flags.index("--train-iters")
-    flags[i + 1] = "4"
-    i = flags.index("--moe-aux-loss-coeff")
-    del flags[i:i + 2]
-    i = flags.index("--save-interval")
-    flags[i + 1] = "100"
-    return flags + LOSSES
-
-
-def _values(log):
-    out = {}
-    for line in log.splitlines():
-        found = re.search(r" iteration\s+(\d+)/", line)
-        if found:
-            out[int(found.group(1))] = {name: float(v) for name, v in re.findall(r"\| ([a-z_ ]+): ([0-9.E+-]+)", line)
-                                        if name in NAMES}
-    return out
+from tests.support.router_runs import ROUTER_LOSS_NAMES, logged_losses, router_cp_flags
 
 
 def test_context_parallel_2_prints_the_one_rank_moe_losses(tmp_path):
-    _, log1 = run_pretrain(_flags(), tmp_path / "one")
-    _, log2 = run_pretrain(_flags(), tmp_path / "cp2", "--context-parallel-size", "2",
+    _, log1 = run_pretrain(router_cp_flags(), tmp_path / "one")
+    _, log2 = run_pretrain(router_cp_flags(), tmp_path / "cp2", "--context-parallel-size", "2",
                            "--context-parallel-algo", "ulysses_cp_algo", ranks=2)
-    one, cp2 = _values(log1), _values(log2)
+    one, cp2 = logged_losses(log1), logged_losses(log2)
     assert sorted(one) == [1, 2, 3, 4] and sorted(cp2) == [1, 2, 3, 4], (log1[-1500:], log2[-1500:])
     for it in one:
-        assert set(one[it]) == set(NAMES), one[it]
-        for name in NAMES:
+        assert set(one[it]) == set(ROUTER_LOSS_NAMES), one[it]
+        for name in ROUTER_LOSS_NAMES:
             assert cp2[it][name] == pytest.approx(one[it][name], rel=1e-4, abs=1e-6), (it, name, one[it], cp2[it])
