@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from fsdp2_backend.models.registry import spec_for_model_type
+
 SELECTING = ("full_attention_interval", "linear_attention_freq", "linear_key_head_dim", "linear_value_head_dim",
              "linear_num_key_heads", "linear_num_value_heads", "linear_conv_kernel_dim")
 BASE_FAMILY = "qwen3_moe"
@@ -54,7 +56,7 @@ def apply(a) -> None:
         a.keys["model_type"] = "qwen3_next"
         if a._set_field is not None:  # this project's model: our GDN kernels, packing, CP, stacked experts
             a._set_field(next((d for d in SELECTING if d in a.active), "experimental_attention_variant"),
-                         "model.model_id", "qwen3_next")
+                         "model.model_id", spec_for_model_type(a.keys["model_type"]).model_id)
         if not g("num_experts"):  # transformers' Qwen3-Next defaults to 512 experts; no --num-experts = dense
             a.keys["num_experts"] = 0
     a.note("no_enable_linear_qkv", "no_effect", "q/k/v projections are laid out as the HF model's")

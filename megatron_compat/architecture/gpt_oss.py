@@ -31,6 +31,7 @@ Every GPT-OSS layer is an MoE layer: --moe-layer-freq other than 1 and --first-k
 """
 from __future__ import annotations
 
+from fsdp2_backend.models.registry import spec_for_model_type
 from megatron_compat.architecture.mla import YARN_DESTS, yarn_rope_scaling
 
 SELECTING = ("softmax_type", "enable_gpt_oss", "quick_geglu", "window_attn_skip_freq", "activation_func_clamp_value",
@@ -163,7 +164,7 @@ def _biases(a) -> None:
 def apply(a) -> None:
     """Sets the GPT-OSS keys on `a` (an `architecture.Arch`) and the dispositions of the gpt-oss flags."""
     if a._set_field is not None:  # this project's model: sink attention through SDPA, grouped experts, router
-        a._set_field(_selector(a), "model.model_id", "gpt_oss")
+        a._set_field(_selector(a), "model.model_id", spec_for_model_type("gpt_oss").model_id)  # the id building it
     if a.get("moe_router_pre_softmax"):  # softmax before the top-k: Megatron's option, this project's router
         a.field("moe_router_pre_softmax", "model.moe_router_pre_softmax", True)
     _attention(a)

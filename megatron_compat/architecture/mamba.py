@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from fsdp2_backend.models.registry import spec_for_model_type
 from megatron_compat.architecture.dispositions import flag_vocab
 from megatron_compat.architecture.flags import ARCHITECTURE_DESTS, HF_DEFINED_DESTS
 
@@ -60,7 +61,8 @@ def apply(a) -> Dict[str, Any]:
     g = a.get
     a.keys["model_type"] = "mamba3"
     if a._set_field is not None:  # the model is this project's implementation, not a transformers one
-        a._set_field(next(d for d in SELECTING if d in a.active), "model.model_id", "mamba3")
+        a._set_field(next(d for d in SELECTING if d in a.active), "model.model_id",
+                     spec_for_model_type(a.keys["model_type"]).model_id)  # the id building that model type
     a.put("num_layers", "num_hidden_layers", g("num_layers"))
     a.put("hidden_size", "hidden_size", g("hidden_size"))
     a.put("mamba_state_dim", "state_size", g("mamba_state_dim"))

@@ -126,6 +126,23 @@ def test_the_toy_id_trains_at_tp2_as_on_one_rank(tmp_path):
     assert two[0]["configured"] == [["LlamaForCausalLM", "cpu"]]  # the spec's configure hook ran once a rank
 
 
+def test_every_spec_names_code_that_exists():
+    """Each registered spec's lazy hooks, MTP layout and context-parallel hook name a function or class that
+    imports (a misspelt reference would fail only when a run reaches it)."""
+    from fsdp2_backend.models.spec import resolve
+
+    named = []
+    for spec in specs():
+        hooks = [getattr(spec, name) for name in ("build", "checkpoint_keys", "from_checkpoint", "configure",
+                                                  "register_hf", "stored_layout")]
+        named += [(spec.model_id, hook.reference) for hook in hooks if hook is not None]
+        named += [(spec.model_id, spec.mtp_layout)] if spec.mtp_layout else []
+        named += [(spec.model_id, f"fsdp2_backend.parallel.context_parallel.{spec.cp_hook}")] if spec.cp_hook else []
+    assert len({model_id for model_id, _ in named}) == len(registered_model_ids())
+    for model_id, reference in named:
+        assert callable(resolve(reference)), (model_id, reference)
+
+
 # Literals equal to an id's name that are not the id: (file, value) → what they are.
 NOT_IDS = {("fsdp2_backend/config/mup_rules.py", "qwen3"): "an HF model type µP's name classes cover",
            ("fsdp2_backend/config/sft_rules.py", "qwen3"): "a chat template's name (data.template)"}
