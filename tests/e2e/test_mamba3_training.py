@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.support.launchers import REPO, free_port, run_pretrain
-from tests.support.tiny_models import train_bytelevel_tokenizer
+from tests.support.tiny_models import mamba3_mindspeed_dir
 
 YAML = """
 model:
@@ -91,18 +91,6 @@ def test_stopped_and_restarted_run_prints_the_straight_losses_exactly(run_yaml, 
     assert {**first, **second} == straight
 
 
-def _mindspeed_model_dir(path: Path) -> str:
-    """MindSpeed's mamba3 checkpoint layout in miniature: a transformers Mamba-2 config.json with the Mamba-3
-    keys and the mamba_ssm spellings MindSpeed writes, plus a locally trained tokenizer."""
-    tokenizer = train_bytelevel_tokenizer(path, vocab_size=300)
-    fields = dict(model_type="mamba2", architectures=["Mamba3ForCausalLM"], hidden_size=32, d_model=32,
-                  num_hidden_layers=2, n_layer=2, state_size=16, d_state=16, head_dim=8, headdim=8, num_heads=8,
-                  n_groups=1, expand=2, vocab_size=len(tokenizer), chunk_size=16, conv_kernel=4,
-                  layer_norm_epsilon=1e-5, is_mimo=False, tie_word_embeddings=False)
-    (path / "config.json").write_text(json.dumps(fields, indent=2))
-    return str(path)
-
-
 MINDSPEED = Path(REPO) / "tests" / "data" / "mindspeed_fsdp2"
 
 
@@ -120,7 +108,7 @@ def test_mindspeed_mamba3_yaml_trains_on_two_cpu_ranks(tmp_path, commit, name):
     from fsdp2_backend.cli.demo_assets import stdlib_texts
 
     launcher = json.loads((MINDSPEED / "launchers.json").read_text())[commit][f"{name}.sh"]
-    model = _mindspeed_model_dir(tmp_path / "model")
+    model = mamba3_mindspeed_dir(tmp_path / "model")
     parquet = tmp_path / "train-00000-of-00001.parquet"
     pq.write_table(pa.table({"text": stdlib_texts(max_files=16, max_chars=2000)}), str(parquet))
     args = list(launcher["args"])

@@ -126,9 +126,9 @@ def assets(tmp_path_factory):
         if family not in built:
             path = root / family
             if family == "mamba3":
-                from tests.e2e.test_mamba3_training import _mindspeed_model_dir
+                from tests.support.tiny_models import mamba3_mindspeed_dir
 
-                _mindspeed_model_dir(path)
+                mamba3_mindspeed_dir(path)
             else:
                 path.mkdir()
                 (path / "config.json").write_text(json.dumps(_sized_config(family), default=str))

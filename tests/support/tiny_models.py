@@ -13,6 +13,8 @@ from fsdp2_backend.config.schema import ModelArguments
 from fsdp2_backend.models.mamba3.modeling import Mamba3Config
 from tests.support.router_reference import E
 from tests.support.step35_reference import step35_config
+import json
+from pathlib import Path
 
 
 def tiny_model_dir(path, seed: int, vocab_size: int = 300, **overrides) -> str:
@@ -177,3 +179,15 @@ TINY_CONFIGS = {"qwen3": tiny_qwen3_config, "qwen3_moe": tiny_moe_config, "qwen3
                    for name in ("deepseek_v3", "mixtral", "qwen2_moe")},
                 **{name: (lambda name=name: tiny_newer_config(name))
                    for name in ("deepseek_v4", "glm52", "longcat_flash_ngram")}}
+
+
+def mamba3_mindspeed_dir(path: Path) -> str:
+    """MindSpeed's mamba3 checkpoint layout in miniature: a transformers Mamba-2 config.json with the Mamba-3
+    keys and the mamba_ssm spellings MindSpeed writes, plus a locally trained tokenizer."""
+    tokenizer = train_bytelevel_tokenizer(path, vocab_size=300)
+    fields = dict(model_type="mamba2", architectures=["Mamba3ForCausalLM"], hidden_size=32, d_model=32,
+                  num_hidden_layers=2, n_layer=2, state_size=16, d_state=16, head_dim=8, headdim=8, num_heads=8,
+                  n_groups=1, expand=2, vocab_size=len(tokenizer), chunk_size=16, conv_kernel=4,
+                  layer_norm_epsilon=1e-5, is_mimo=False, tie_word_embeddings=False)
+    (path / "config.json").write_text(json.dumps(fields, indent=2))
+    return str(path)
