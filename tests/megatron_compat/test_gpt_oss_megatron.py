@@ -18,29 +18,10 @@ from megatron_compat.translate import translate_megatron
 from tests.support.launchers import run_pretrain
 from fsdp2_backend.usage_errors import UsageError
 
+from tests.support.megatron_lines import FP8, edit_flags
+
 LINES = json.loads((Path(__file__).resolve().parents[1] / "data" / "launch_corpus.json").read_text())
 LINE = LINES["megatron-lm:examples/gptoss/02_train.sh"]
-FP8 = {"--fp8-format": 1, "--fp8-param-gather": 0, "--fp8-amax-compute-algo": 1, "--fp8-amax-history-len": 1}
-
-
-def _edit(argv, drop=(), **values):
-    """`argv` without the flags in `drop` (with their values) and with `values` replacing flag values."""
-    out, i = [], 0
-    drop = {**{k: v for k, v in FP8.items() if k in drop}, **{k: 1 for k in drop if k not in FP8}}
-    while i < len(argv):
-        flag = argv[i]
-        if flag in drop:
-            i += 1 + drop[flag]
-            continue
-        out.append(flag)
-        i += 1
-        name = flag.lstrip("-").replace("-", "_")
-        if name in values:
-            out.append(str(values.pop(name)))
-            i += 1
-    for name, value in values.items():
-        out += ["--" + name.replace("_", "-"), str(value)]
-    return out
 
 
 def _hf_config(argv):
@@ -59,7 +40,7 @@ def test_line_minus_fp8_builds_megatrons_gpt_oss():
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
     from megatron.core.transformer.utils import is_layer_window_attention
 
-    fields, hf = _hf_config(_edit(LINE, drop=tuple(FP8)))
+    fields, hf = _hf_config(edit_flags(LINE, drop=tuple(FP8)))
     assert fields["model"]["model_id"] == "gpt_oss" and hf.model_type == "gpt_oss"
     assert (hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim) == \
         (12, 512, 64, 8, 8)
@@ -77,7 +58,7 @@ def test_line_minus_fp8_builds_megatrons_gpt_oss():
     # same gate/linear halves = the model's experts (transformers' interleaved layout: gate even, linear odd).
     from fsdp2_backend.models.gpt_oss.modeling import GptOssGroupedExperts
 
-    small = _hf_config(_edit(LINE, drop=tuple(FP8), hidden_size=16, moe_ffn_hidden_size=8, ffn_hidden_size=8,
+    small = _hf_config(edit_flags(LINE, drop=tuple(FP8), hidden_size=16, moe_ffn_hidden_size=8, ffn_hidden_size=8,
                              num_attention_heads=4, num_query_groups=2))[1]
     torch.manual_seed(0)
     experts = GptOssGroupedExperts(small)
@@ -97,7 +78,7 @@ def test_window_semantics_match_flash_attentions_left_right():
     sliding_window L+1 built from it allows exactly those keys."""
     from fsdp2_backend.kernels.sink_attention import _allowed
 
-    _, hf = _hf_config(_edit(LINE, drop=tuple(FP8), window_size="3,0"))
+    _, hf = _hf_config(edit_flags(LINE, drop=tuple(FP8), window_size="3,0"))
     pos = torch.arange(12)
     flash = (pos[:, None] - pos[None, :] <= 3) & (pos[:, None] >= pos[None, :])
     assert torch.equal(_allowed(pos, pos, hf.sliding_window), flash)
@@ -112,13 +93,13 @@ def test_window_semantics_match_flash_attentions_left_right():
 ])
 def test_unrepresentable_values_are_declined_with_one_line(flags, flag):
     with pytest.raises(UsageError) as info:
-        translate_megatron(_edit(LINE, drop=tuple(FP8), **flags))
+        translate_megatron(edit_flags(LINE, drop=tuple(FP8), **flags))
     assert [m for m in info.value.messages if m.startswith(flag + ":")], info.value.messages
     assert all("\n" not in m and " — " in m for m in info.value.messages)
 
 
 def test_yarn_flags_give_gpt_oss_yarn():
-    argv = _edit(LINE, drop=tuple(FP8) + ("--rope-type",), position_embedding_type="yarn", rotary_base=150000,
+    argv = edit_flags(LINE, drop=tuple(FP8) + ("--rope-type",), position_embedding_type="yarn", rotary_base=150000,
                  rotary_scaling_factor=32.0, yarn_original_max_position_embeddings=4096)
     _, hf = _hf_config(argv + ["--no-yarn-correction-range-round-to-int"])
     rope = hf.rope_parameters
@@ -130,7 +111,7 @@ def test_yarn_flags_give_gpt_oss_yarn():
 def test_line_minus_fp8_trains(tmp_path):
     """The line minus its FP8 flags, sizes shrunk, pipeline/batch/iterations fitted to 1 CPU process: a GPT-OSS
     trains 2 steps with every gpt-oss flag of the line."""
-    argv = _edit(LINE, drop=tuple(FP8) + ("--save", "--tensorboard-dir", "--train-samples", "--lr-decay-samples",
+    argv = edit_flags(LINE, drop=tuple(FP8) + ("--save", "--tensorboard-dir", "--train-samples", "--lr-decay-samples",
                                           "--lr-warmup-fraction"),
                  num_layers=2, hidden_size=32, ffn_hidden_size=16, moe_ffn_hidden_size=16, num_attention_heads=4,
                  num_query_groups=2, seq_length=32, max_position_embeddings=64, window_size="7,0",
@@ -148,7 +129,7 @@ def test_disable_bias_linear_is_megatrons_bias_free_gpt_oss():
 
     from fsdp2_backend.models.gpt_oss.modeling import build_gpt_oss
 
-    _, hf_config = _hf_config(_edit(LINE, drop=tuple(FP8), num_layers=2, hidden_size=32, moe_ffn_hidden_size=16,
+    _, hf_config = _hf_config(edit_flags(LINE, drop=tuple(FP8), num_layers=2, hidden_size=32, moe_ffn_hidden_size=16,
                                     num_attention_heads=4, num_query_groups=2, window_size="3,0",
                                     attention_dropout=0, vocab_size=64, tokenizer_type="NullTokenizer"))
     torch.manual_seed(0)
@@ -173,7 +154,7 @@ def test_disable_bias_linear_is_megatrons_bias_free_gpt_oss():
 def test_tensor_parallel_is_declined_with_its_reason():
     from fsdp2_backend.config import validation
 
-    fields = translate_megatron(_edit(LINE, drop=tuple(FP8), tensor_model_parallel_size=2,
+    fields = translate_megatron(edit_flags(LINE, drop=tuple(FP8), tensor_model_parallel_size=2,
                                       pipeline_model_parallel_size=1, global_batch_size=4)).fields
     config = Config(**{group: GROUPS[group](**values) for group, values in fields.items()})
     with pytest.raises(UsageError) as info:

@@ -282,11 +282,11 @@ def test_scaled_down_corpus_line_logs_mindspeeds_loss(tmp_path):
     import re
 
     from tests.support.launchers import run_pretrain
-    from tests.megatron_compat.test_gpt_oss_megatron import _edit
+    from tests.support.megatron_lines import edit_flags
 
     drop = ("--save", "--load", "--tokenizer-name-or-path", "--tokenizer-type", "--data-path", "--noop-layers",
             "--schedules-method", "--padded-vocab-size")
-    argv = _edit(DEEPSEEK3, drop=drop, num_layers=2, hidden_size=32, ffn_hidden_size=64, moe_ffn_hidden_size=16,
+    argv = edit_flags(DEEPSEEK3, drop=drop, num_layers=2, hidden_size=32, ffn_hidden_size=64, moe_ffn_hidden_size=16,
                  moe_shared_expert_intermediate_size=16, num_attention_heads=4, seq_length=32,
                  max_position_embeddings=64, num_experts=8, moe_router_num_groups=4, moe_router_group_topk=2,
                  moe_router_topk=4, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8,

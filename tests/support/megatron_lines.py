@@ -63,3 +63,26 @@ def without_architecture(flags):
         elif flag not in SWITCHES:
             out.append(flag)
     return out
+
+
+FP8 = {"--fp8-format": 1, "--fp8-param-gather": 0, "--fp8-amax-compute-algo": 1, "--fp8-amax-history-len": 1}
+
+
+def edit_flags(argv, drop=(), **values):
+    """`argv` without the flags in `drop` (with their values) and with `values` replacing flag values."""
+    out, i = [], 0
+    drop = {**{k: v for k, v in FP8.items() if k in drop}, **{k: 1 for k in drop if k not in FP8}}
+    while i < len(argv):
+        flag = argv[i]
+        if flag in drop:
+            i += 1 + drop[flag]
+            continue
+        out.append(flag)
+        i += 1
+        name = flag.lstrip("-").replace("-", "_")
+        if name in values:
+            out.append(str(values.pop(name)))
+            i += 1
+    for name, value in values.items():
+        out += ["--" + name.replace("_", "-"), str(value)]
+    return out
