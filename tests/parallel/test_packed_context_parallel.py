@@ -129,13 +129,14 @@ def _qwen3_next_case(cp_type, steps=2):
     import torch.distributed as dist
 
     from fsdp2_backend.parallel.context_parallel.batch import cp_token_mean, shard_batch_for_cp, shift_labels
-    from tests.parallel.test_qwen3_next_parallel import _config, _model, _optimizer, _parallel, model_spec_configure
+    from tests.support.qwen3_next_parallel import (configure_next, next_config, next_model, next_optimizer,
+                                                   next_parallel_model)
 
-    config = _config(cp_size=2, cp_type=cp_type)
-    reference = _model(_config())
-    model_spec_configure(reference, _config())
-    ref_opt = _optimizer(reference)
-    model, opt, ctx = _parallel(config)
+    config = next_config(cp_size=2, cp_type=cp_type)
+    reference = next_model(next_config())
+    configure_next(reference, next_config())
+    ref_opt = next_optimizer(reference)
+    model, opt, ctx = next_parallel_model(config)
     group = ctx.cp_mesh.get_group()
     worst = 0.0
     for step in range(steps):

@@ -5,30 +5,8 @@ checkpoint (DCP, after step 4) continues in one process with the EP 2 run's loss
 import torch
 
 from tests.support.launchers import run_distributed
-from tests.support.tiny_models import tiny_next_config
-
-STEPS, SAVE_AFTER, LR, SEQ, CHUNK = 8, 4, 5e-3, 16, 8
-
-
-def _config(**parallel):
-    from fsdp2_backend.config import Config
-
-    config = Config()
-    config.model.model_id = "qwen3_next"
-    config.optimization.gdn_chunk_size = CHUNK
-    config.optimization.moe_grouped_gemm = True
-    config.parallel.param_dtype = "fp32"
-    for key, value in parallel.items():
-        setattr(config.parallel, key, value)
-    return config
-
-
-def _model(config, aux=True):
-    from fsdp2_backend.models.registry import model_spec
-
-    torch.manual_seed(0)
-    model = model_spec("qwen3_next").build(tiny_next_config(output_router_logits=aux))
-    return model
+from tests.support.qwen3_next_parallel import (SAVE_AFTER, SEQ, STEPS, configure_next, next_config, next_model,
+                                               next_optimizer, next_parallel_model)
 
 
 def _batch(step, rank):
@@ -37,16 +15,12 @@ def _batch(step, rank):
     return dict(input_ids=ids, labels=ids, use_cache=False)
 
 
-def _optimizer(model):
-    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-
-
 def _reference(ranks, steps=STEPS, aux=True):
     """One process: the mean loss of the given ranks' micro-batches per step."""
-    config = _config()
-    model = _model(config, aux)
-    model_spec_configure(model, config)
-    opt = _optimizer(model)
+    config = next_config()
+    model = next_model(config, aux)
+    configure_next(model, config)
+    opt = next_optimizer(model)
     losses = []
     for step in range(steps):
         opt.zero_grad()
@@ -55,21 +29,6 @@ def _reference(ranks, steps=STEPS, aux=True):
         opt.step()
         losses.append(float(loss.detach()))
     return losses
-
-
-def model_spec_configure(model, config):
-    from fsdp2_backend.models.registry import model_spec
-
-    model_spec("qwen3_next").configure(model, config, "cpu")
-
-
-def _parallel(config, aux=True):
-    from fsdp2_backend.distributed.context import ParallelContext
-    from fsdp2_backend.parallel.apply import apply_parallelism
-
-    ctx = ParallelContext.create(config.parallel)
-    model = apply_parallelism(_model(config, aux), config, ctx)
-    return model, _optimizer(model), ctx
 
 
 def _train_dp(model, opt, steps, rank):
@@ -124,15 +83,15 @@ def _ranks(rank, world_size, out_dir):
     import json
 
     results = {}
-    model, opt, ctx = _parallel(_config())
+    model, opt, ctx = next_parallel_model(next_config())
     results["fsdp2"] = _train_dp(model, opt, range(STEPS), rank)
-    model, opt, ctx = _parallel(_config(ep_size=2))
+    model, opt, ctx = next_parallel_model(next_config(ep_size=2))
     assert model.model.layers[0].mlp.experts.gate_up_proj.to_local().shape[0] == 2  # two experts per rank
     results["ep2"] = _train_dp(model, opt, range(SAVE_AFTER), rank)
     _save(model, opt, f"{out_dir}/ep2")
     results["ep2"] += _train_dp(model, opt, range(SAVE_AFTER, STEPS), rank)
     for cp_type, steps in (("ulysses", STEPS), ("ring", 2)):
-        model, opt, ctx = _parallel(_config(cp_size=2, cp_type=cp_type), aux=False)
+        model, opt, ctx = next_parallel_model(next_config(cp_size=2, cp_type=cp_type), aux=False)
         assert model.model.layers[0].linear_attn.context_parallel is not None
         results[cp_type] = _train_cp(model, opt, range(steps), ctx, cp_type)
     if rank == 0:
@@ -145,10 +104,10 @@ def _continue_on_one_process(ckpt_dir):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    config = _config()
-    model = _model(config)
-    model_spec_configure(model, config)
-    opt = _optimizer(model)
+    config = next_config()
+    model = next_model(config)
+    configure_next(model, config)
+    opt = next_optimizer(model)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=ckpt_dir)
