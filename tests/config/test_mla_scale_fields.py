@@ -6,7 +6,7 @@ from fsdp2_backend.config.loading import build_config
 from fsdp2_backend.config.validation import validate_with_notices
 from fsdp2_backend.usage_errors import UsageError
 from tests.support.tiny_models import tiny_model_dir
-from tests.models.test_mla_lora_scale import _config
+from tests.support.tiny_models import tiny_mla_config
 
 
 def _validate(model_dir, tmp_path, **model):
@@ -19,7 +19,7 @@ def _validate(model_dir, tmp_path, **model):
 
 def _mla_dir(tmp_path, q_lora_rank):
     path = tmp_path / f"mla_{q_lora_rank}"
-    _config(q_lora_rank).save_pretrained(str(path))
+    tiny_mla_config(q_lora_rank).save_pretrained(str(path))
     tiny = tiny_model_dir(tmp_path / "tok", seed=0)  # its tokenizer files beside the MLA config
     import shutil
     from pathlib import Path

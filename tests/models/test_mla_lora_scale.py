@@ -9,25 +9,16 @@ import torch
 
 from fsdp2_backend.usage_errors import UsageError
 
-HIDDEN, Q_RANK, KV_RANK = 64, 16, 8
+from tests.support.tiny_models import Q_RANK, tiny_mla_config
+
 S_Q, S_KV = 2.0, 8 ** 0.5  # sqrt(64 / 16), sqrt(64 / 8): MindSpeed's (hidden / rank) ** 0.5, written by hand
-
-
-def _config(q_lora_rank=Q_RANK):
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(vocab_size=128, hidden_size=HIDDEN, intermediate_size=96, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-                            n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
-                            topk_group=1, q_lora_rank=q_lora_rank, kv_lora_rank=KV_RANK, qk_nope_head_dim=8,
-                            qk_rope_head_dim=4, v_head_dim=8, max_position_embeddings=64, attn_implementation="eager")
 
 
 def _model(q_lora_rank=Q_RANK):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(_config(q_lora_rank)).eval()
+    model = AutoModelForCausalLM.from_config(tiny_mla_config(q_lora_rank)).eval()
     with torch.no_grad():  # non-trivial norm weights, so a factor put in the wrong place would show
         for name, p in model.named_parameters():
             if "layernorm" in name:

@@ -191,3 +191,16 @@ def mamba3_mindspeed_dir(path: Path) -> str:
                   layer_norm_epsilon=1e-5, is_mimo=False, tie_word_embeddings=False)
     (path / "config.json").write_text(json.dumps(fields, indent=2))
     return str(path)
+
+
+HIDDEN, Q_RANK, KV_RANK = 64, 16, 8
+
+
+def tiny_mla_config(q_lora_rank=Q_RANK):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(vocab_size=128, hidden_size=HIDDEN, intermediate_size=96, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                            n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+                            topk_group=1, q_lora_rank=q_lora_rank, kv_lora_rank=KV_RANK, qk_nope_head_dim=8,
+                            qk_rope_head_dim=4, v_head_dim=8, max_position_embeddings=64, attn_implementation="eager")
