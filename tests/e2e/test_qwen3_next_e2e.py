@@ -13,11 +13,10 @@ import sys
 import pytest
 
 from tests.support.launchers import REPO, free_port, run_pretrain
-from tests.support.tiny_models import train_bytelevel_tokenizer
 from tests.support.launchers import failure_report, run_command, train_lines
 from tests.support.mindspeed_yaml import DATA, with_paths, yaml_file_at
 from tests.support.mindspeed_yaml import assets  # noqa: F401  (pytest fixture)
-from tests.support.tiny_models import tiny_next_config
+from tests.support.tiny_models import tiny_next_dir
 
 GDN_FLAGS = (
     "--qk-layernorm --full-attention-interval 4 --mamba-d-conv 4 --mamba-expand 1 --kv-channels 16 "
@@ -46,17 +45,6 @@ def test_gdn_flags_build_and_train_a_qwen3_next_with_ep2(tmp_path):
             arch["shared_expert_intermediate_size"]) == (2, 4, 4, 32)
 
 
-def _tiny_next_dir(path):
-    import torch
-    from transformers import Qwen3NextForCausalLM
-
-    tokenizer = train_bytelevel_tokenizer(path, vocab_size=300)
-    torch.manual_seed(0)
-    Qwen3NextForCausalLM(tiny_next_config(vocab_size=len(tokenizer), max_position_embeddings=256)).save_pretrained(
-        str(path))
-    return str(path)
-
-
 @pytest.mark.parametrize("commit", ["head", "v26.1.0"])
 def test_mindspeed_qwen3_next_yaml_trains_on_two_ranks(assets, tmp_path, commit):  # noqa: F811
     from fsdp2_backend.training.logging import parse_train_line
@@ -65,7 +53,7 @@ def test_mindspeed_qwen3_next_yaml_trains_on_two_ranks(assets, tmp_path, commit)
     entry = table[commit]["examples__fsdp2__qwen3_next__pretrain_qwen3_next_16k_fsdp2_A3.sh"]
     yaml_file = yaml_file_at(commit, entry["yaml"])
     assert yaml_file.parent.name == commit  # each version's own copy
-    model = _tiny_next_dir(tmp_path / "qwen3-next")
+    model = tiny_next_dir(tmp_path / "qwen3-next")
     dataset = json.dumps({"file_name": assets["parquet"]})
     output = str(tmp_path / "output")
     args = with_paths(yaml_file, entry["args"], (model, model, dataset, output))

@@ -18,7 +18,7 @@ from tests.support.launchers import REPO, free_port
 from tests.support.launchers import failure_report, run_command, train_lines
 from tests.support.mindspeed_yaml import DATA, with_paths, yaml_file_at
 from tests.support.mindspeed_yaml import assets  # noqa: F401  (pytest fixture)
-from tests.e2e.test_qwen3_next_e2e import _tiny_next_dir
+from tests.support.tiny_models import tiny_next_dir
 
 SCALED = ["--training.max_steps", "3", "--data.cutoff_len", "64", "--training.per_device_train_batch_size", "1",
           "--training.gradient_accumulation_steps", "1", "--training.save_steps", "3",
@@ -27,7 +27,7 @@ SCALED = ["--training.max_steps", "3", "--data.cutoff_len", "64", "--training.pe
 
 @pytest.fixture(scope="module")
 def tiny_next(tmp_path_factory):
-    return _tiny_next_dir(tmp_path_factory.mktemp("qwen3-next"))
+    return tiny_next_dir(tmp_path_factory.mktemp("qwen3-next"))
 
 
 def _command(yaml_file, args):

@@ -204,3 +204,14 @@ def tiny_mla_config(q_lora_rank=Q_RANK):
                             n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
                             topk_group=1, q_lora_rank=q_lora_rank, kv_lora_rank=KV_RANK, qk_nope_head_dim=8,
                             qk_rope_head_dim=4, v_head_dim=8, max_position_embeddings=64, attn_implementation="eager")
+
+
+def tiny_next_dir(path):
+    import torch
+    from transformers import Qwen3NextForCausalLM
+
+    tokenizer = train_bytelevel_tokenizer(path, vocab_size=300)
+    torch.manual_seed(0)
+    Qwen3NextForCausalLM(tiny_next_config(vocab_size=len(tokenizer), max_position_embeddings=256)).save_pretrained(
+        str(path))
+    return str(path)
