@@ -8,24 +8,16 @@ main layer's call arguments it reuses. Stacked experts (`mlp.experts.gate_up_pro
 and assembled from transformers' per-expert keys (`qwen3_moe.checkpoint_keys` / `param_to_checkpoint`), as for
 the main layers, so the on-disk layout is the released one.
 
-Layouts (the checkpoint's model decides the facts; Megatron's semantics of `models/mtp.py` hold for all):
+Layouts (the checkpoint's model decides the facts; Megatron's semantics of `models/mtp.py` hold for all), each
+named by the spec of the id whose checkpoints keep it (`mtp_layout`, models/<id>/spec.py; `mtp_layout(config)`
+picks by the config's model type); the generic ones live here, a model's own in its folder:
 - own (`qwen3`, anything without a released layout): `mtp.layers.{k}.*` as in memory — this project's export.
-- DeepSeek-V3 / Step-3.5: the MTP layers appended to `model.layers` (`TrailingLayersLayout`, `Step35Layout`);
-  DeepSeek-V4: `mtp.{k}.*` with its own depth module (mHC streams; models/deepseek_v4/mtp.py).
-- Qwen3-Next (`model_type qwen3_next`; vLLM `qwen3_next_mtp.py`, transformers' Qwen3.5 MTP code, released
-  Qwen3-Next-80B-A3B keys): `mtp.pre_fc_norm_embedding` = enorm, `mtp.pre_fc_norm_hidden` = hnorm, `mtp.fc` =
-  eh_proj over cat(normed embedding, normed hidden) — embedding first, as Megatron —, `mtp.layers.0.*` = the decoder
-  layer, `mtp.norm` = final_layernorm; the norms are Qwen3-Next's zero-centred RMSNorm (weight stored as w, applied
-  as 1 + w: the model's own norm class, which `mtp.py` uses). The decoder layer is a *full-attention* layer with
-  the sparse MoE block (whatever the type of the model's last layer), so it is built from a copy of the config
-  where that layer index is full attention and sparse; `qwen3_next`'s stacked experts and router are swapped in.
-  It reuses the call arguments (causal mask, rotary) of the last full-attention main layer. The layout has one
-  fc / norm pair for the whole block, so it holds exactly one depth (`mtp_num_hidden_layers`, recorded in the
-  config on attach): `model.mtp_num_layers` must be 1 for it (config validation says so for the model id).
+- DeepSeek-V3: the MTP layers appended to `model.layers` (`TrailingLayersLayout`); Step-3.5 the same with its own
+  head keys (models/step35/mtp.py); Qwen3-Next: `mtp.*`, one depth (models/qwen3_next/mtp.py); DeepSeek-V4:
+  `mtp.{k}.*` with its own depth module (mHC streams; models/deepseek_v4/mtp.py).
 """
 from __future__ import annotations
 
-import copy
 import re
 from typing import Callable, Dict, List, Mapping, Optional
 
@@ -97,51 +89,6 @@ class MTPLayout:
         return expert_split(flat, tensor)
 
 
-class Qwen3NextLayout(MTPLayout):
-    """Qwen3-Next's released `mtp.*` layout (module docstring)."""
-
-    _PARTS = {"enorm": "mtp.pre_fc_norm_embedding.", "hnorm": "mtp.pre_fc_norm_hidden.", "eh_proj": "mtp.fc.",
-              "final_layernorm": "mtp.norm.", "transformer_layer": "mtp.layers.{k}."}
-
-    def checkpoint_name(self, name: str, config) -> str:
-        match = _OWN.match(name)
-        if match is None:
-            return name
-        return self._PARTS[match["part"]].format(k=match["k"]) + match["rest"]
-
-    def check(self, config, num_layers: int) -> None:
-        if num_layers != 1:
-            from fsdp2_backend.usage_errors import UsageError
-
-            raise UsageError(f"model.mtp_num_layers: {num_layers} depths, but Qwen3-Next's MTP layout holds one "
-                             f"(one fc / norm pair) — give mtp_num_layers 1")
-
-    def layer_index(self, config) -> int:
-        full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
-        return full[-1] if full else config.num_hidden_layers - 1
-
-    def layer_factory(self, model: nn.Module) -> Callable[[int], nn.Module]:
-        config, cls = model.config, type(model.get_decoder().layers[0])
-        index = config.num_hidden_layers - 1
-        mtp_config = copy.copy(config)  # shallow: only the per-layer choices of this one index differ
-        mtp_config.layer_types = list(config.layer_types)
-        mtp_config.layer_types[index] = "full_attention"
-        mtp_config.mlp_only_layers = [i for i in config.mlp_only_layers if i != index]
-        mtp_config.decoder_sparse_step = 1
-
-        def build(k: int) -> nn.Module:
-            layer = cls(mtp_config, index)
-            from fsdp2_backend.models.qwen3_next.modeling import Qwen3NextGroupedForCausalLM, _swap_layer
-
-            if isinstance(model, Qwen3NextGroupedForCausalLM):  # model_id qwen3_next: stacked experts, our router
-                _swap_layer(mtp_config, layer)
-            return layer
-        return build
-
-    def record_depth(self, config, num_layers: int) -> None:
-        config.mtp_num_hidden_layers = num_layers  # the released config.json's key (vLLM reads it)
-
-
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -201,68 +148,6 @@ class TrailingLayersLayout(MTPLayout):
 
     def record_depth(self, config, num_layers: int) -> None:
         config.num_nextn_predict_layers = num_layers
-
-
-class Step35Layout(TrailingLayersLayout):
-    """Step-3.5's MTP layers: the checkpoint's `model.layers.{N + k}` (N = num_hidden_layers; vLLM `step3p5_mtp.py`):
-    `enorm`, `hnorm`, `eh_proj` (over cat(normed embedding, normed hidden)), the decoder layer's own keys directly
-    under the layer, `transformer.shared_head.norm` = final_layernorm and `transformer.shared_head.output` (a copy
-    of the lm head: written on export; on load, Megatron's shared head is used and a different copy is reported).
-    The norms are the model's zero-centred RMSNorm. Unlike Megatron, Step-3.5's model feeds depth 1 the main
-    hidden states *before* the final norm (vLLM's Step3p5ForCausalLM applies `model.norm` only in compute_logits)
-    and depth k the output of depth k-1 before its `shared_head.norm`: followed here (`prenorm_hidden`). The MTP
-    layer's attention type and MLP are the config's `mtp_layer_types` / `mtp_mlp_layer_types` (Step-3.5-Flash:
-    dense MLP); it is built at the index of the last main layer of that attention type (same heads and rotary),
-    with a dense MLP there; its SwiGLU clamp limit is not kept by transformers' config (none is applied)."""
-
-    prenorm_hidden = True
-    head_norm = "transformer.shared_head.norm."
-    copies = {"transformer.shared_head.output.weight": "lm_head.weight"}
-
-    def _types(self, config, num_layers: int):
-        attn = list(getattr(config, "mtp_layer_types", None) or ["full_attention"] * num_layers)
-        mlp = list(getattr(config, "mtp_mlp_layer_types", None) or ["dense"] * num_layers)
-        return attn[:num_layers], mlp[:num_layers]
-
-    def check(self, config, num_layers: int) -> None:
-        from fsdp2_backend.usage_errors import UsageError
-
-        super().check(config, num_layers)
-        attn, mlp = self._types(config, num_layers)
-        if "sparse" in mlp:
-            raise UsageError("model.mtp_num_layers: the checkpoint's Step-3.5 MTP layers have MoE MLPs, which this "
-                             "layout does not map (Step-3.5-Flash's are dense) — unset mtp_num_layers")
-        if len(set(attn)) > 1 or attn[0] not in config.layer_types:
-            raise UsageError(f"model.mtp_num_layers: Step-3.5 MTP layers of attention types {attn} need one type "
-                             f"that a main layer also has — unset mtp_num_layers")
-
-    def layer_index(self, config) -> int:
-        kind = (getattr(config, "mtp_layer_types", None) or ["full_attention"])[0]
-        return max(i for i, t in enumerate(config.layer_types) if t == kind)
-
-    def layer_factory(self, model: nn.Module) -> Callable[[int], nn.Module]:
-        config, cls = model.config, type(model.get_decoder().layers[0])
-        index = self.layer_index(config)
-        mtp_config = copy.copy(config)  # shallow: only the MLP choice at this index differs
-        mtp_config.mlp_layer_types = list(config.mlp_layer_types)
-        mtp_config.mlp_layer_types[index] = "dense"
-        if config.swiglu_limits_shared:
-            mtp_config.swiglu_limits_shared = list(config.swiglu_limits_shared)
-            mtp_config.swiglu_limits_shared[index] = 0  # 0: no clamp (transformers' Step3p7MLP)
-        return lambda k: cls(mtp_config, index)
-
-    def record_depth(self, config, num_layers: int) -> None:
-        super().record_depth(config, num_layers)
-        config.mtp_num_layers = num_layers  # step35_legacy_config writes num_nextn_predict_layers from it
-
-    def keys(self, flat: str, config) -> List[str]:
-        return [flat]  # dense MTP layers only (check)
-
-    def assemble(self, flat: str, tensors: Mapping[str, torch.Tensor], config) -> torch.Tensor:
-        return tensors[flat]
-
-    def split(self, flat: str, tensor: torch.Tensor) -> Dict[str, torch.Tensor]:
-        return {flat: tensor}
 
 
 def mtp_layout(config) -> MTPLayout:

@@ -6,7 +6,7 @@ SPEC = ModelSpec(
     model_id="qwen3_next", hf_model_types=("qwen3_next",), build=lazy("qwen3_next.modeling:build_qwen3_next"),
     ep=True, router="megatron", native_checkpoint_layout=True,
     cp_layer_types=frozenset({"full_attention", "linear_attention"}),  # parallel/context_parallel/linear_attention.py
-    mtp_layout="mtp_layouts:Qwen3NextLayout", mtp_depths=1,
+    mtp_layout="qwen3_next.mtp:Qwen3NextLayout", mtp_depths=1,
     notes={"mtp": "model.model_id qwen3_next and mtp_num_layers {mtp} (Qwen3-Next's MTP layout holds one depth: "
                   "give mtp_num_layers 1)"},
     checkpoint_keys=lazy("moe.hooks:expert_checkpoint_keys"),  # the same expert keys as qwen3_moe

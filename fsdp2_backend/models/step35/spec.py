@@ -10,7 +10,7 @@ SPEC = ModelSpec(
     tp=False,
     cp_layer_types=frozenset({"full_attention", "sliding_attention"}),
     ep=True, router="megatron", router_scores_sigmoid=True, expert_bias=False,
-    mtp_layout="mtp_layouts:Step35Layout",
+    mtp_layout="step35.mtp:Step35Layout",
     notes={"tp": "parallel.tp_size: model_id step35 is not built for tensor parallel (its head-wise attention gate "
                  "and per-layer-type head counts are not sharded) — use tp_size 1 (FSDP, EP and CP apply)",
            "expert_bias": "model.moe_router_enable_expert_bias (--moe-router-enable-expert-bias): model_id step35 "
