@@ -12,7 +12,7 @@ from fsdp2_backend.models.fp8_blocks import block_size, dequantize
 from fsdp2_backend.models.loading import load_safetensors
 from fsdp2_backend.models.registry import model_spec
 from tests.support.tiny_models import tiny_minimax_config
-from tests.models.test_minimax_m2 import _pair
+from tests.support.tiny_models import minimax_pair
 
 _QUANTISED = re.compile(r".*(\.(q|k|v|o)_proj|\.experts\.\d+\.w[123])\.weight$")
 
@@ -48,7 +48,7 @@ def test_dequantize_equals_transformers_functions():
 
 
 def _fp8_checkpoint(path, block=(16, 16)):
-    _, ours = _pair()
+    _, ours = minimax_pair()
     ours.save_pretrained(path)  # transformers' per-expert MiniMax-M2 layout
     file = next(path.glob("*.safetensors"))
     tensors = load_file(str(file))

@@ -11,22 +11,7 @@ from fsdp2_backend.models.moe.experts import GroupedExperts
 from fsdp2_backend.models.registry import model_spec
 
 from tests.support.tiny_models import tiny_minimax_config
-
-
-def _pair():
-    from transformers import MiniMaxM2ForCausalLM
-
-    torch.manual_seed(0)
-    hf = MiniMaxM2ForCausalLM(tiny_minimax_config())
-    with torch.no_grad():  # transformers initialises the bias to 0 and the norms to 1: make them matter
-        for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
-            if name.endswith("e_score_correction_bias"):
-                t.normal_(0, 0.3)
-            elif "norm" in name:
-                t.normal_(1, 0.2)
-    ours = model_spec("minimax_m27").build(tiny_minimax_config())
-    ours.load_state_dict(hf.state_dict(), strict=True)
-    return hf.train(), ours.train()
+from tests.support.tiny_models import minimax_pair
 
 
 def test_registry_builds_the_grouped_model():
@@ -39,7 +24,7 @@ def test_registry_builds_the_grouped_model():
 
 @pytest.mark.parametrize("grouped_gemm", [False, True])
 def test_equals_transformers(grouped_gemm):
-    hf, ours = _pair()
+    hf, ours = minimax_pair()
     for m in ours.modules():
         if isinstance(m, GroupedExperts):
             m.use_grouped_gemm = grouped_gemm
@@ -56,7 +41,7 @@ def test_equals_transformers(grouped_gemm):
 
 
 def test_bias_changes_selection_and_is_not_updated():
-    hf, ours = _pair()
+    hf, ours = minimax_pair()
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     block = ours.model.layers[0].mlp
     hidden = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(2))
@@ -77,7 +62,7 @@ def test_hf_export_loads_in_transformers_and_streams_back(tmp_path):
 
     from fsdp2_backend.models.loading import load_safetensors
 
-    _, ours = _pair()
+    _, ours = minimax_pair()
     ours.save_pretrained(tmp_path)
     with safe_open(str(next(tmp_path.glob("*.safetensors"))), "pt") as f:
         keys = set(f.keys())
@@ -101,7 +86,7 @@ def test_hf_export_loads_in_transformers_and_streams_back(tmp_path):
 def test_fused_rotary_leaves_partial_rope_alone():
     from fsdp2_backend.parallel.kernel_swaps import _use_fused_rotary
 
-    _, ours = _pair()
+    _, ours = minimax_pair()
     line = _use_fused_rotary(ours, "cpu")
     assert "MiniMaxM2Attention" in line and "left alone" in line
     assert all("forward" not in vars(m) for m in ours.modules())
@@ -131,7 +116,7 @@ def test_expert_bias_update_moves_the_checkpoint_bias():
     from tests.support.configs import pt_config
 
     validate(pt_config(model={"model_id": "minimax_m27", "moe_router_enable_expert_bias": True}))  # no decline
-    _, ours = _pair()
+    _, ours = minimax_pair()
     model_args = pt_config(model={"model_id": "minimax_m27", "moe_router_enable_expert_bias": True,
                                   "moe_router_bias_update_rate": 0.01}).model
     configure_minimax(ours, SimpleNamespace(model=model_args, optimization=SimpleNamespace(

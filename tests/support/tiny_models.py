@@ -15,6 +15,7 @@ from tests.support.router_reference import E
 from tests.support.step35_reference import step35_config
 import json
 from pathlib import Path
+from fsdp2_backend.models.registry import model_spec
 
 
 def tiny_model_dir(path, seed: int, vocab_size: int = 300, **overrides) -> str:
@@ -215,3 +216,19 @@ def tiny_next_dir(path):
     Qwen3NextForCausalLM(tiny_next_config(vocab_size=len(tokenizer), max_position_embeddings=256)).save_pretrained(
         str(path))
     return str(path)
+
+
+def minimax_pair():
+    from transformers import MiniMaxM2ForCausalLM
+
+    torch.manual_seed(0)
+    hf = MiniMaxM2ForCausalLM(tiny_minimax_config())
+    with torch.no_grad():  # transformers initialises the bias to 0 and the norms to 1: make them matter
+        for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                t.normal_(0, 0.3)
+            elif "norm" in name:
+                t.normal_(1, 0.2)
+    ours = model_spec("minimax_m27").build(tiny_minimax_config())
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    return hf.train(), ours.train()
