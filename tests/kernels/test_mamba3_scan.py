@@ -7,57 +7,13 @@ lengths that are not a multiple of the chunk; packed documents equal to separate
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 from fsdp2_backend.kernels.mamba3_scan import mamba3_chunk_scan
 
-
-def _rotate(x, theta):
-    """Interleaved pairs (x[2i], x[2i+1]) rotated by theta[i] for i < len(theta); the rest unchanged."""
-    out = x.clone()
-    a = theta.shape[-1]
-    x0, x1 = x[..., 0:2 * a:2], x[..., 1:2 * a:2]
-    out[..., 0:2 * a:2] = x0 * torch.cos(theta) - x1 * torch.sin(theta)
-    out[..., 1:2 * a:2] = x0 * torch.sin(theta) + x1 * torch.cos(theta)
-    return out
-
-
-def sequential_oracle(q, k, v, adt, dt, trap, angles, doc_start=None):
-    """Token by token, in float64. Shapes as mamba3_chunk_scan's; returns y (b, l, r, h, p)."""
-    q, k, v, adt, dt, trap, angles = (t.double() for t in (q, k, v, adt, dt, trap, angles))
-    b, l, r, h, n = q.shape
-    p = v.shape[-1]
-    ys = []
-    for t in range(l):
-        if t == 0 or (doc_start is not None and bool(doc_start[:, t].any())):
-            mask = torch.ones(b, dtype=torch.bool) if t == 0 else doc_start[:, t]
-            fresh = (torch.zeros(b, h, angles.shape[-1], dtype=torch.float64), torch.zeros(b, h, p, n, dtype=torch.float64),
-                     torch.zeros(b, r, h, n, dtype=torch.float64), torch.zeros(b, r, h, p, dtype=torch.float64))
-            if t == 0:
-                angle_state, state, k_prev, v_prev = fresh
-            else:  # reset only the rows whose document starts here
-                m = mask.double()
-                angle_state = angle_state * (1 - m[:, None, None])
-                state = state * (1 - m[:, None, None, None])
-                k_prev = k_prev * (1 - m[:, None, None, None])
-                v_prev = v_prev * (1 - m[:, None, None, None])
-        angle_state = angle_state + torch.tanh(angles[:, t]) * math.pi * dt[:, t, :, None]
-        angle_state = angle_state - 2 * math.pi * torch.floor(angle_state / (2 * math.pi))
-        q_t = _rotate(q[:, t], angle_state[:, None])
-        k_t = _rotate(k[:, t], angle_state[:, None])
-        lam = torch.sigmoid(trap[:, t])
-        alpha = torch.exp(adt[:, t])
-        beta = (1 - lam) * dt[:, t] * alpha
-        gamma = lam * dt[:, t]
-        prev_kv = torch.einsum("brhn,brhp->bhpn", k_prev, v_prev)
-        curr_kv = torch.einsum("brhn,brhp->bhpn", k_t, v[:, t])
-        state = alpha[..., None, None] * state + beta[..., None, None] * prev_kv + gamma[..., None, None] * curr_kv
-        ys.append(torch.einsum("bhpn,brhn->brhp", state, q_t))
-        k_prev, v_prev = k_t, v[:, t]
-    return torch.stack(ys, dim=1)
+from tests.support.kernel_references import sequential_oracle
 
 
 def _inputs(b, l, r, h, n, p, a, seed=0):

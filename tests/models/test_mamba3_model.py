@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from fsdp2_backend.models.mamba3.modeling import Mamba3Config, Mamba3ForCausalLM
 from fsdp2_backend.models.registry import model_spec
-from tests.kernels.test_mamba3_scan import sequential_oracle
+from tests.support.kernel_references import sequential_oracle
 from tests.support.tiny_models import tiny_mamba3_config
 
 
