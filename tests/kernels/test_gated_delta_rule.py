@@ -11,45 +11,12 @@ from fsdp2_backend.kernels.causal_conv1d import causal_conv1d, causal_conv1d_ref
 from fsdp2_backend.kernels.gated_delta_rule import chunk_gated_delta_rule, chunk_gated_delta_rule_reference, gdn_implementation
 from fsdp2_backend.usage_errors import UsageError
 
-
-def sequential_gated_delta_rule(q, k, v, g, beta, initial_state=None):
-    """The token-by-token recurrence in float64; q/k [B, T, H, K] (heads already matched to v), v [B, T, H, V]."""
-    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
-    batch, length, heads, dk = k.shape
-    state = (torch.zeros(batch, heads, dk, v.shape[-1], dtype=torch.float64) if initial_state is None
-             else initial_state.double().clone())
-    outs = []
-    for t in range(length):
-        state = state * g[:, t].exp()[..., None, None]
-        kt, vt = k[:, t], v[:, t]
-        delta = (vt - torch.einsum("bhk,bhkv->bhv", kt, state)) * beta[:, t, :, None]
-        state = state + kt.unsqueeze(-1) * delta.unsqueeze(-2)
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * dk ** -0.5, state))
-    return torch.stack(outs, dim=1), state
-
-
-def _inputs(batch, length, heads, dk, dv, dtype, seed=0, k_heads=None):
-    gen = torch.Generator().manual_seed(seed)
-    k_heads = k_heads or heads
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    q = rand(batch, length, k_heads, dk)
-    k = torch.nn.functional.normalize(rand(batch, length, k_heads, dk), dim=-1)  # as the model feeds it (l2norm)
-    v = rand(batch, length, heads, dv)
-    g = -torch.rand(batch, length, heads, generator=gen) * 0.5
-    beta = torch.rand(batch, length, heads, generator=gen)
-    return [x.to(dtype).requires_grad_() for x in (q, k, v, g, beta)]
-
-
-def _grads(out, inputs, weight):
-    return torch.autograd.grad((out.float() * weight).sum(), inputs)
+from tests.support.kernel_references import gdn_grads, gdn_inputs, sequential_gated_delta_rule
 
 
 @pytest.mark.parametrize("chunk_size,length", [(64, 64), (16, 37), (8, 50), (32, 5)])
 def test_chunked_rule_equals_sequential_oracle_fp32(chunk_size, length):
-    inputs = _inputs(2, length, 3, 8, 6, torch.float32)
+    inputs = gdn_inputs(2, length, 3, 8, 6, torch.float32)
     init = torch.randn(2, 3, 8, 6, generator=torch.Generator().manual_seed(1)) * 0.1
     out, final = chunk_gated_delta_rule_reference(*inputs, chunk_size=chunk_size, initial_state=init,
                                                   output_final_state=True)
@@ -57,27 +24,27 @@ def test_chunked_rule_equals_sequential_oracle_fp32(chunk_size, length):
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(final.double(), expected_final, atol=2e-5, rtol=1e-4)
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
-    got = _grads(out, inputs, weight)
-    want = _grads(expected, inputs, weight.double())
+    got = gdn_grads(out, inputs, weight)
+    want = gdn_grads(expected, inputs, weight.double())
     for name, a, b in zip("q k v g beta".split(), got, want):
         torch.testing.assert_close(a.double(), b.double(), atol=5e-5, rtol=1e-4, msg=f"grad of {name}")
 
 
 def test_bf16_inputs_accumulate_in_fp32():
-    inputs = _inputs(1, 45, 2, 16, 16, torch.bfloat16, seed=3)
+    inputs = gdn_inputs(1, 45, 2, 16, 16, torch.bfloat16, seed=3)
     out, _ = chunk_gated_delta_rule_reference(*inputs, chunk_size=16)
     expected, _ = sequential_gated_delta_rule(*inputs)  # the same bf16 values, in float64
     assert out.dtype == torch.bfloat16
     # Only the final rounding to bf16 separates the two: within one bf16 ulp of the exact value.
     torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=8e-3)
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
-    for a, b in zip(_grads(out, inputs, weight), _grads(expected, inputs, weight.double())):
+    for a, b in zip(gdn_grads(out, inputs, weight), gdn_grads(expected, inputs, weight.double())):
         assert a.dtype == torch.bfloat16
         torch.testing.assert_close(a.double(), b.double(), atol=3e-2, rtol=2e-2)
 
 
 def test_grouped_value_heads_and_qk_l2norm():
-    q, k, v, g, beta = _inputs(1, 20, 4, 8, 8, torch.float32, seed=5, k_heads=2)
+    q, k, v, g, beta = gdn_inputs(1, 20, 4, 8, 8, torch.float32, seed=5, k_heads=2)
     out, _ = chunk_gated_delta_rule_reference(q, k, v, g, beta, chunk_size=8, use_qk_l2norm_in_kernel=True)
     qn, kn = (torch.nn.functional.normalize(x.double(), dim=-1, eps=0).repeat_interleave(2, dim=2) for x in (q, k))
     expected, _ = sequential_gated_delta_rule(qn, kn, v, g, beta)
@@ -86,7 +53,7 @@ def test_grouped_value_heads_and_qk_l2norm():
 
 @pytest.mark.parametrize("chunk_size", [8, 16])
 def test_packed_documents_reset_the_state(chunk_size):
-    inputs = _inputs(2, 30, 2, 8, 4, torch.float32, seed=6)
+    inputs = gdn_inputs(2, 30, 2, 8, 4, torch.float32, seed=6)
     cu = torch.tensor([0, 7, 30, 31, 47, 60], dtype=torch.int32)  # row 1 holds docs of 1, 16 and 13 tokens
     init = torch.randn(5, 2, 8, 4, generator=torch.Generator().manual_seed(7)) * 0.1
     out, finals = chunk_gated_delta_rule_reference(*inputs, chunk_size=chunk_size, cu_seqlens=cu,
@@ -94,7 +61,7 @@ def test_packed_documents_reset_the_state(chunk_size):
     flat_out = out.reshape(60, 2, 4)
     flat = [x.reshape(1, 60, *x.shape[2:]) for x in inputs]
     weight = torch.randn(flat_out.shape, generator=torch.Generator().manual_seed(8))
-    got = _grads(flat_out, inputs, weight)
+    got = gdn_grads(flat_out, inputs, weight)
     want = [torch.zeros_like(x, dtype=torch.float64) for x in inputs]
     for d in range(5):
         a, b = int(cu[d]), int(cu[d + 1])
@@ -111,7 +78,7 @@ def test_packed_documents_reset_the_state(chunk_size):
 
 
 def test_dispatch_runs_the_reference_on_cpu_and_declines_what_it_cannot_honour():
-    inputs = _inputs(1, 9, 1, 4, 4, torch.float32, seed=9)
+    inputs = gdn_inputs(1, 9, 1, 4, 4, torch.float32, seed=9)
     out, _ = chunk_gated_delta_rule(*inputs, chunk_size=4, implementation=gdn_implementation("cpu"))
     torch.testing.assert_close(out.double(), sequential_gated_delta_rule(*inputs)[0], atol=2e-5, rtol=1e-4)
     assert gdn_implementation("cpu", use_triton_gdn=True) == "torch"  # triton kernels need a GPU

@@ -10,7 +10,7 @@ import torch
 
 import fsdp2_backend.kernels.gated_delta_rule_scan as scan
 from fsdp2_backend.kernels.gated_delta_rule import chunk_gated_delta_rule_reference
-from tests.kernels.test_gated_delta_rule import _grads, _inputs, sequential_gated_delta_rule
+from tests.support.kernel_references import gdn_grads, gdn_inputs, sequential_gated_delta_rule
 
 
 def _leaves(batch, length, k_heads, heads, dk, dv, states, seed):
@@ -44,7 +44,7 @@ def test_hand_written_backward_equals_numerical_gradients(monkeypatch, block, pa
 
 
 def test_more_chunks_than_a_block_equal_the_sequential_oracle():
-    inputs = _inputs(1, 150, 2, 8, 6, torch.float32, seed=12)  # 19 chunks of 8 > BLOCK (16): two blocks
+    inputs = gdn_inputs(1, 150, 2, 8, 6, torch.float32, seed=12)  # 19 chunks of 8 > BLOCK (16): two blocks
     assert 150 // 8 + 1 > scan.BLOCK
     init = torch.randn(1, 2, 8, 6, generator=torch.Generator().manual_seed(13)) * 0.1
     out, final = chunk_gated_delta_rule_reference(*inputs, chunk_size=8, initial_state=init, output_final_state=True)
@@ -52,6 +52,6 @@ def test_more_chunks_than_a_block_equal_the_sequential_oracle():
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(final.double(), expected_final, atol=2e-5, rtol=1e-4)
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(14))
-    got, want = _grads(out, inputs, weight), _grads(expected, inputs, weight.double())
+    got, want = gdn_grads(out, inputs, weight), gdn_grads(expected, inputs, weight.double())
     for name, a, b in zip("q k v g beta".split(), got, want):
         torch.testing.assert_close(a.double(), b.double(), atol=5e-5, rtol=1e-4, msg=f"grad of {name}")

@@ -48,3 +48,38 @@ def sequential_oracle(q, k, v, adt, dt, trap, angles, doc_start=None):
         ys.append(torch.einsum("bhpn,brhn->brhp", state, q_t))
         k_prev, v_prev = k_t, v[:, t]
     return torch.stack(ys, dim=1)
+
+
+def sequential_gated_delta_rule(q, k, v, g, beta, initial_state=None):
+    """The token-by-token recurrence in float64; q/k [B, T, H, K] (heads already matched to v), v [B, T, H, V]."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    batch, length, heads, dk = k.shape
+    state = (torch.zeros(batch, heads, dk, v.shape[-1], dtype=torch.float64) if initial_state is None
+             else initial_state.double().clone())
+    outs = []
+    for t in range(length):
+        state = state * g[:, t].exp()[..., None, None]
+        kt, vt = k[:, t], v[:, t]
+        delta = (vt - torch.einsum("bhk,bhkv->bhv", kt, state)) * beta[:, t, :, None]
+        state = state + kt.unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * dk ** -0.5, state))
+    return torch.stack(outs, dim=1), state
+
+
+def gdn_inputs(batch, length, heads, dk, dv, dtype, seed=0, k_heads=None):
+    gen = torch.Generator().manual_seed(seed)
+    k_heads = k_heads or heads
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q = rand(batch, length, k_heads, dk)
+    k = torch.nn.functional.normalize(rand(batch, length, k_heads, dk), dim=-1)  # as the model feeds it (l2norm)
+    v = rand(batch, length, heads, dv)
+    g = -torch.rand(batch, length, heads, generator=gen) * 0.5
+    beta = torch.rand(batch, length, heads, generator=gen)
+    return [x.to(dtype).requires_grad_() for x in (q, k, v, g, beta)]
+
+
+def gdn_grads(out, inputs, weight):
+    return torch.autograd.grad((out.float() * weight).sum(), inputs)
