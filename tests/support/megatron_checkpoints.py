@@ -112,3 +112,38 @@ def megatron_enums(args):
 
     args.attention_backend, args.model_type = AttnBackend.auto, ModelType.encoder_or_decoder
     args.exit_signal, args.params_dtype, args.main_grads_dtype = signal.SIGTERM, torch.float32, torch.float32
+
+
+def _split_fc1(name: str, value):
+    """{name_w: gate, name_v: up} for a gated fc1 (handle_swiglu_in_state_dict's split), else {name: value}."""
+    if ".linear_fc1.weight" in name or ".linear_fc1.bias" in name:
+        gate, up = value.chunk(2, dim=0)
+        return {f"{name}_w": gate.clone(), f"{name}_v": up.clone()}
+    return {name: value}
+
+
+def fsdp_dtensor_save(it_dir, args, model, iteration, optimizer_state=None, scheduler=None, rng=None):
+    """Megatron-LM's save_checkpoint for --ckpt-format fsdp_dtensor, one rank: ``optimizer_state`` is
+    {Megatron parameter name: {exp_avg, exp_avg_sq, step}} (torch AdamW's per-parameter state)."""
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    args.ckpt_format, args.use_megatron_fsdp = "fsdp_dtensor", True
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": {}}
+    for name, value in model.state_dict().items():
+        if "_extra_state" not in name:  # handle_fp8_extra_state_case drops them
+            state["model"].update(_split_fc1(f"module.{name}", value.detach().clone()))
+    if optimizer_state is not None:
+        opt = {}
+        for name, entry in optimizer_state.items():
+            for kind in ("exp_avg", "exp_avg_sq"):  # the moments split like the weights, the step copied
+                for half, value in _split_fc1(name, entry[kind]).items():
+                    opt.setdefault(f"module.module.{half}", {"step": entry["step"].clone()})[kind] = value.clone()
+        meta = {f"module.module.{n}": {"wd_mult": 0.0 if n.endswith("norm.weight") else 1.0, "lr_mult": 1.0}
+                for n in optimizer_state}
+        state["optimizer"] = {"state": opt, "param_to_group_meta": meta}
+        state["opt_param_scheduler"] = scheduler
+    if rng is not None:
+        state["rng_state"] = {"(0, 0)": [rng]}
+    it_dir.mkdir(parents=True)
+    save(state, storage_writer=FileSystemWriter(str(it_dir)))
+    (it_dir.parent / "latest_checkpointed_iteration.txt").write_text(str(iteration))

@@ -100,7 +100,7 @@ def save_like_megatron_lm(root, fmt, model, optimizer, scheduler, args, dist_che
                                  "rng_state": ShardedObject("rng_state", [rng], (1, 1), (0, 0), replica_id=0)},
                                 str(it_dir))
     elif fmt == "fsdp_dtensor":  # Megatron-FSDP's layout (test_megatron_fsdp_dtensor.py), from megatron-core's state
-        from tests.megatron_compat.test_megatron_fsdp_dtensor import fsdp_dtensor_save
+        from tests.support.megatron_checkpoints import fsdp_dtensor_save
 
         names = {param: name for name, param in model.named_parameters()}
         state = {names[p]: st for o in getattr(optimizer, "chained_optimizers", [optimizer])
