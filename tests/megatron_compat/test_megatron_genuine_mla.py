@@ -50,7 +50,7 @@ from tests.support.megatron_training import (GBS, K, CpuForCuda, hf_weights, meg
                                              megatron_training_stack, printed_steps, resume_flags,
                                              save_like_megatron_lm)
 from tests.support.megatron_checkpoints import SEQ
-from tests.megatron_compat.test_megatron_resume_distopt import _save_like_megatron_lm as _save_dp_reshardable
+from tests.support.megatron_training import save_like_megatron_lm_distopt as _save_dp_reshardable
 from tests.support.megatron_genuine import genuine_args, listing, megatron_padded_vocab
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")

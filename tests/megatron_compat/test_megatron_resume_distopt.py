@@ -14,10 +14,8 @@ parameter's main weight and moments, dumped by the ranks), bit for bit. megatron
 save of this multi-bucket DP-2 state is no reference: it slices the gathered state at offsets shifted by the
 inter-bucket padding (it warns "param range exceeds unpadded buffer", its issue #504); such a checkpoint is declined.
 """
-import random
 import re
 
-import numpy as np
 import pytest
 import torch
 
@@ -29,6 +27,8 @@ from tests.support.megatron_training import (GBS, K, CpuForCuda, hf_weights, meg
                                              resume_flags)
 from tests.support.megatron_checkpoints import VOCAB
 from fsdp2_backend.usage_errors import UsageError
+
+from tests.support.megatron_training import save_like_megatron_lm_distopt
 
 BUCKET = 6000  # parameters per bucket: the tiny model (~33k parameters) spans several buckets
 
@@ -69,7 +69,7 @@ def _megatron_dp2(rank, world_size, root):
             if iteration == K:
                 args.consumed_train_samples, args.consumed_valid_samples = K * GBS, 0
                 for sharding, where in (("dp_reshardable", "mg"), ("fully_reshardable", "mg_full")):
-                    _save_like_megatron_lm(root / where, sharding, rank, model, optimizer, scheduler, args,
+                    save_like_megatron_lm_distopt(root / where, sharding, rank, model, optimizer, scheduler, args,
                                            dist_checkpointing, ShardedObject)
                 torch.save(_live_state(model, optimizer), root / f"live_state_{rank}.pt")
     _reap_checkpoint_writers()
@@ -92,28 +92,6 @@ def _live_state(model, optimizer):
             out[name] = (shard.start, shard.end, param.numel(), {k: tensors[k].detach().clone() for k in
                                                    ("param", "exp_avg", "exp_avg_sq")})
     return out
-
-
-def _save_like_megatron_lm(root, sharding, rank, model, optimizer, scheduler, args, dist_checkpointing,
-                           ShardedObject):
-    """Megatron-LM's save_checkpoint: the same keys in the same files; `dp_reshardable` is what `--ckpt-format
-    torch_dist` writes by default, `fully_reshardable` what `--dist-ckpt-optim-fully-reshardable` writes."""
-    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-           "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}
-    it_dir = root / f"iter_{K:07d}"
-    metadata = {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False,
-                "chained_optim_avoid_prefix": True}
-    model_sd = model.sharded_state_dict(metadata=metadata)
-    if rank == 0:
-        it_dir.mkdir(parents=True)
-    torch.distributed.barrier()
-    dist_checkpointing.save({"args": args, "checkpoint_version": 3.0, "iteration": K,
-                             "opt_param_scheduler": scheduler.state_dict(), "num_floating_point_operations_so_far": 0,
-                             "model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata),
-                             "rng_state": ShardedObject("rng_state", [rng], (1, 1), (0, 0), replica_id=rank)},
-                            str(it_dir))
-    if rank == 0:
-        (root / "latest_checkpointed_iteration.txt").write_text(str(K))
 
 
 def _reap_checkpoint_writers():

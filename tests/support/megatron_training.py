@@ -142,3 +142,25 @@ def hf_weights(directory):
     from safetensors.torch import load_file
 
     return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def save_like_megatron_lm_distopt(root, sharding, rank, model, optimizer, scheduler, args, dist_checkpointing,
+                           ShardedObject):
+    """Megatron-LM's save_checkpoint: the same keys in the same files; `dp_reshardable` is what `--ckpt-format
+    torch_dist` writes by default, `fully_reshardable` what `--dist-ckpt-optim-fully-reshardable` writes."""
+    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+           "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}
+    it_dir = root / f"iter_{K:07d}"
+    metadata = {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False,
+                "chained_optim_avoid_prefix": True}
+    model_sd = model.sharded_state_dict(metadata=metadata)
+    if rank == 0:
+        it_dir.mkdir(parents=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save({"args": args, "checkpoint_version": 3.0, "iteration": K,
+                             "opt_param_scheduler": scheduler.state_dict(), "num_floating_point_operations_so_far": 0,
+                             "model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata),
+                             "rng_state": ShardedObject("rng_state", [rng], (1, 1), (0, 0), replica_id=rank)},
+                            str(it_dir))
+    if rank == 0:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(K))
