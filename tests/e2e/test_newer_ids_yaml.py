@@ -189,7 +189,7 @@ def test_release_yaml_trains_on_two_ranks(assets, model_id, tmp_path):
 
     extra = ()
     if model_id == "longcat_flash_ngram":
-        from tests.models.test_merged_experts_loading import merge_like_mindspeed
+        from tests.support.mindspeed_yaml import merge_like_mindspeed
 
         merged = tmp_path / "LongCat-Flash-Lite-mergeExperts"
         merge_like_mindspeed(Path(assets["models"][model_id]), merged, "3d")

@@ -12,72 +12,12 @@ its MODEL_SPECS name qwen3_moe and minimax_m27 only, and the release's LongCat l
 (longcat_flash_lite_moe_hf_weight_convert.sh) the release does not ship; "3d" is the layout of MindSpeed's own
 LongcatFlashExperts parameters ([E, H, 2I], [E, I, H]). So no real tool writes this fixture here.
 """
-import json
-import re
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.support.tiny_models import NEWER_VOCAB, engine_model, save_tiny
-
-
-def merge_like_mindspeed(src: Path, dst: Path, fuse_dim: str) -> None:
-    """Per-expert `model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight` → merged `experts.gate_up_proj` /
-    `experts.down_proj`, as the script's fuse_layer does; everything else copied."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-            shutil.copy2(f, dst / f.name)
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as handle:
-            tensors.update({key: handle.get_tensor(key) for key in handle.keys()})
-    tensors = per_expert(tensors)
-    expert = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-    layers, out = {}, {}
-    for key, value in tensors.items():
-        m = expert.match(key)
-        if m:
-            layers.setdefault(int(m.group(1)), {}).setdefault(int(m.group(2)), {})[m.group(3)] = value
-        else:
-            out[key] = value
-    assert layers, "the source holds no per-expert keys"
-    for layer, experts in layers.items():
-        n = max(experts) + 1
-        gate = torch.stack([experts[e]["gate_proj"] for e in range(n)])
-        up = torch.stack([experts[e]["up_proj"] for e in range(n)])
-        down = torch.stack([experts[e]["down_proj"] for e in range(n)])
-        gate_up, down = torch.cat([gate, up], dim=1).transpose(1, 2), down.transpose(1, 2)
-        if fuse_dim == "2d":
-            gate_up, down = gate_up.reshape(-1, gate_up.shape[-1]), down.reshape(-1, down.shape[-1])
-        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = gate_up.contiguous().clone()
-        out[f"model.layers.{layer}.mlp.experts.down_proj"] = down.contiguous().clone()
-    save_file(out, str(dst / "model-00001-of-00001.safetensors"))
-    (dst / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {key: "model-00001-of-00001.safetensors" for key in out}}))
-
-
-def per_expert(tensors):
-    """The HF LongCat checkpoint's per-expert keys (what the script reads) from the stacked tensors transformers'
-    save writes for this tiny model (`gate_up_proj` [E, 2I, H]: each expert's gate rows, then its up rows)."""
-    out = {}
-    for key, value in tensors.items():
-        if key.endswith("mlp.experts.gate_up_proj"):
-            base, inter = key[:-len("gate_up_proj")], value.shape[1] // 2
-            for e in range(value.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"] = value[e, :inter]
-                out[f"{base}{e}.up_proj.weight"] = value[e, inter:]
-        elif key.endswith("mlp.experts.down_proj"):
-            for e in range(value.shape[0]):
-                out[f"{key[:-len('down_proj')]}{e}.down_proj.weight"] = value[e]
-        else:
-            out[key] = value
-    return out
+from tests.support.mindspeed_yaml import merge_like_mindspeed
 
 
 @pytest.fixture(scope="module")
