@@ -96,7 +96,7 @@ def _sized_config(family: str) -> dict:
 
         return REAL_MODELS[family]
     if family == "step35":
-        from tests.e2e.test_step35_training import STEP35_FLASH
+        from tests.support.step35_yaml import STEP35_FLASH
         from tests.support.step35_reference import step35_config_dict
 
         return step35_config_dict(**STEP35_FLASH)

@@ -15,41 +15,14 @@ import pytest
 import torch
 
 from tests.support.launchers import REPO, free_port
-from tests.support.tiny_models import train_bytelevel_tokenizer
 from tests.support.launchers import failure_report, run_command, train_lines
-from tests.support.step35_reference import step35_config, step35_config_dict, step35_reference, write_step35_checkpoint
+from tests.support.step35_reference import step35_config_dict
+from tests.support.step35_yaml import DATA, STEP35_EXAMPLES, STEP35_FLASH
+from tests.support.step35_yaml import assets  # noqa: F401  (pytest fixture)
 
-DATA = os.path.join(REPO, "tests", "data", "mindspeed_fsdp2")
-EXAMPLES = os.path.join(DATA, "head", "examples__fsdp2__step35__pretrain_step_3p5_flash_196b_4K_fsdp2_A3.yaml")
 PIPELINE = os.path.join(DATA, "head", "tests__pipeline__st__step35-flash__pretrain_step_3p5_flash_4K_fsdp2.yaml")
 OLD = os.path.join(DATA, "f88dd26d", "examples__fsdp2__step35__pretrain_step_3p5_flash_196b_4K_fsdp2_A3.yaml")
 RELEASE_PIPELINE = PIPELINE.replace(os.sep + "head" + os.sep, os.sep + "v26.1.0" + os.sep)  # MindSpeed v26.1.0's
-# Step-3.5-Flash's published sizes that the layout checks read (heads, groups, experts, layers, vocabulary)
-STEP35_FLASH = dict(
-    vocab_size=128896, hidden_size=4096, num_hidden_layers=45, num_attention_heads=64, num_attention_groups=8,
-    head_dim=128, moe_num_experts=288, moe_top_k=8, moe_intermediate_size=1280, share_expert_dim=1280,
-    intermediate_size=11264, moe_layers_enum=",".join(map(str, range(3, 45))), num_nextn_predict_layers=3,
-    layer_types=["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"] * 12,
-    attention_other_setting={"attention_type": "sliding_attention", "num_attention_heads": 96,
-                             "num_attention_groups": 8, "head_dim": 128, "true_head_dim": 128})
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from fsdp2_backend.cli.demo_assets import stdlib_texts
-
-    root = tmp_path_factory.mktemp("step35_assets")
-    parquet = root / "train.parquet"
-    pq.write_table(pa.table({"text": stdlib_texts(max_files=32, max_chars=2000)}), str(parquet))
-    model = root / "tiny-step35"
-    tokenizer = train_bytelevel_tokenizer(model, vocab_size=300)
-    vocab = len(tokenizer)
-    text, head = step35_reference(step35_config(vocab_size=vocab), large_mlp=False)
-    written = write_step35_checkpoint(model, text, head, step35_config_dict(vocab_size=vocab))
-    return {"model": str(model), "dataset": json.dumps({"file_name": str(parquet)}), "keys": set(written)}
 
 
 def _train(assets, yaml_file, out, ranks, ep, ep_fsdp, *extra, steps=8):
@@ -82,10 +55,10 @@ def _checkpoint(out, iteration):
 
 
 def test_step35_yamls_train_under_ep2_and_ep_fsdp2_and_continue_at_one_rank(assets, tmp_path):
-    one, log = _train(assets, EXAMPLES, tmp_path / "one", ranks=1, ep=1, ep_fsdp=1)
+    one, log = _train(assets, STEP35_EXAMPLES, tmp_path / "one", ranks=1, ep=1, ep_fsdp=1)
     assert sorted(one) == list(range(1, 9)), log[-3000:]
     assert "MTP layers (model.layers.4-4) are not loaded" in log
-    ep2, log = _train(assets, EXAMPLES, tmp_path / "ep2", 2, 2, 1, "--optimization.moe_grouped_gemm", "True")
+    ep2, log = _train(assets, STEP35_EXAMPLES, tmp_path / "ep2", 2, 2, 1, "--optimization.moe_grouped_gemm", "True")
     assert sorted(ep2) == list(range(1, 9)), log[-3000:]
     ep_fsdp, log = _train(assets, PIPELINE, tmp_path / "ep_fsdp", 2, 1, 2, "--parallel.recompute", "True")
     assert sorted(ep_fsdp) == list(range(1, 9)), log[-3000:]
@@ -105,7 +78,7 @@ def test_step35_yamls_train_under_ep2_and_ep_fsdp2_and_continue_at_one_rank(asse
     assert keys == {k for k in assets["keys"] if not k.startswith("model.layers.4.")}
     # the EP 2 checkpoint of step 4 continues at one rank: step 5 is the forward of the saved weights
     shutil.copytree(_checkpoint(tmp_path / "ep2", 4), tmp_path / "ckpt" / "iter_0000004")
-    continued, log = _train(assets, EXAMPLES, tmp_path / "continued", 1, 1, 1,
+    continued, log = _train(assets, STEP35_EXAMPLES, tmp_path / "continued", 1, 1, 1,
                             "--training.resume_from_checkpoint", str(tmp_path / "ckpt"))
     assert sorted(continued) == [5, 6, 7, 8], log[-3000:]
     assert continued[5] == pytest.approx(ep2[5], rel=1e-5), (continued, ep2)

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from tests.support.launchers import REPO, free_port, run_distributed
 from tests.support.step35_reference import step35_config, step35_config_dict, step35_reference
-from tests.e2e.test_step35_training import EXAMPLES, assets  # noqa: F401  (the module-scoped fixture)
+from tests.support.step35_yaml import STEP35_EXAMPLES
+from tests.support.step35_yaml import assets  # noqa: F401  (pytest fixture)
 
 STEPS, LR, SEQ = 8, 3e-3, 16
 
@@ -173,7 +174,7 @@ def _train(assets, out, ranks, *extra, ep=1):  # noqa: F811
             "--training.lr", "1e-3", "--training.lr_scheduler_type", "constant", "--parallel.param_dtype", "fp32",
             *extra]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), EXAMPLES, *args]
+               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), STEP35_EXAMPLES, *args]
     result = run_command(command, {}, timeout=900)
     assert result.returncode == 0, failure_report(result, command)
     log = result.stdout + result.stderr
