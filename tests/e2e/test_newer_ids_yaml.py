@@ -8,7 +8,6 @@ trains on 2 ranks (cp 2: parallel/context_parallel/dsa_deepseek_v4.py) with the 
 run at cp_size 1. MindSpeed-LLM v26.1.0's glm52 and LongCat YAMLs (tests/data/mindspeed_fsdp2/v26.1.0) validate too,
 and its glm52 pipeline YAML (optimization.indexer_loss_coeff 0.1) and LongCat YAML (model_id longcat_flash, experts
 merged offline) train on 2 ranks."""
-import json
 import os
 import sys
 from pathlib import Path
@@ -17,47 +16,16 @@ import pytest
 
 from tests.support.launchers import LOG_LINE_START, failure_report, run_command
 from tests.support.launchers import REPO, free_port
-from tests.support.tiny_models import save_tiny, train_bytelevel_tokenizer
+from tests.support.newer_ids_yaml import NEWER_IDS_DATA, NEWER_IDS_EXAMPLES, newer_model_args
+from tests.support.newer_ids_yaml import assets  # noqa: F401  (pytest fixture)
 
-DATA = Path(REPO) / "tests" / "data" / "mindspeed_fsdp2" / "head_newer_ids"
-EXAMPLES = {"deepseek_v4": "examples__fsdp2__deepseek4__pretrain_deepseek4_flash_284b_4k_fsdp2_A3.yaml",
-            "glm52": "examples__fsdp2__glm52__glm52_744b_4k_fsdp2_A3.yaml",
-            "longcat_flash_ngram": "examples__fsdp2__longcat_flash_lite__pretrain_longcat_flash_lite_4k_fsdp2_A3.yaml"}
 DEEPSEEK_V4_CP2 = "tests__st__shell_scripts__pretrain_deepseek4_flash_1k_fsdp2_cp2.yaml"
 # MindSpeed-LLM v26.1.0 (the release): its copies of these ids' YAMLs (model_id longcat_flash, the LongCat weights
 # merged offline, optimization.indexer_loss_coeff 0.1: config/mindspeed_release_rules.py)
-RELEASE = DATA.parent / "v26.1.0"
+RELEASE = NEWER_IDS_DATA.parent / "v26.1.0"
 RELEASE_YAMLS = {
     "glm52": "tests__pipeline__st__glm52__pretrain_glm52_38b_4k_fsdp2_A3.yaml",
     "longcat_flash_ngram": "examples__fsdp2__longcat_flash_lite__pretrain_longcat_flash_lite_4k_fsdp2_A3.yaml"}
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from fsdp2_backend.cli.demo_assets import stdlib_texts
-
-    root = tmp_path_factory.mktemp("newer_ids")
-    parquet = root / "train.parquet"
-    pq.write_table(pa.table({"text": stdlib_texts(max_files=16, max_chars=1500)}), str(parquet))
-    models = {}
-    for model_id in EXAMPLES:
-        path = root / model_id
-        tokenizer = train_bytelevel_tokenizer(path, vocab_size=300)
-        save_tiny(model_id, path, vocab_size=len(tokenizer))
-        models[model_id] = str(path)
-    return {"models": models, "dataset": json.dumps({"file_name": str(parquet)})}
-
-
-def _model_args(assets, model_id, out):
-    return ["--model.model_name_or_path", assets["models"][model_id], "--model.tokenizer_name_or_path",
-            assets["models"][model_id], "--model.trust_remote_code", "false", "--data.dataset", assets["dataset"],
-            "--training.output_dir", str(out), "--data.cutoff_len", "32", "--training.max_steps", "2",
-            "--training.save_steps", "0", "--training.lr", "1e-3", "--training.warmup_ratio", "0",
-            "--training.per_device_train_batch_size", "2", "--training.dataloader_num_workers", "0",
-            "--parallel.ep_size", "1", "--parallel.ep_fsdp_size", "1"]
 
 
 def _losses(log, name="lm loss"):
@@ -69,12 +37,12 @@ def _losses(log, name="lm loss"):
     return {line["iteration"]: line["losses"][name] for line in lines}
 
 
-def _train(assets, model_id, out, ranks, *extra, yaml_name=None, folder=DATA):
-    args = _model_args(assets, model_id, out) + ["--parallel.fsdp_size", str(ranks),
+def _train(assets, model_id, out, ranks, *extra, yaml_name=None, folder=NEWER_IDS_DATA):
+    args = newer_model_args(assets, model_id, out) + ["--parallel.fsdp_size", str(ranks),
                                                  "--training.gradient_accumulation_steps", str(3 - ranks), *extra]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"),
-               str(folder / (yaml_name or EXAMPLES[model_id])), *args]
+               str(folder / (yaml_name or NEWER_IDS_EXAMPLES[model_id])), *args]
     result = run_command(command, {}, timeout=600)
     assert result.returncode == 0, failure_report(result, command)
     log = result.stdout + result.stderr
@@ -93,7 +61,7 @@ def one_rank(assets, tmp_path_factory):
     return losses
 
 
-@pytest.mark.parametrize("model_id", sorted(EXAMPLES))
+@pytest.mark.parametrize("model_id", sorted(NEWER_IDS_EXAMPLES))
 def test_example_yaml_trains_on_two_ranks_as_on_one(assets, one_rank, model_id, tmp_path):
     two, log = _train(assets, model_id, tmp_path / "two", 2)
     assert sorted(two) == [1, 2], log[-3000:]
@@ -114,7 +82,7 @@ def _model_id(path):
     return MODEL_ID_ALIASES.get(model_id, (model_id,))[0]
 
 
-VALIDATED = [(DATA, p.name) for p in sorted(DATA.glob("*.yaml"))] + \
+VALIDATED = [(NEWER_IDS_DATA, p.name) for p in sorted(NEWER_IDS_DATA.glob("*.yaml"))] + \
     [(RELEASE, p.name) for p in sorted(RELEASE.glob("*.yaml")) if "glm52" in p.name or "longcat" in p.name]
 
 
@@ -123,7 +91,7 @@ def test_every_yaml_validates_at_world_size_two(assets, folder, yaml_name, tmp_p
     from fsdp2_backend.launch import parse_command_line
 
     model_id = _model_id(folder / yaml_name)
-    argv = [str(folder / yaml_name), *_model_args(assets, model_id, tmp_path), "--parallel.fsdp_size", "2"]
+    argv = [str(folder / yaml_name), *newer_model_args(assets, model_id, tmp_path), "--parallel.fsdp_size", "2"]
     config, lines = parse_command_line(argv, 2)
     assert config.model.model_id == model_id
     if folder == RELEASE and "longcat" in yaml_name:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.launchers import run_distributed
-from tests.e2e.test_newer_ids_yaml import assets  # noqa: F401  (the module-scoped fixture: tiny models and data)
+from tests.support.newer_ids_yaml import assets  # noqa: F401  (pytest fixture)
 
 STEPS, LR, SEQ, TOPK, COEFF = 4, 3e-3, 16, 5, 0.37
 
@@ -194,13 +194,13 @@ def _pretrain(assets, out, ranks, *extra):  # noqa: F811
 
     from fsdp2_backend.training.logging import parse_train_line
     from tests.support.launchers import failure_report, run_command, train_lines
-    from tests.e2e.test_newer_ids_yaml import DATA, EXAMPLES, _model_args
+    from tests.support.newer_ids_yaml import NEWER_IDS_DATA, NEWER_IDS_EXAMPLES, newer_model_args
     from tests.support.launchers import REPO, free_port
 
-    args = [*_model_args(assets, "glm52", out), "--training.gradient_accumulation_steps", "2",
+    args = [*newer_model_args(assets, "glm52", out), "--training.gradient_accumulation_steps", "2",
             "--parallel.param_dtype", "fp32", "--parallel.fsdp_size", str(ranks), *extra]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), str(DATA / EXAMPLES["glm52"]), *args]
+               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), str(NEWER_IDS_DATA / NEWER_IDS_EXAMPLES["glm52"]), *args]
     result = run_command(command, {}, timeout=600)
     assert result.returncode == 0, failure_report(result, command)
     log = result.stdout + result.stderr
