@@ -78,11 +78,19 @@ class HuggingFaceTokenizer(_Tokenizer):
         super().__init__(name_or_path=name_or_path, flag=flag, trust_remote_code=trust_remote_code,
                          use_fast=use_fast, tokenizer_type=tokenizer_type,
                          include_special_tokens=include_special_tokens)
-        from transformers import AutoTokenizer
+        from megatron_compat.data.hf_tokenizer_class import generic_backend_applies
 
         try:
-            self.hf = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
-                                                    use_fast=use_fast)
+            if generic_backend_applies(name_or_path):
+                # the class AutoTokenizer would load, without the torch import its config machinery brings
+                from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+                self.hf = TokenizersBackend.from_pretrained(name_or_path, _from_auto=True)
+            else:
+                from transformers import AutoTokenizer
+
+                self.hf = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                                        use_fast=use_fast)
         except (OSError, ValueError) as exc:
             if "custom code" in str(exc) and not trust_remote_code:  # an auto_map: code shipped with the files
                 raise UsageError(f"{flag}: {os.path.join(name_or_path, 'tokenizer_config.json')} (or its "
