@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from tests.support.launchers import run_distributed, run_pretrain
 from tests.support.tiny_models import tiny_qwen3_config
-from tests.e2e.test_sft_training import assets as sft_assets  # noqa: F401  (the SFT model and data, module-scoped)
+from tests.support.sft_assets import assets as sft_assets  # noqa: F401  (pytest fixture)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SEQ, SCALE = 16, 0.3
@@ -279,13 +279,13 @@ def test_packed_documents_in_sliding_windows_need_ring(tmp_path):
 
 def test_neat_packing_sft_with_ring_cp2_equals_one_rank(sft_assets, tmp_path):  # noqa: F811
     """SFT packed rows (`neat_packing`) under ring cp 2 = one rank (the Ulysses case: tests/e2e/test_sft_training.py)."""
-    from tests.e2e.test_sft_training import _close, _losses, _yaml, run_sft
+    from tests.support.sft_assets import losses_close, run_sft, sft_losses, sft_yaml
 
     data = {"neat_packing": True, "cutoff_len": 128}
     training = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 1}
-    one = _yaml(sft_assets, "packed_one", data, training)
-    ring = _yaml(sft_assets, "packed_ring2", data, training, {"cp_size": 2, "cp_type": "ring"})
+    one = sft_yaml(sft_assets, "packed_one", data, training)
+    ring = sft_yaml(sft_assets, "packed_ring2", data, training, {"cp_size": 2, "cp_type": "ring"})
     lines1, _ = run_sft(one, tmp_path / "one", ranks=1)
     lines2, log2 = run_sft(ring, tmp_path / "ring2", ranks=2)
     assert sorted(lines2) == [1, 2, 3, 4], log2[-3000:]
-    _close(_losses(lines2), _losses(lines1))
+    losses_close(sft_losses(lines2), sft_losses(lines1))

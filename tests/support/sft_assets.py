@@ -6,6 +6,11 @@ import json
 import os
 
 from fsdp2_backend.cli.demo_assets import build_tiny_model_dir, stdlib_texts
+import pytest
+import subprocess
+import sys
+import yaml
+from tests.support.launchers import MEGATRON_LINE, REPO, free_port
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 QWEN3_TEMPLATE = os.path.join(HERE, "data", "sft", "qwen3_chat_template.jinja")
@@ -64,3 +69,56 @@ def write_jsonl(path, rows) -> str:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return str(path)
+
+
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft_train")
+    model = qwen3_model_dir(root / "model", seed=0)
+    write_jsonl(root / "a.jsonl", alpaca_rows(24, seed=1))
+    write_jsonl(root / "b.jsonl", alpaca_rows(12, seed=2))
+    (root / "dataset_info.json").write_text(json.dumps({"set_a": {"file_name": "a.jsonl"},
+                                                        "set_b": {"file_name": "b.jsonl", "formatting": "alpaca"}}))
+    return {"root": root, "model": model}
+
+
+def sft_yaml(assets, name, data=None, training=None, parallel=None):
+    config = {"model": {"model_name_or_path": assets["model"]},
+              "data": {"dataset": "set_a,set_b", "dataset_dir": str(assets["root"]), "template": "qwen3",
+                       "cutoff_len": 96, **(data or {})},
+              "training": {"stage": "sft", "max_steps": 4, "lr": 1e-3, "min_lr": 1e-4, "warmup_ratio": 0.0,
+                           "logging_steps": 1, "save_steps": 0, **(training or {})},
+              "parallel": {"param_dtype": "fp32", **(parallel or {})}}
+    path = assets["root"] / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def run_sft(yaml_path, output_dir, ranks=1):
+    """pretrain_fsdp2.py YAML --training.output_dir OUT (under torchrun when ranks > 1): ({iteration: (consumed,
+    printed loss)}, log). Native fields only: a Megatron flag such as --save would select the pretraining stage."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    entry = [os.path.join(REPO, "pretrain_fsdp2.py"), yaml_path, "--training.output_dir", str(output_dir)]
+    if ranks == 1:
+        env.pop("WORLD_SIZE", None)
+        command = [sys.executable, *entry]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+                   str(free_port()), *entry]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-3000:]
+    return {int(it): (int(c), loss) for it, c, loss in MEGATRON_LINE.findall(log)}, log
+
+
+def sft_losses(lines):
+    return {it: float(loss) for it, (_, loss) in lines.items()}
+
+
+def losses_close(a, b):
+    assert a.keys() == b.keys() and a, (a, b)
+    for key in a:
+        assert abs(a[key] - b[key]) <= RTOL * abs(b[key]), (key, a[key], b[key])
