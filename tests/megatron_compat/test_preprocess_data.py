@@ -5,9 +5,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy
@@ -16,14 +13,11 @@ import torch
 
 from megatron_compat.data.preprocess import preprocess_files
 from megatron_compat.data.tokenizer import build_tokenizer
-from tests.support.tiny_models import stdlib_texts, train_bytelevel_tokenizer
+from tests.support.tiny_models import stdlib_texts
+from tests.support.preprocess import assert_same_files, mcore_ds, megatron_preprocess, run_preprocess_tool
+from tests.support.preprocess import corpus, hf_dir  # noqa: F401  (pytest fixtures)
 
-mcore_ds = pytest.importorskip("megatron.core.datasets.indexed_dataset")
 mcore_tok = pytest.importorskip("megatron.core.tokenizers.text.utils.build_tokenizer")
-
-ROOT = Path(__file__).resolve().parents[2]
-TOOL = ROOT / "tools" / "preprocess_data.py"
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
 
 
 def _megatron_tokenizer(tokenizer_type, tokenizer_model=None, vocab_size=None, include_special_tokens=False):
@@ -35,72 +29,17 @@ def _megatron_tokenizer(tokenizer_type, tokenizer_model=None, vocab_size=None, i
     return mcore_tok.build_tokenizer(ns)
 
 
-def _megatron_reference(lines, keys, tokenizer, append_eod, prefix, order=None, level="document"):
-    """Megatron-LM's Encoder.encode + Partition.process_json_file, with megatron-core's builder."""
-    dtype = mcore_ds.DType.optimal_dtype(tokenizer.vocab_size)
-    builders = {k: mcore_ds.IndexedDatasetBuilder(f"{prefix}_{k}_{level}.bin", dtype=dtype) for k in keys}
-    for i in order if order is not None else range(len(lines)):
-        data = json.loads(lines[i])
-        for key in keys:
-            text = data[key]
-            doc_ids, lens = [], []
-            for sentence in text if isinstance(text, list) else [text]:
-                ids = tokenizer.tokenize(sentence)
-                if len(ids) > 0:
-                    doc_ids.extend(ids)
-                    lens.append(len(ids))
-            if len(doc_ids) > 0 and append_eod:
-                doc_ids.append(tokenizer.eod)
-                lens[-1] += 1
-            builders[key].add_document(doc_ids, lens)
-    for key in keys:
-        builders[key].finalize(f"{prefix}_{key}_{level}.idx")
-
-
-def _assert_same(ours_prefix, ref_prefix, keys, level="document"):
-    for key in keys:
-        for ext in (".bin", ".idx"):
-            a = Path(f"{ours_prefix}_{key}_{level}{ext}").read_bytes()
-            b = Path(f"{ref_prefix}_{key}_{level}{ext}").read_bytes()
-            assert a == b, (key, ext)
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    train_bytelevel_tokenizer(path, vocab_size=400)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """Real text with the edge cases: empty docs, added tokens inside text, unicode, sentence lists."""
-    texts = stdlib_texts(max_files=40, max_chars=3000)
-    lines = []
-    for i, text in enumerate(texts):
-        title = ["first part. ", "", "sécond <|endoftext|> part"] if i % 7 == 0 else f"title {i} ünï <|pad|>"
-        lines.append(json.dumps({"text": "" if i % 11 == 3 else text, "title": title, "n": i}) + "\n")
-    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
-    path.write_text("".join(lines) + "\n")  # a trailing blank line is tolerated
-    return path, lines
-
-
-def _run_tool(*args):
-    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True, env=ENV,
-                          timeout=120)
-
-
 def test_cli_bytelevel_two_workers_matches_megatron(tmp_path, hf_dir, corpus):
     path, lines = corpus
-    result = _run_tool("--input", path, "--output-prefix", tmp_path / "ours", "--tokenizer-type",
+    result = run_preprocess_tool("--input", path, "--output-prefix", tmp_path / "ours", "--tokenizer-type",
                        "HuggingFaceTokenizer", "--tokenizer-model", hf_dir, "--json-keys", "text", "title",
                        "--append-eod", "--workers", 2, "--log-interval", 10)
     assert result.returncode == 0, result.stderr
     assert "tiktoken fast path, identical" in result.stderr
     assert f"Processed {len(lines) // 10 * 10} documents (" in result.stderr and " MB/s)." in result.stderr
-    _megatron_reference(lines, ["text", "title"], _megatron_tokenizer("HuggingFaceTokenizer", hf_dir), True,
+    megatron_preprocess(lines, ["text", "title"], _megatron_tokenizer("HuggingFaceTokenizer", hf_dir), True,
                         tmp_path / "ref")
-    _assert_same(tmp_path / "ours", tmp_path / "ref", ["text", "title"])
+    assert_same_files(tmp_path / "ours", tmp_path / "ref", ["text", "title"])
     assert not list(tmp_path.glob("*.partial"))
 
 
@@ -110,9 +49,9 @@ def test_hf_path_without_fast_path_matches_megatron(tmp_path, hf_dir, corpus, ap
     tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=hf_dir)
     preprocess_files(str(path), str(tmp_path / "ours"), ["title", "text"], tokenizer, append_eod=append_eod,
                      workers=1, fast=False, batch_bytes=4096)
-    _megatron_reference(lines, ["title", "text"], _megatron_tokenizer("HuggingFaceTokenizer", hf_dir),
+    megatron_preprocess(lines, ["title", "text"], _megatron_tokenizer("HuggingFaceTokenizer", hf_dir),
                         append_eod, tmp_path / "ref")
-    _assert_same(tmp_path / "ours", tmp_path / "ref", ["title", "text"])
+    assert_same_files(tmp_path / "ours", tmp_path / "ref", ["title", "text"])
 
 
 def _retokenizer(hf_dir, out_dir, edit):
@@ -160,8 +99,8 @@ def test_fast_path_variants_and_fallback(tmp_path, hf_dir, corpus, edit, expect,
     assert expect in capsys.readouterr().err
     reference = _megatron_tokenizer("HuggingFaceTokenizer", tok_dir, include_special_tokens=specials)
     assert (reference.tokenize("x")[0] == 1) == specials  # the BOS, only with special tokens
-    _megatron_reference(lines, ["text", "title"], reference, True, tmp_path / "ref")
-    _assert_same(tmp_path / "ours", tmp_path / "ref", ["text", "title"])
+    megatron_preprocess(lines, ["text", "title"], reference, True, tmp_path / "ref")
+    assert_same_files(tmp_path / "ours", tmp_path / "ref", ["text", "title"])
 
 
 def _ignore_merges(spec):
@@ -211,7 +150,7 @@ def test_mindspeed_pretrained_from_hf_rules(tmp_path, hf_dir, corpus):
             builder.add_item(torch.IntTensor(ids))
         builder.end_document()
     builder.finalize(str(tmp_path / "ref_title_document.idx"))
-    _assert_same(tmp_path / "ours", tmp_path / "ref", ["title"])
+    assert_same_files(tmp_path / "ours", tmp_path / "ref", ["title"])
 
 
 def test_sentencepiece_and_null_tokenizers_match_megatron(tmp_path, corpus):
@@ -224,18 +163,18 @@ def test_sentencepiece_and_null_tokenizers_match_megatron(tmp_path, corpus):
     for kind in ("Llama2Tokenizer", "GPTSentencePieceTokenizer"):
         preprocess_files(str(path), str(tmp_path / kind), ["text", "title"],
                          build_tokenizer(kind, tokenizer_model=model), append_eod=True, workers=2)
-        _megatron_reference(lines, ["text", "title"], _megatron_tokenizer(kind, model), True,
+        megatron_preprocess(lines, ["text", "title"], _megatron_tokenizer(kind, model), True,
                             tmp_path / f"ref{kind}")
-        _assert_same(tmp_path / kind, tmp_path / f"ref{kind}", ["text", "title"])
+        assert_same_files(tmp_path / kind, tmp_path / f"ref{kind}", ["text", "title"])
     ids_path = tmp_path / "ids.jsonl"
     id_lines = [json.dumps({"text": " ".join(str((i * 7 + j) % 70000) for j in range(i % 9 + 1))}) + "\n"
                 for i in range(30)]
     ids_path.write_text("".join(id_lines))
     preprocess_files(str(ids_path), str(tmp_path / "null"), ["text"], build_tokenizer("NullTokenizer",
                      vocab_size=70000), append_eod=True)
-    _megatron_reference(id_lines, ["text"], _megatron_tokenizer("NullTokenizer", vocab_size=70000), True,
+    megatron_preprocess(id_lines, ["text"], _megatron_tokenizer("NullTokenizer", vocab_size=70000), True,
                         tmp_path / "refnull")
-    _assert_same(tmp_path / "null", tmp_path / "refnull", ["text"])
+    assert_same_files(tmp_path / "null", tmp_path / "refnull", ["text"])
 
 
 def test_gpt2_bpe_files_give_the_hf_ids(tmp_path, hf_dir):
@@ -260,13 +199,13 @@ def test_partitions_glob_gzip_and_order(tmp_path, hf_dir, corpus):
     pattern = str(tmp_path / "*.jsonl*")
     preprocess_files(pattern, str(tmp_path / "rr"), ["text"], tokenizer, append_eod=True, workers=2,
                      partitions=2, batch_docs=5)
-    _megatron_reference(lines, ["text"], reference, True, tmp_path / "refrr",
+    megatron_preprocess(lines, ["text"], reference, True, tmp_path / "refrr",
                         order=list(range(0, len(lines), 2)) + list(range(1, len(lines), 2)))
-    _assert_same(tmp_path / "rr", tmp_path / "refrr", ["text"])
+    assert_same_files(tmp_path / "rr", tmp_path / "refrr", ["text"])
     preprocess_files(pattern, str(tmp_path / "seq"), ["text"], tokenizer, append_eod=True, workers=2,
                      partitions=2, keep_sequential_samples=True)
-    _megatron_reference(lines, ["text"], reference, True, tmp_path / "refseq")
-    _assert_same(tmp_path / "seq", tmp_path / "refseq", ["text"])
+    megatron_preprocess(lines, ["text"], reference, True, tmp_path / "refseq")
+    assert_same_files(tmp_path / "seq", tmp_path / "refseq", ["text"])
 
 
 def test_parquet_input_matches_jsonl(tmp_path, hf_dir, corpus):
@@ -279,9 +218,9 @@ def test_parquet_input_matches_jsonl(tmp_path, hf_dir, corpus):
     tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=hf_dir)
     preprocess_files(str(tmp_path / "c.parquet"), str(tmp_path / "pq"), ["text"], tokenizer, append_eod=True,
                      workers=2)
-    _megatron_reference(lines, ["text"], _megatron_tokenizer("HuggingFaceTokenizer", hf_dir), True,
+    megatron_preprocess(lines, ["text"], _megatron_tokenizer("HuggingFaceTokenizer", hf_dir), True,
                         tmp_path / "ref")
-    _assert_same(tmp_path / "pq", tmp_path / "ref", ["text"])
+    assert_same_files(tmp_path / "pq", tmp_path / "ref", ["text"])
 
 
 def test_split_sentences_with_locally_trained_punkt(tmp_path, hf_dir, corpus, monkeypatch):
@@ -300,9 +239,9 @@ def test_split_sentences_with_locally_trained_punkt(tmp_path, hf_dir, corpus, mo
                      split_sentences=True)
     splitter = PunktTokenizer("english")
     split_lines = [json.dumps({"text": splitter.tokenize(json.loads(line)["text"])}) for line in lines]
-    _megatron_reference(split_lines, ["text"], _megatron_tokenizer("HuggingFaceTokenizer", hf_dir), True,
+    megatron_preprocess(split_lines, ["text"], _megatron_tokenizer("HuggingFaceTokenizer", hf_dir), True,
                         tmp_path / "ref", level="sentence")
-    _assert_same(tmp_path / "ours", tmp_path / "ref", ["text"], level="sentence")
+    assert_same_files(tmp_path / "ours", tmp_path / "ref", ["text"], level="sentence")
     # --keep-newlines: the same text, sentence by sentence, with the newlines after sentences kept
     preprocess_files(str(path), str(tmp_path / "nl"), ["text"], tokenizer, workers=1, split_sentences=True,
                      keep_newlines=True)

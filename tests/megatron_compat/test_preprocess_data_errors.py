@@ -10,14 +10,15 @@ import pytest
 
 from megatron_compat.data.preprocess import output_prefix_for, preprocess_files
 from megatron_compat.data.tokenizer import build_tokenizer
-from tests.megatron_compat.test_preprocess_data import _run_tool, corpus, hf_dir  # noqa: F401 (fixtures)
+from tests.support.preprocess import run_preprocess_tool
+from tests.support.preprocess import corpus, hf_dir  # noqa: F401  (pytest fixtures)
 from fsdp2_backend.usage_errors import UsageError
 
 
 def _bad_run(tmp_path, hf_dir, content, *extra):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
-    result = _run_tool("--input", path, "--output-prefix", tmp_path / "out", "--tokenizer-type",
+    result = run_preprocess_tool("--input", path, "--output-prefix", tmp_path / "out", "--tokenizer-type",
                        "HuggingFaceTokenizer", "--tokenizer-model", hf_dir, "--workers", 2, *extra)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
@@ -37,7 +38,7 @@ def test_missing_key_names_key_and_line(tmp_path, hf_dir):
 
 
 def test_missing_tokenizer_names_path(tmp_path):
-    result = _run_tool("--input", tmp_path / "x.jsonl", "--output-prefix", tmp_path / "o", "--tokenizer-type",
+    result = run_preprocess_tool("--input", tmp_path / "x.jsonl", "--output-prefix", tmp_path / "o", "--tokenizer-type",
                        "HuggingFaceTokenizer", "--tokenizer-model", tmp_path / "nope")
     assert result.returncode == 2 and f"error: --tokenizer-model: tokenizer {tmp_path / 'nope'} not found" \
         in result.stderr
@@ -86,7 +87,7 @@ def test_empty_input_is_refused_in_one_line(tmp_path, hf_dir, content):
     """Megatron writes an empty dataset and exits 0; the tool refuses and writes nothing."""
     empty = tmp_path / "empty.jsonl"
     empty.write_text(content)
-    result = _run_tool("--input", empty, "--output-prefix", tmp_path / "out", "--tokenizer-type",
+    result = run_preprocess_tool("--input", empty, "--output-prefix", tmp_path / "out", "--tokenizer-type",
                        "HuggingFaceTokenizer", "--tokenizer-model", hf_dir)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [  # Megatron's "Opening" line, then the one-line error

@@ -16,7 +16,7 @@ from megatron_compat.data.tokenizer import build_tokenizer
 from megatron_compat.translate import translate_megatron
 from tests.support.launchers import run_pretrain
 from tests.support.tiny_models import stdlib_texts
-from tests.megatron_compat.test_preprocess_data import ENV, TOOL, _assert_same, _megatron_reference
+from tests.support.preprocess import PREPROCESS_TOOL, TOOL_ENV, assert_same_files, megatron_preprocess
 from fsdp2_backend.usage_errors import UsageError
 
 mcore_tok = pytest.importorskip("megatron.core.tokenizers.text.utils.build_tokenizer")
@@ -83,14 +83,14 @@ def test_preprocess_byte_identical(vocab_file, tmp_path):
     lines = [json.dumps({"text": t}) for t in TEXTS]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     vocab_size = 1000 + BPE_TOKENS
-    result = subprocess.run([sys.executable, str(TOOL), "--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+    result = subprocess.run([sys.executable, str(PREPROCESS_TOOL), "--input", str(tmp_path / "in.jsonl"), "--output-prefix",
                              str(tmp_path / "ours"), "--tokenizer-type", "TikTokenizer", "--tokenizer-model",
                              vocab_file, "--tiktoken-pattern", "v1", "--vocab-size", str(vocab_size),
-                             "--append-eod", "--workers", "2"], capture_output=True, text=True, env=ENV)
+                             "--append-eod", "--workers", "2"], capture_output=True, text=True, env=TOOL_ENV)
     assert result.returncode == 0, result.stderr[-2000:]
-    _megatron_reference(lines, ["text"], _megatron(vocab_file, pattern="v1", vocab_size=vocab_size), True,
+    megatron_preprocess(lines, ["text"], _megatron(vocab_file, pattern="v1", vocab_size=vocab_size), True,
                         str(tmp_path / "ref"))
-    _assert_same(tmp_path / "ours", tmp_path / "ref", ["text"])
+    assert_same_files(tmp_path / "ours", tmp_path / "ref", ["text"])
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -145,9 +145,9 @@ def test_training_reads_tiktoken_data(vocab_file, tmp_path):
     common = ["--tokenizer-model", vocab_file, "--vocab-size", "1340", "--tokenizer-special-tokens", "<unk>",
               "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>",
               "<fim_pad>"]
-    result = subprocess.run([sys.executable, str(TOOL), "--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+    result = subprocess.run([sys.executable, str(PREPROCESS_TOOL), "--input", str(tmp_path / "in.jsonl"), "--output-prefix",
                              str(tmp_path / "data"), "--tokenizer-type", "TikTokenizer", "--tiktoken-pattern", "v1",
-                             "--append-eod", *common], capture_output=True, text=True, env=ENV)
+                             "--append-eod", *common], capture_output=True, text=True, env=TOOL_ENV)
     assert result.returncode == 0, result.stderr[-2000:]
     losses, _ = run_pretrain(TRAIN + common + ["--data-path", str(tmp_path / "data_text_document"),
                                                "--data-cache-path", str(tmp_path / "cache"), "--fim-data",
