@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.models.test_mtp_layouts import FACTOR, _batch, _full_state, _trainer, assert_export_round_trip
+from tests.support.mtp_layouts import FACTOR, assert_export_round_trip, full_state, mtp_batch, mtp_trainer
 from tests.support.tiny_models import tiny_newer_config
 
 N = 2  # main layers; the MTP layer is DeepSeek's layer id N
@@ -122,9 +122,9 @@ def test_deepseek_v4_mtp_layer_loads_trains_and_exports_back(v4_dir, tmp_path, c
     from fsdp2_backend.training.loss import GlobalBatchLoss
 
     path, mtp, full = v4_dir
-    trainer, ctx = _trainer(path, "deepseek_v4")
+    trainer, ctx = mtp_trainer(path, "deepseek_v4")
     try:
-        state = _full_state(trainer.model)
+        state = full_state(trainer.model)
         layer = trainer.model.mtp.layers[0].transformer_layer
         assert isinstance(layer.mlp.experts, ClampedGroupedExperts) and not layer.mlp.is_hash
         assert layer.self_attn.compressor is None  # DeepSeek's MTP attention: the sliding window
@@ -135,7 +135,7 @@ def test_deepseek_v4_mtp_layer_loads_trains_and_exports_back(v4_dir, tmp_path, c
         reference_layer = full.model.layers[N].state_dict()  # the tensors written under the MTP block's keys
         for name, tensor in reference_layer.items():
             assert torch.equal(state["mtp.layers.0.transformer_layer." + name], tensor), name
-        batch = _batch(tiny_newer_config("deepseek_v4").vocab_size)
+        batch = mtp_batch(tiny_newer_config("deepseek_v4").vocab_size)
         reference = _reference_loss(path, mtp, full, batch)
         assert math.isfinite(reference) and reference > 1.0
         accounting = GlobalBatchLoss(num_microbatches=1, dp_size=1, calculate_per_token_loss=False)
@@ -148,7 +148,7 @@ def test_deepseek_v4_mtp_layer_loads_trains_and_exports_back(v4_dir, tmp_path, c
         logged = [x["losses"]["mtp_1 loss"] for x in lines if x and "mtp_1 loss" in x["losses"]]
         assert len(logged) == 2 and all(math.isfinite(v) for v in logged)
         assert logged[0] == pytest.approx(reference, rel=1e-5)
-        trained = _full_state(trainer.model)
+        trained = full_state(trainer.model)
         for name in ("mtp.layers.0.eh_proj.weight", "mtp.layers.0.hc_head.hc_fn",
                      "mtp.layers.0.transformer_layer.attn_hc.fn"):
             assert not torch.equal(trained[name], state[name]), name  # the MTP loss reaches them
@@ -176,7 +176,7 @@ def test_second_depth_takes_the_first_depths_streams():
     with torch.no_grad():
         for name, param in model.mtp.named_parameters():
             param.normal_(1.0 if param.dim() == 1 and "norm" in name else 0.0, 0.3 if param.dim() == 1 else 0.15)
-    batch = _batch(config.vocab_size)
+    batch = mtp_batch(config.vocab_size)
     batch = mtp_batch(dict(input_ids=batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"],
                            position_ids=batch["position_ids"]), 2)
     with torch.no_grad():

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from fsdp2_backend.config import Config
 
-SEQ, MBS, FACTOR = 12, 2, 0.3
+from tests.support.mtp_layouts import (assert_export_round_trip, full_state, mtp_batch, mtp_trainer, partial_rope,
+                                       swiglu, zero_centered_rms)
 
 
 # ----------------------------------------------------------------------------------------------- Qwen3-Next
@@ -75,92 +76,6 @@ def next_dir(tmp_path):
     return tmp_path / "ckpt", mtp
 
 
-def _trainer(path, model_id, mtp_layers=1):
-    from fsdp2_backend.build import TrainJob, _with_mtp
-    from fsdp2_backend.distributed.context import ParallelContext
-    from fsdp2_backend.models.loading import create_model, load_hf_config
-    from fsdp2_backend.parallel.apply import apply_parallelism
-    from fsdp2_backend.training.optimizer import build_optimizer
-    from fsdp2_backend.training.scheduler import ParamScheduler, scheduler_steps
-    from fsdp2_backend.training.trainer import Trainer
-
-    config = Config()
-    config.model.model_name_or_path, config.model.model_id = str(path), model_id
-    config.model.mtp_num_layers, config.model.mtp_loss_scaling_factor = mtp_layers, FACTOR
-    config.parallel.param_dtype = "fp32"
-    config.training.per_device_train_batch_size = MBS
-    config.training.max_steps, config.training.lr, config.training.lr_scheduler_type = 2, 1e-3, "constant"
-    ctx = ParallelContext.create(config.parallel)
-    model = create_model(config.model, load_hf_config(config.model), seed=0, device=ctx.device.torch_device,
-                         parallelize=lambda m: apply_parallelism(*_with_mtp(m, config, config.model), ctx))
-    optimizer = build_optimizer(model, lr=config.training.lr, weight_decay=0.0)
-    scheduler = ParamScheduler(optimizer, **scheduler_steps(config.training, MBS))
-
-    def batches():
-        while True:
-            yield _batch(model.config.vocab_size)
-
-    job = TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler,
-                   train_batches=batches(), train_iters=2, micro_batches=1)
-    return Trainer(job), ctx
-
-
-def _batch(vocab, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    text = torch.randint(0, vocab, (MBS, SEQ + 1), generator=gen)
-    mask = torch.ones(MBS, SEQ)
-    mask[1, 4] = 0
-    return dict(tokens=text[:, :-1], labels=text[:, 1:], loss_mask=mask,
-                position_ids=torch.arange(SEQ).expand(MBS, SEQ))
-
-
-def _full_state(model):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.clone() for k, v in state.items()}  # on one CPU rank these may share the live parameters' storage
-
-
-# ------------------------------------------------------------------------------------------ plain references
-def assert_export_round_trip(export, prefix, mtp, state, model_id):
-    """The export at `export` holds exactly the checkpoint's MTP tensors `mtp` under their published names (the
-    keys starting with `prefix`), and loading it back into `model_id` gives `state` bit for bit."""
-    from safetensors.torch import load_file
-
-    on_disk = {}
-    for shard in export.glob("*.safetensors"):
-        on_disk.update(load_file(shard))
-    written = {k: v for k, v in on_disk.items() if k.startswith(prefix)}
-    assert sorted(written) == sorted(mtp)  # the published names, nothing else
-    for key, tensor in mtp.items():
-        assert torch.equal(written[key], tensor), key
-    again, ctx = _trainer(export, model_id)
-    try:
-        reloaded = _full_state(again.model)
-    finally:
-        ctx.close()
-    assert sorted(reloaded) == sorted(state)
-    for key, tensor in state.items():
-        assert torch.equal(reloaded[key], tensor), key
-
-
-def _zc_rms(x, w, eps):  # Qwen3-Next's zero-centred RMSNorm: the stored weight w is applied as 1 + w
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)
-
-
-def _partial_rope(x, pos, theta, rotary_dim):  # x [B, S, heads, d]; rotary on the first rotary_dim dims
-    freqs = pos[..., None].float() / theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
-    emb = torch.cat([freqs, freqs], -1)
-    cos, sin = emb.cos()[:, :, None], emb.sin()[:, :, None]
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    rotated = torch.cat([-rot[..., rotary_dim // 2:], rot[..., :rotary_dim // 2]], -1)
-    return torch.cat([rot * cos + rotated * sin, rest], -1)
-
-
-def _swiglu(x, gate, up, down):
-    return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
-
-
 def _next_layer(x, w, pos, cfg):
     """A Qwen3-Next full-attention decoder layer with the sparse MoE, by hand: gated attention (q_proj gives each
     head's query then its gate), per-head zero-centred q/k norms, partial rope; softmax top-k renormalised experts
@@ -169,20 +84,20 @@ def _next_layer(x, w, pos, cfg):
     nh, nkv, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
     rope = cfg.rope_parameters
     rotary_dim = int(hd * rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)))
-    a = _zc_rms(x, w["input_layernorm.weight"], eps)
+    a = zero_centered_rms(x, w["input_layernorm.weight"], eps)
     qg = (a @ w["self_attn.q_proj.weight"].T).view(B, S, nh, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(B, S, nh * hd)
-    q = _zc_rms(q, w["self_attn.q_norm.weight"], eps)
-    k = _zc_rms((a @ w["self_attn.k_proj.weight"].T).view(B, S, nkv, hd), w["self_attn.k_norm.weight"], eps)
+    q = zero_centered_rms(q, w["self_attn.q_norm.weight"], eps)
+    k = zero_centered_rms((a @ w["self_attn.k_proj.weight"].T).view(B, S, nkv, hd), w["self_attn.k_norm.weight"], eps)
     v = (a @ w["self_attn.v_proj.weight"].T).view(B, S, nkv, hd)
-    q = _partial_rope(q, pos, rope["rope_theta"], rotary_dim).transpose(1, 2)
-    k = _partial_rope(k, pos, rope["rope_theta"], rotary_dim).transpose(1, 2).repeat_interleave(nh // nkv, 1)
+    q = partial_rope(q, pos, rope["rope_theta"], rotary_dim).transpose(1, 2)
+    k = partial_rope(k, pos, rope["rope_theta"], rotary_dim).transpose(1, 2).repeat_interleave(nh // nkv, 1)
     v = v.transpose(1, 2).repeat_interleave(nh // nkv, 1)
     scores = (q @ k.transpose(-1, -2) / math.sqrt(hd)).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1),
                                                                     float("-inf"))
     attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, S, nh * hd) * torch.sigmoid(gate)
     x = x + attn @ w["self_attn.o_proj.weight"].T
-    m = _zc_rms(x, w["post_attention_layernorm.weight"], eps).reshape(B * S, h)
+    m = zero_centered_rms(x, w["post_attention_layernorm.weight"], eps).reshape(B * S, h)
     probs = (m @ w["mlp.gate.weight"].T).softmax(-1)
     top, idx = probs.topk(cfg.num_experts_per_tok, dim=-1)
     top = top / top.sum(-1, keepdim=True)  # norm_topk_prob
@@ -190,10 +105,10 @@ def _next_layer(x, w, pos, cfg):
     for t in range(m.size(0)):
         for weight, e in zip(top[t], idx[t].tolist()):
             p = f"mlp.experts.{e}."
-            routed[t] += weight * _swiglu(m[t], w[p + "gate_proj.weight"], w[p + "up_proj.weight"],
+            routed[t] += weight * swiglu(m[t], w[p + "gate_proj.weight"], w[p + "up_proj.weight"],
                                           w[p + "down_proj.weight"])
     s = "mlp.shared_expert."
-    shared = torch.sigmoid(m @ w["mlp.shared_expert_gate.weight"].T) * _swiglu(
+    shared = torch.sigmoid(m @ w["mlp.shared_expert_gate.weight"].T) * swiglu(
         m, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"])
     return x + (routed + shared).view(B, S, h)
 
@@ -211,10 +126,10 @@ def _next_reference_loss(path, mtp, batch):
     ids1, labels1, mask1 = roll(ids), roll(labels), roll(mask)
     emb = main.model.embed_tokens.weight.detach()[ids1]
     eps = cfg.rms_norm_eps
-    x = torch.cat([_zc_rms(emb, mtp["mtp.pre_fc_norm_embedding.weight"], eps),
-                   _zc_rms(hidden, mtp["mtp.pre_fc_norm_hidden.weight"], eps)], -1) @ mtp["mtp.fc.weight"].T
+    x = torch.cat([zero_centered_rms(emb, mtp["mtp.pre_fc_norm_embedding.weight"], eps),
+                   zero_centered_rms(hidden, mtp["mtp.pre_fc_norm_hidden.weight"], eps)], -1) @ mtp["mtp.fc.weight"].T
     layer = {k[len("mtp.layers.0."):]: v for k, v in mtp.items() if k.startswith("mtp.layers.0.")}
-    x = _zc_rms(_next_layer(x, layer, pos, cfg), mtp["mtp.norm.weight"], eps)
+    x = zero_centered_rms(_next_layer(x, layer, pos, cfg), mtp["mtp.norm.weight"], eps)
     ce = F.cross_entropy((x @ main.lm_head.weight.detach().T).flatten(0, 1), labels1.flatten(), reduction="none")
     return ((ce * mask1.flatten()).sum() / mask1.sum()).item()
 
@@ -223,9 +138,9 @@ def _next_reference_loss(path, mtp, batch):
 @pytest.mark.parametrize("model_id", ["qwen3_next", None])
 def test_qwen3_next_mtp_keys_land_where_the_published_layout_says(next_dir, model_id):
     path, mtp = next_dir
-    trainer, ctx = _trainer(path, model_id)
+    trainer, ctx = mtp_trainer(path, model_id)
     try:
-        state = _full_state(trainer.model)
+        state = full_state(trainer.model)
         layer = trainer.model.mtp.layers[0].transformer_layer
         assert layer.block_type == "full_attention" and hasattr(layer.mlp, "shared_expert_gate")
         if model_id == "qwen3_next":
@@ -254,9 +169,9 @@ def test_qwen3_next_mtp_loss_equals_a_hand_computed_reference_and_trains(next_di
     from fsdp2_backend.training.loss import GlobalBatchLoss
 
     path, mtp = next_dir
-    trainer, ctx = _trainer(path, "qwen3_next")
+    trainer, ctx = mtp_trainer(path, "qwen3_next")
     try:
-        batch = _batch(trainer.model.config.vocab_size)
+        batch = mtp_batch(trainer.model.config.vocab_size)
         reference = _next_reference_loss(path, mtp, batch)
         accounting = GlobalBatchLoss(num_microbatches=1, dp_size=1, calculate_per_token_loss=False)
         with torch.no_grad():
@@ -266,7 +181,7 @@ def test_qwen3_next_mtp_loss_equals_a_hand_computed_reference_and_trains(next_di
         lines = [parse_train_line(line) for line in capsys.readouterr().out.splitlines()]
         first = next(x for x in lines if x and x["iteration"] == 1)
         assert first["losses"]["mtp_1 loss"] == pytest.approx(reference, rel=1e-5)
-        after = _full_state(trainer.model)
+        after = full_state(trainer.model)
         for key in ("mtp.fc.weight", "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.mlp.gate.weight"):
             assert not torch.equal(after[_next_reference_name(key)], mtp[key]), key  # trained
         moved = [not torch.equal(after["mtp.layers.0.transformer_layer.mlp.experts.down_proj"][e],
@@ -282,9 +197,9 @@ def test_qwen3_next_export_writes_the_published_names_and_reloads_exactly(next_d
     from fsdp2_backend.checkpoint.hf_export import write_hf_dir
 
     path, mtp = next_dir
-    trainer, ctx = _trainer(path, "qwen3_next")
+    trainer, ctx = mtp_trainer(path, "qwen3_next")
     try:
-        state = _full_state(trainer.model)
+        state = full_state(trainer.model)
         write_hf_dir(trainer.model, state, tmp_path / "export")
     finally:
         ctx.close()

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.models.test_mtp_layouts import (_batch, _full_state, _partial_rope, _swiglu, _trainer, _zc_rms,
-                                    assert_export_round_trip)
+from tests.support.mtp_layouts import (assert_export_round_trip, full_state, mtp_batch, mtp_trainer, partial_rope,
+                                       swiglu, zero_centered_rms)
 
 
 # ------------------------------------------------------------------------------------------------- Step-3.5
@@ -66,20 +66,20 @@ def _step35_layer(x, w, pos, cfg):
         cfg.rms_norm_eps
     rope = cfg.rope_parameters["full_attention"]
     rotary_dim = int(hd * rope.get("partial_rotary_factor", 1.0))
-    a = _zc_rms(x, w["input_layernorm.weight"], eps)
-    q = _zc_rms((a @ w["self_attn.q_proj.weight"].T).view(B, S, nh, hd), w["self_attn.q_norm.weight"], eps)
-    k = _zc_rms((a @ w["self_attn.k_proj.weight"].T).view(B, S, nkv, hd), w["self_attn.k_norm.weight"], eps)
+    a = zero_centered_rms(x, w["input_layernorm.weight"], eps)
+    q = zero_centered_rms((a @ w["self_attn.q_proj.weight"].T).view(B, S, nh, hd), w["self_attn.q_norm.weight"], eps)
+    k = zero_centered_rms((a @ w["self_attn.k_proj.weight"].T).view(B, S, nkv, hd), w["self_attn.k_norm.weight"], eps)
     v = (a @ w["self_attn.v_proj.weight"].T).view(B, S, nkv, hd)
-    q = _partial_rope(q, pos, rope["rope_theta"], rotary_dim).transpose(1, 2)
-    k = _partial_rope(k, pos, rope["rope_theta"], rotary_dim).transpose(1, 2).repeat_interleave(nh // nkv, 1)
+    q = partial_rope(q, pos, rope["rope_theta"], rotary_dim).transpose(1, 2)
+    k = partial_rope(k, pos, rope["rope_theta"], rotary_dim).transpose(1, 2).repeat_interleave(nh // nkv, 1)
     v = v.transpose(1, 2).repeat_interleave(nh // nkv, 1)
     scores = (q @ k.transpose(-1, -2) / math.sqrt(hd)).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1),
                                                                     float("-inf"))
     attn = (scores.softmax(-1) @ v).transpose(1, 2)  # [B, S, nh, hd]
     attn = (attn * torch.sigmoid(a @ w["self_attn.g_proj.weight"].T)[..., None]).reshape(B, S, nh * hd)
     x = x + attn @ w["self_attn.o_proj.weight"].T
-    m = _zc_rms(x, w["post_attention_layernorm.weight"], eps)
-    return x + _swiglu(m, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+    m = zero_centered_rms(x, w["post_attention_layernorm.weight"], eps)
+    return x + swiglu(m, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
 
 
 def _step35_reference_loss(text, head, mtp, cfg, batch):
@@ -95,10 +95,10 @@ def _step35_reference_loss(text, head, mtp, cfg, batch):
     ids1, labels1, mask1 = roll(ids), roll(labels), roll(mask)
     p, eps = f"model.layers.{cfg.num_hidden_layers}.", cfg.rms_norm_eps
     emb = text.embed_tokens.weight.detach()[ids1]
-    x = torch.cat([_zc_rms(emb, mtp[p + "enorm.weight"], eps), _zc_rms(seen["hidden"], mtp[p + "hnorm.weight"], eps)],
+    x = torch.cat([zero_centered_rms(emb, mtp[p + "enorm.weight"], eps), zero_centered_rms(seen["hidden"], mtp[p + "hnorm.weight"], eps)],
                   -1) @ mtp[p + "eh_proj.weight"].T
     layer = {k[len(p):]: v for k, v in mtp.items() if k.startswith(p)}
-    x = _zc_rms(_step35_layer(x, layer, pos, cfg), mtp[p + "transformer.shared_head.norm.weight"], eps)
+    x = zero_centered_rms(_step35_layer(x, layer, pos, cfg), mtp[p + "transformer.shared_head.norm.weight"], eps)
     ce = F.cross_entropy((x @ head.weight.detach().T).flatten(0, 1), labels1.flatten(), reduction="none")
     return ((ce * mask1.flatten()).sum() / mask1.sum()).item()
 
@@ -110,15 +110,15 @@ def test_step35_mtp_layers_load_train_and_export_back(step35_dir, tmp_path, caps
 
     path, mtp, text, head, cfg = step35_dir
     n = cfg.num_hidden_layers
-    trainer, ctx = _trainer(path, "step35")
+    trainer, ctx = mtp_trainer(path, "step35")
     try:
-        state = _full_state(trainer.model)
+        state = full_state(trainer.model)
         for key, tensor in mtp.items():  # every published tensor where the reference mapping says
             if key.endswith("shared_head.output.weight"):
                 assert torch.equal(state["lm_head.weight"], tensor)  # Megatron's shared head = its copy
                 continue
             assert torch.equal(state[_step35_reference_name(key, n)], tensor), key
-        batch = _batch(cfg.vocab_size)
+        batch = mtp_batch(cfg.vocab_size)
         reference = _step35_reference_loss(text, head, mtp, cfg, batch)
         accounting = GlobalBatchLoss(num_microbatches=1, dp_size=1, calculate_per_token_loss=False)
         with torch.no_grad():
@@ -129,7 +129,7 @@ def test_step35_mtp_layers_load_train_and_export_back(step35_dir, tmp_path, caps
         lines = [parse_train_line(line) for line in capsys.readouterr().out.splitlines()]
         first = next(x for x in lines if x and x["iteration"] == 1)
         assert first["losses"]["mtp_1 loss"] == pytest.approx(reference, rel=1e-5)
-        assert not torch.equal(_full_state(trainer.model)["mtp.layers.0.eh_proj.weight"], mtp[f"model.layers.{n}."
+        assert not torch.equal(full_state(trainer.model)["mtp.layers.0.eh_proj.weight"], mtp[f"model.layers.{n}."
                                                                                               "eh_proj.weight"])
     finally:
         ctx.close()
@@ -232,9 +232,9 @@ def test_deepseek_v3_mtp_layer_loads_and_exports_back(deepseek_dir, tmp_path, mo
     from fsdp2_backend.training.loss import GlobalBatchLoss
 
     path, mtp, full, n = deepseek_dir
-    trainer, ctx = _trainer(path, model_id)
+    trainer, ctx = mtp_trainer(path, model_id)
     try:
-        state = _full_state(trainer.model)
+        state = full_state(trainer.model)
         if model_id:  # the MTP layer's MoE block swapped like the main layers'
             from fsdp2_backend.models.moe.experts import GroupedExperts
             from fsdp2_backend.models.moe.family_swap import DeepseekV3Router
@@ -251,7 +251,7 @@ def test_deepseek_v3_mtp_layer_loads_and_exports_back(deepseek_dir, tmp_path, mo
                                                                                             "down_proj"))
             assert torch.equal(state[prefix + "gate_up_proj"][e], torch.cat([gate, up])), e
             assert torch.equal(state[prefix + "down_proj"][e], down), e
-        batch = _batch(96)
+        batch = mtp_batch(96)
         reference = _deepseek_reference_loss(path, mtp, full, n, batch)
         accounting = GlobalBatchLoss(num_microbatches=1, dp_size=1, calculate_per_token_loss=False)
         with torch.no_grad():
