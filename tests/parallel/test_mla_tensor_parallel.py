@@ -5,7 +5,7 @@ gives one process's losses (lm loss + factor x MTP loss) over 3 steps."""
 import torch
 
 from tests.support.launchers import run_distributed
-from tests.parallel.test_mtp_tensor_parallel import FACTOR, _train  # the same 3 steps, batches and loss
+from tests.support.mtp_parallel_runs import FACTOR, train_steps  # the same 3 steps, batches and loss
 
 
 def _config(size):
@@ -49,7 +49,7 @@ def _ranks(rank, world_size, out_dir):
     attention = model.model.layers[0].self_attn
     assert attention.kv_b_proj.weight.to_local().shape[0] == 2 * 16  # 2 of 4 heads x (8 nope + 8 v)
     assert model.mtp.layers[0].transformer_layer.mlp.experts.gate_up_proj.to_local().shape[0] == 2
-    losses = _train(model)
+    losses = train_steps(model)
     if rank == 0:
         with open(f"{out_dir}/losses.json", "w") as f:
             json.dump(losses, f)
@@ -64,6 +64,6 @@ def test_deepseek_v3_tp2_ep2_sp_mtp_equals_one_process(tmp_path):
     got = json.loads((tmp_path / "losses.json").read_text())
     model, config = _model(_config(1))
     _model_switches(model, config, "cpu")
-    want = _train(model)
+    want = train_steps(model)
     assert want[-1] < want[0]  # it trains
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
