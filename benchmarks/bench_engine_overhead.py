@@ -137,15 +137,16 @@ def _worker(rank, world_size, steps, out_path):
             return costs.wrap(FEATURES[1], super().finish)(parameters)
 
     trainer_module.GlobalBatchLoss = TimedLoss
-    trainer_module.finish_router_step = costs.wrap(FEATURES[6], trainer_module.finish_router_step)
     trainer = trainer_module.Trainer(job)
     trainer.train_batches = _TimedBatches(trainer.train_batches, costs)
-    trainer.clip_fn = costs.wrap(FEATURES[2], trainer.clip_fn)
+    trainer.optimizer_step.clip_fn = costs.wrap(FEATURES[2], trainer.optimizer_step.clip_fn)
     trainer.logger.record = costs.wrap(FEATURES[3], trainer.logger.record)
     trainer.scheduler.step = costs.wrap(FEATURES[4], trainer.scheduler.step)
     trainer.exit_timer.should_exit = costs.wrap(FEATURES[5], trainer.exit_timer.should_exit)
     trainer.exit_signal.should_exit = costs.wrap(FEATURES[5], trainer.exit_signal.should_exit)
-    trainer._finish_mtp = costs.wrap(FEATURES[6], trainer._finish_mtp)
+    hooks = trainer.optimizer_step.hooks.after_step  # the plan's router / indexer hooks and the MTP means
+    for name, hook in list(hooks.items()):
+        hooks[name] = costs.wrap(FEATURES[6], hook)
 
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
