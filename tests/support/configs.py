@@ -1,7 +1,9 @@
-"""TODO docstring (moved from tests/config/test_config.py)."""
+"""Config builders for the validation tests: a pretraining config from group values (`pt_config`), and the messages
+validation refuses it with (`messages`)."""
 from __future__ import annotations
 
 import pytest
+
 from fsdp2_backend.config.loading import build_config
 from fsdp2_backend.config.validation import validate
 from fsdp2_backend.usage_errors import UsageError

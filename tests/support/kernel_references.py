@@ -1,7 +1,10 @@
-"""TODO docstring (moved from tests/kernels/test_mamba3_scan.py)."""
+"""Plain-loop references for the recurrent kernels: Mamba-3's scan one step at a time (`sequential_oracle`) and
+the gated delta rule token by token (`sequential_gated_delta_rule`), with the gated-delta-rule tests' inputs and
+gradients."""
 from __future__ import annotations
 
 import math
+
 import torch
 
 

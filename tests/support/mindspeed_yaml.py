@@ -5,16 +5,15 @@ published config.json of the real models they name (`REAL_MODELS`), a YAML's pat
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tests.support.tiny_models import tiny_model_dir, train_bytelevel_tokenizer
-import re
-import shutil
-import torch
-
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "mindspeed_fsdp2"
 

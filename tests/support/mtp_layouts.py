@@ -1,10 +1,12 @@
-"""TODO docstring (moved from tests/models/test_mtp_layouts.py)."""
+"""Multi-token prediction layouts in tests: an in-process trainer with MTP layers (`mtp_trainer`), its batches, the
+full state of a model, the HF export round trip, and written-out reference maths (zero-centred RMSNorm, partial
+RoPE, SwiGLU) the layout tests compare against."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from fsdp2_backend.config import Config
 
+from fsdp2_backend.config import Config
 
 SEQ, MBS, FACTOR = 12, 2, 0.3
 

@@ -1,8 +1,8 @@
-"""TODO docstring (moved from tests/parallel/test_mtp_tensor_parallel.py)."""
+"""The MTP tensor-parallel runs' steps: the same batches, loss (lm loss + FACTOR x MTP loss) and optimizer steps for
+a 1-rank run and a parallel layout (`train_steps`)."""
 from __future__ import annotations
 
 import torch
-
 
 STEPS, LR, SEQ, MBS, FACTOR = 3, 5e-3, 16, 2, 0.3
 

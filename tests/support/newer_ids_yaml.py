@@ -1,12 +1,15 @@
-"""TODO docstring (moved from tests/e2e/test_newer_ids_yaml.py)."""
+"""MindSpeed-LLM's YAMLs of the newer model ids (deepseek_v4, glm52, longcat_flash_ngram) as cases: the copied files
+(`NEWER_IDS_DATA`, `NEWER_IDS_EXAMPLES`), the module-scoped `assets` fixture (a tiny saved model per id and a
+parquet dataset) and a YAML's launch arguments with local paths (`newer_model_args`)."""
 from __future__ import annotations
 
 import json
-import pytest
 from pathlib import Path
+
+import pytest
+
 from tests.support.launchers import REPO
 from tests.support.tiny_models import save_tiny, train_bytelevel_tokenizer
-
 
 NEWER_IDS_DATA = Path(REPO) / "tests" / "data" / "mindspeed_fsdp2" / "head_newer_ids"
 

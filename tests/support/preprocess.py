@@ -1,14 +1,17 @@
-"""TODO docstring (moved from tests/megatron_compat/test_preprocess_data.py)."""
+"""tools/preprocess_data.py against Megatron-LM's preprocessing: Megatron's algorithm run on megatron-core's builder
+(`megatron_preprocess`), a byte comparison of the outputs, the tool run as a subprocess (`run_preprocess_tool`),
+and module-scoped fixtures for a tokenizer directory and a corpus."""
 from __future__ import annotations
 
 import json
 import os
-import pytest
 import subprocess
 import sys
 from pathlib import Path
-from tests.support.tiny_models import stdlib_texts, train_bytelevel_tokenizer
 
+import pytest
+
+from tests.support.tiny_models import stdlib_texts, train_bytelevel_tokenizer
 
 mcore_ds = pytest.importorskip("megatron.core.datasets.indexed_dataset")
 
@@ -73,5 +76,6 @@ def corpus(tmp_path_factory):
 
 
 def run_preprocess_tool(*args):
-    return subprocess.run([sys.executable, str(PREPROCESS_TOOL), *map(str, args)], capture_output=True, text=True, env=TOOL_ENV,
-                          timeout=120)
+    """tools/preprocess_data.py with `args`, as a subprocess; returns the CompletedProcess."""
+    return subprocess.run([sys.executable, str(PREPROCESS_TOOL), *map(str, args)], capture_output=True, text=True,
+                          env=TOOL_ENV, timeout=120)

@@ -1,9 +1,10 @@
-"""TODO docstring (moved from tests/parallel/test_qwen3_next_parallel.py)."""
+"""Qwen3-Next under parallel layouts in-process: its config, tiny model, optimizer and the parallelised model for a
+layout, shared by the Qwen3-Next parallel and packed context-parallel tests."""
 from __future__ import annotations
 
 import torch
-from tests.support.tiny_models import tiny_next_config
 
+from tests.support.tiny_models import tiny_next_config
 
 STEPS, SAVE_AFTER, LR, SEQ, CHUNK = 8, 4, 5e-3, 16, 8
 

@@ -1,15 +1,17 @@
-"""TODO docstring (moved from tests/parallel/test_router_context_parallel.py)."""
+"""The router training runs' flags under context parallelism (`router_cp_flags`) and the router losses each logged
+iteration prints (`logged_losses`, `ROUTER_LOSS_NAMES`)."""
 from __future__ import annotations
 
 import re
-from tests.support.megatron_lines import ROUTER_RUN_FLAGS
 
+from tests.support.megatron_lines import ROUTER_RUN_FLAGS
 
 LOSSES = ["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "global_aux_loss",
           "--moe-aux-loss-coeff", "0.01", "0.02", "0.03"]
 
 
-ROUTER_LOSS_NAMES = ("lm loss", "z_loss", "load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss")
+ROUTER_LOSS_NAMES = ("lm loss", "z_loss", "load_balancing_loss", "seq_load_balancing_loss",
+                     "global_load_balancing_loss")
 
 
 def router_cp_flags():

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-
-from fsdp2_backend.cli.demo_assets import build_tiny_model_dir, stdlib_texts
-import pytest
 import subprocess
 import sys
+
+import pytest
 import yaml
+
+from fsdp2_backend.cli.demo_assets import build_tiny_model_dir, stdlib_texts
 from tests.support.launchers import MEGATRON_LINE, REPO, free_port
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/

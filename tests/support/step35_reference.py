@@ -7,7 +7,6 @@ import json
 import torch
 from safetensors.torch import save_file
 
-
 LAYER_TYPES = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
 
 

@@ -1,13 +1,15 @@
-"""TODO docstring (moved from tests/e2e/test_step35_training.py)."""
+"""Step-3.5-Flash's MindSpeed YAML as a case: the copied example (`STEP35_EXAMPLES`), the release's config.json values
+(`STEP35_FLASH`) and the module-scoped `assets` fixture (a tiny Step-3.5 checkpoint in its on-disk layout)."""
 from __future__ import annotations
 
 import json
 import os
+
 import pytest
+
 from tests.support.launchers import REPO
 from tests.support.step35_reference import step35_config, step35_config_dict, step35_reference, write_step35_checkpoint
 from tests.support.tiny_models import train_bytelevel_tokenizer
-
 
 DATA = os.path.join(REPO, "tests", "data", "mindspeed_fsdp2")
 

@@ -5,17 +5,18 @@ Nothing here stands in for the code under test: models are real transformers mod
 tokenizers are real byte-level BPE tokenizers trained on local text (cli/demo_assets.py, shared with the demo)."""
 from __future__ import annotations
 
-from fsdp2_backend.cli.demo_assets import (build_tiny_model_dir, stdlib_texts, tiny_qwen3_config,  # noqa: F401
-                                           train_bytelevel_tokenizer)
-import torch
-
-from fsdp2_backend.config.schema import ModelArguments
-from fsdp2_backend.models.mamba3.modeling import Mamba3Config
-from tests.support.router_reference import E
-from tests.support.step35_reference import step35_config
 import json
 from pathlib import Path
+
+import torch
+
+from fsdp2_backend.cli.demo_assets import (build_tiny_model_dir, stdlib_texts, tiny_qwen3_config,  # noqa: F401
+                                           train_bytelevel_tokenizer)
+from fsdp2_backend.config.schema import ModelArguments
+from fsdp2_backend.models.mamba3.modeling import Mamba3Config
 from fsdp2_backend.models.registry import model_spec
+from tests.support.router_reference import E
+from tests.support.step35_reference import step35_config
 
 
 def tiny_model_dir(path, seed: int, vocab_size: int = 300, **overrides) -> str:
