@@ -5,16 +5,12 @@
 Megatron's rules mirrored: ramp-up needs sample-based training (Megatron-LM 0.16: "expected no batch-size rampup for
 iteration-based training"), a final size reachable from START in whole INCREMENTs, and every size it runs divisible
 by micro batch x data-parallel size unless decrease_batch_size_if_needed; a step schedule refuses
---decrease-batch-size-if-needed and may not shrink the batch (Megatron stops at a decrease: "Number of microbatches
-should be increasing"). A step schedule with --global-batch-size is accepted, as the calculator that ignores it with
-a warning does ("--global-batch-size is ignored when using --step-batch-size-schedule"; Megatron-LM main's
-validate_args refuses the pair, though its examples/gpt3/train_gpt3_175b_distributed.sh passes both): the size is
-Megatron's args.global_batch_size, said once (`batch_schedule_notices`). A step schedule runs by samples or by
-iterations (Megatron's update_train_iters keeps --train-iters); by iterations Megatron builds the data for
-iterations x args.global_batch_size samples, so a schedule that would consume more in those iterations (its loader
-would run dry mid-run) is refused here up front. A ramp-up of 0 samples or with START = the final size is refused
-(megatron-core divides by zero). Only the schedule's last size is checked here for divisibility (Megatron allows
-earlier entries a resumed, rescaled run has passed); the trainer checks each step's size.
+--global-batch-size and --decrease-batch-size-if-needed and may not shrink the batch (Megatron stops at a decrease:
+"Number of microbatches should be increasing"). Stricter here, with the reason: a step schedule needs
+train_samples too (with --train-iters Megatron sizes the lr schedule and the data by train_iters x micro batch x dp,
+which the growing batch overruns), and a ramp-up of 0 samples or with START = the final size is refused (megatron-core
+divides by zero). Only the schedule's last size is checked here for divisibility (Megatron allows earlier entries a
+resumed, rescaled run has passed); the trainer checks each step's size.
 """
 from __future__ import annotations
 
@@ -47,13 +43,11 @@ def batch_schedule_errors(config, world_size: int) -> List[str]:
     if ramp is not None and steps is not None:
         return [f"{_RAMP} / {_STEPS}: give one batch-size schedule (Megatron-LM replaced --rampup-batch-size by "
                 f"--step-batch-size-schedule) — drop one"]
-    if ramp is not None and not t.train_samples:
-        errors.append(f"{_RAMP}: needs sample-based training (Megatron refuses batch-size ramp-up with --train-iters) "
+    flag = _RAMP if ramp is not None else _STEPS
+    if not t.train_samples:
+        errors.append(f"{flag}: needs sample-based training (Megatron refuses batch-size ramp-up with --train-iters) "
                       f"— give training.train_samples (--train-samples, with --lr-decay-samples / "
                       f"--lr-warmup-samples) instead of max_steps")
-    if steps is not None and not t.train_samples and not t.max_steps > 0:
-        errors.append(f"{_STEPS}: needs a length in samples or iterations — give training.train_samples "
-                      f"(--train-samples) or max_steps (--train-iters)")
     mbs, dp = t.per_device_train_batch_size, parallel_layout(config.parallel, world_size).dp
     if mbs < 1 or dp < 1:
         return errors
@@ -64,9 +58,12 @@ def batch_schedule_errors(config, world_size: int) -> List[str]:
         except ValueError as exc:
             return errors + [f"{_STEPS}: {steps!r}: {exc} — write it as '0:GBS TOKENS:GBS ...' (e.g. '0:384 "
                              f"200B:768')"]
+        if t.global_batch_size is not None:
+            errors.append(f"{_STEPS}: Megatron refuses --global-batch-size with --step-batch-size-schedule (the "
+                          f"schedule gives every size) — drop --global-batch-size (training.global_batch_size)")
         if t.decrease_batch_size_if_needed:
             errors.append(f"{_STEPS}: Megatron refuses --decrease-batch-size-if-needed with a step schedule — drop it")
-        if t.gradient_accumulation_steps != 1 and t.global_batch_size is None:  # else derived from it
+        if t.gradient_accumulation_steps != 1:
             errors.append(f"{_STEPS}: the schedule sets the micro-batches of every step — drop "
                           f"training.gradient_accumulation_steps")
         sizes = [size for _, size in schedule]
@@ -76,8 +73,6 @@ def batch_schedule_errors(config, world_size: int) -> List[str]:
         if sizes[-1] % unit:
             errors.append(f"{_STEPS}: the batch size {sizes[-1]} is not divisible by micro batch {mbs} x data-parallel "
                           f"size {dp} — change the schedule or --micro-batch-size")
-        if not t.train_samples and t.max_steps > 0 and not errors:
-            errors += _iteration_data_errors(t, mbs, dp, config.data.cutoff_len)
         return errors
     if len(ramp) != 3:
         return errors + [f"{_RAMP}: {ramp} — give three numbers: START INCREMENT SAMPLES"]
@@ -97,31 +92,3 @@ def batch_schedule_errors(config, world_size: int) -> List[str]:
             advice = ("" if t.decrease_batch_size_if_needed else ", or pass --decrease-batch-size-if-needed")
             return errors + [f"{_RAMP}: {problem} — choose sizes divisible by it{advice}"]
     return errors
-
-
-def _iteration_data_errors(t, mbs: int, dp: int, seq_length) -> List[str]:
-    """A step schedule run by iterations: Megatron builds max_steps x args.global_batch_size samples of data; the
-    schedule's steps must not consume more (Megatron's loader would run dry in the middle of the run)."""
-    schedule = BatchSizeSchedule(global_batch_size=t.global_batch_size, micro_batch_size=mbs, data_parallel_size=dp,
-                                 step_schedule=t.step_batch_size_schedule, seq_length=seq_length)
-    built, consumed = t.max_steps * schedule.global_batch_size, schedule.samples_after(t.max_steps)
-    if consumed <= built:
-        return []
-    source = ("training.global_batch_size" if t.global_batch_size is not None
-              else f"micro batch {mbs} x data-parallel size {dp}, Megatron's default global batch")
-    return [f"{_STEPS}: max_steps {t.max_steps} steps of the schedule consume {consumed} samples, more than the "
-            f"{built} = max_steps x {schedule.global_batch_size} ({source}) Megatron builds the data for, so the data "
-            f"would run out mid-run — train by samples (--train-samples), or give a --global-batch-size at least the "
-            f"schedule's largest size"]
-
-
-def batch_schedule_notices(config) -> List[str]:
-    """Said once: --global-batch-size next to a step schedule, which gives every step's batch."""
-    t = config.training
-    if t.step_batch_size_schedule is None or t.global_batch_size is None:
-        return []
-    use = ("the data and the lr / weight-decay schedule of a run by iterations (max_steps x it samples) and the "
-           "evaluation batch" if not t.train_samples else "the evaluation batch")
-    return [f"training.global_batch_size: {t.global_batch_size} is ignored for the training steps when using "
-            f"training.step_batch_size_schedule (each step's batch comes from the schedule, as Megatron's calculator "
-            f"warns); it is read where Megatron reads args.global_batch_size: {use}"]

@@ -65,10 +65,9 @@ def parse_step_schedule(text: str, seq_length: Optional[int]) -> List[Tuple[int,
 class BatchSizeSchedule:
     """The global batch of every step, from the samples consumed before it.
 
-    `global_batch_size` is Megatron's `args.global_batch_size`: the size after the ramp-up (ramp-up, constant); under
-    a step schedule the --global-batch-size given (which the schedule's calculator ignores) or else micro batch x dp
-    (Megatron-LM's default). The lr schedule of iteration-based runs (in samples: iterations x it, advanced by each
-    step's batch), evaluation and the data's sample counts use it, as in Megatron.
+    `global_batch_size` is Megatron's `args.global_batch_size`: the size after the ramp-up (ramp-up, constant), or
+    micro batch x dp when a step schedule gives the sizes (Megatron then forbids --global-batch-size); the lr
+    schedule of iteration-based runs, evaluation and the data's sample counts use it, as in Megatron.
     """
 
     def __init__(self, *, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
@@ -79,8 +78,7 @@ class BatchSizeSchedule:
         self.decrease_if_needed = decrease_if_needed
         self.rampup = tuple(int(v) for v in rampup) if rampup is not None else None
         self.steps = parse_step_schedule(step_schedule, seq_length) if step_schedule is not None else None
-        self.global_batch_size = (self.unit if self.steps is not None and global_batch_size is None
-                                  else global_batch_size)
+        self.global_batch_size = self.unit if self.steps is not None else global_batch_size
         if self.rampup is not None:
             start, increment, _ = self.rampup
             self._per_increment = self.rampup[2] / ((global_batch_size - start) // increment)
@@ -143,26 +141,6 @@ class BatchSizeSchedule:
         if train_samples > consumed:
             iterations += (train_samples - consumed) // self.global_batch_size
         return iterations
-
-    def samples_after(self, iterations: int) -> int:
-        """Samples a fresh run has consumed after `iterations` steps (each step the running batch at its start).
-        Under a step schedule, counted a threshold segment at a time (a 500000-iteration line costs one pass
-        over its thresholds)."""
-        if self.steps is None:
-            consumed = 0
-            for _ in range(iterations):
-                consumed += self.running_global_batch_size(consumed)
-            return consumed
-        consumed, left = 0, iterations
-        for index, (_, size) in enumerate(self.steps):
-            if index + 1 < len(self.steps):  # steps of this size until consumed reaches the next threshold
-                steps = min(left, max(0, -(-(self.steps[index + 1][0] - consumed) // size)))
-            else:
-                steps = left
-            consumed, left = consumed + steps * size, left - steps
-            if not left:
-                break
-        return consumed
 
     def ramp_sizes(self, train_samples: Optional[int] = None) -> List[Tuple[int, int]]:
         """[(consumed samples, running batch)] of a fresh run's steps until the size stops changing (end of the

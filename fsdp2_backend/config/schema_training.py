@@ -84,8 +84,7 @@ class TrainingArguments:
                                                           "grows from START by INCREMENT to global_batch_size over "
                                                           "SAMPLES samples (needs train_samples).")
     step_batch_size_schedule: Optional[str] = help_field(None, "(Megatron) 'TOKENS:GBS ...' (K/M/B/T suffixes): the "
-                                                           "global batch from each threshold on (train_samples or "
-                                                           "max_steps).")
+                                                           "global batch from each threshold on (needs train_samples).")
     decrease_batch_size_if_needed: bool = help_field(False, "(Megatron) Round the global batch down to a multiple of "
                                                         "micro batch x data-parallel size.")
     train_samples: Optional[int] = help_field(None, "(Megatron) Train by samples instead of steps.")

@@ -15,7 +15,7 @@ import re
 from dataclasses import replace
 from typing import List, Optional, Set, Tuple
 
-from fsdp2_backend.config.batch_rules import batch_schedule_errors, batch_schedule_notices
+from fsdp2_backend.config.batch_rules import batch_schedule_errors
 from fsdp2_backend.config.compile_rules import compile_notices
 from fsdp2_backend.config.fim_rules import fim_errors
 from fsdp2_backend.config.optimizer_rules import optimizer_errors
@@ -356,7 +356,6 @@ def _notices(config: Config) -> List[str]:
     notices += sft_notices(config)
     notices += head_field_notices(config)
     notices += quant_notices(config)
-    notices += batch_schedule_notices(config)
     t = config.training
     if not (t.tensorboard_dir or t.wandb_project):  # Megatron's scalar extras need somewhere to go
         notices += [f"training.{name}: no effect without training.tensorboard_dir or training.wandb_project"

@@ -17,6 +17,7 @@ import os
 from typing import Any, Callable, Dict, List, Optional
 
 from megatron_compat.architecture import gdn as architecture_gdn
+from megatron_compat.architecture import gemma2 as architecture_gemma2
 from megatron_compat.architecture import gpt_oss as architecture_gpt_oss
 from megatron_compat.architecture import hybrid as architecture_hybrid
 from megatron_compat.architecture import mamba as architecture_mamba
@@ -44,8 +45,9 @@ class Arch:
         self.recorded: set = set()
 
     def note(self, dest: str, kind: str, text: str) -> None:
-        """Records a disposition for an active flag (the translation keeps the strongest)."""
-        if dest in self.active:
+        """Records a disposition for an active flag (the translation keeps the strongest); a decline also for a
+        flag the line lacks (the model would need it: Megatron's default differs from what HF builds)."""
+        if dest in self.active or kind == "declined":
             self.recorded.add(dest)
             self._record(dest, kind, text)
 
@@ -80,6 +82,8 @@ def _family(a: Arch) -> str:
         return "gpt_oss"
     if architecture_minimax.selects_minimax(a.ns, a.active):
         return "minimax_m2"
+    if architecture_gemma2.selects_gemma2(a.ns, a.active):
+        return architecture_gemma2.MODEL_TYPE
     if g("multi_latent_attention") or g("multi_head_latent_attention"):
         return "deepseek_v3"
     if g("num_experts"):
@@ -121,7 +125,7 @@ def _dense_keys(a: Arch, family: str) -> None:
     heads, hidden = g("num_attention_heads"), g("hidden_size")
     kv_heads = g("num_query_groups") if g("group_query_attention") else heads  # Megatron ignores groups otherwise
     head_dim = g("kv_channels") or (hidden // heads if hidden and heads else None)
-    names = _GPT2_NAMES if family == "gpt2" else {}
+    names = {"gpt2": _GPT2_NAMES, architecture_gemma2.MODEL_TYPE: architecture_gemma2.NAMES}.get(family, {})
     put = lambda dest, key, value: a.put(dest, names.get(key, key), value)  # noqa: E731
     put("num_layers", "num_hidden_layers", g("num_layers"))
     put("hidden_size", "hidden_size", hidden)
@@ -156,7 +160,7 @@ def _dense_keys(a: Arch, family: str) -> None:
     put("rope_theta" if g("rope_theta") is not None else "rotary_base", "rope_theta", float(rope_theta))
     partial = g("partial_rotary_factor") or g("rotary_percent")
     put("partial_rotary_factor" if g("partial_rotary_factor") else "rotary_percent", "partial_rotary_factor", partial)
-    if family in ("llama", "qwen3", "qwen3_moe"):
+    if family in ("llama", "qwen3", "qwen3_moe", architecture_gemma2.MODEL_TYPE):
         put("add_bias_linear", "attention_bias", bool(g("add_bias_linear")))
     if family == "llama":
         put("add_bias_linear", "mlp_bias", bool(g("add_bias_linear")))
@@ -343,6 +347,8 @@ def apply(ns, active, from_scratch: bool, record: Callable[[str, str, str], None
         architecture_gpt_oss.apply(a)
     if family == "minimax_m2":
         architecture_minimax.apply(a)
+    if family == architecture_gemma2.MODEL_TYPE:
+        architecture_gemma2.apply(a)
     _routing(a, family)
     _settle(a, family)
     for dest, why in a.declined.items():

@@ -47,6 +47,7 @@ def check_buildable(a, family: str) -> None:
     g = a.get
     rope = rotary(a) or (family == "gpt_oss" and g("position_embedding_type") == "yarn")
     gated = g("swiglu") or g("geglu") or (family == "gpt_oss" and g("quick_geglu"))  # gpt_oss: its own checks
+    gated = gated or (family == "gemma2" and g("gelu_tanh"))  # Gemma-2's MLP is gated: MindSpeed gives --gelu-tanh
     if family == "gpt2":
         if g("normalization") != "LayerNorm":
             a.decline("normalization", "RMSNorm with learned absolute positions has no HF model type to build — "
@@ -76,7 +77,7 @@ def check_buildable(a, family: str) -> None:
     if not gated:
         a.decline("swiglu", f"a {family}-style model has a gated MLP — add --swiglu, or give --load with an HF "
                             "directory")
-    if g("hidden_dropout"):
+    if g("hidden_dropout") and "hidden_dropout" in a.active:  # Megatron's default 0.1: the translation warns
         a.decline("hidden_dropout", f"HF {family} models have no hidden dropout — set --hidden-dropout 0")
     if g("add_bias_linear") and family not in ("llama", "gpt_oss"):
         a.decline("add_bias_linear", f"HF {family} models have no biases on every linear layer (Megatron's "

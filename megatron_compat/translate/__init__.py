@@ -61,6 +61,7 @@ class Context:
         self.ns, self.active, self.world_size = ns, active, world_size
         self.fields: Dict[str, Dict[str, Any]] = {group: {} for group in GROUP_NAMES}
         self.dispositions: Dict[str, Tuple[str, str]] = {}
+        self.missing: Dict[str, str] = {}  # flags not given that the model being built needs, and why
         self.warnings: List[str] = []
         self.sources: Dict[str, str] = {}
         self.current: str = ""  # the dest whose handler is running
@@ -108,6 +109,8 @@ class Context:
     def record(self, dest: str, kind: str, text: str) -> None:
         """Gives a flag its disposition; a stronger one (declined > mapped > no effect) replaces a weaker one."""
         if dest not in self.active:
+            if kind == "declined":  # the model needs a flag the line lacks (e.g. --swiglu): said under its name
+                self.missing.setdefault(dest, text)
             return
         old = self.dispositions.get(dest)
         if old is None or _PRECEDENCE[kind] > _PRECEDENCE[old[0]]:
@@ -285,6 +288,7 @@ def _report(ctx: Context) -> TranslationReport:
             report.no_effect_reasons[flag] = text
         elif kind == "declined":
             report.declined.append((flag, text))
+    report.declined += [("--" + dest.replace("_", "-"), text) for dest, text in ctx.missing.items()]
     return report
 
 

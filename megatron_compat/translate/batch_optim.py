@@ -69,10 +69,16 @@ _direct("rampup_batch_size", "training.rampup_batch_size", lambda v: [int(x) for
 def _step_batch_size_schedule(ctx, value):
     if value is None:
         return
-    # with --global-batch-size (Megatron's calculator: "ignored", config/batch_rules.py says so once) and with
-    # --train-iters (Megatron's update_train_iters keeps it) too; one quoted string, or its words split by the shell
-    # (arguments.py lets the flag take several)
-    ctx.set("training.step_batch_size_schedule", " ".join(value) if isinstance(value, (list, tuple)) else value)
+    if "global_batch_size" in ctx.active:  # Megatron-LM's own check (arguments.py)
+        ctx.decline("step_batch_size_schedule", "Megatron-LM refuses it together with --global-batch-size too "
+                                                "(\"Cannot specify both --step-batch-size-schedule and "
+                                                "--global-batch-size\": the schedule gives every size) — drop "
+                                                "--global-batch-size")
+    elif "train_iters" in ctx.active:  # config/batch_rules.py: the schedule and data would be sized for the wrong count
+        ctx.decline("step_batch_size_schedule", "a growing batch needs sample-based training — replace --train-iters "
+                                                "by --train-samples (and --lr-*-iters by --lr-*-samples)")
+    else:  # one quoted string, or its words split by the shell (arguments.py lets the flag take several)
+        ctx.set("training.step_batch_size_schedule", " ".join(value) if isinstance(value, (list, tuple)) else value)
 
 
 @handles("eval_global_batch_size", "training.eval_iters (× --eval-global-batch-size / --global-batch-size)")

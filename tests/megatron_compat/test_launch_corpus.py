@@ -20,6 +20,7 @@ LINES = json.loads(CORPUS.read_text())
 
 # Lines whose declines are expected, with the flag that must be named (one per line, the decisive one).
 EXPECTED_DECLINES = {
+    "gpt3/train_gpt3_175b_distributed.sh": "--step-batch-size-schedule",  # Megatron-LM refuses it too
     "gpt_dynamic_inference_tp1_pp1_583m_prefix_caching_chunked_prefill_cuda_graphs": "--prompts",
 }
 
@@ -61,7 +62,7 @@ VALIDATION_DECLINES = ("training.global_batch_size", "model.mtp_num_layers: not 
 
 
 def test_corpus_figures():
-    """A floor against regressions: 52 of the 60 lines translate today (the rest are declined with reasons)."""
+    """A floor against regressions: 51 of the 60 lines translate today (the rest are declined with reasons)."""
     translated = 0
     for argv in LINES.values():
         try:
@@ -70,7 +71,7 @@ def test_corpus_figures():
         except UsageError:
             pass
     assert len(LINES) == 60
-    assert translated >= 52
+    assert translated >= 51
 
 
 # Lines that needed the decoupled lr, the QK-norm weight decay, the scheduler resume policy or the time-based exit.

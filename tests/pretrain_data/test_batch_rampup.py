@@ -145,28 +145,10 @@ def test_megatron_rules_are_mirrored_with_one_line_each():
         "(--lr-warmup-samples)"]
     assert "not divisible by micro batch 2 x data-parallel size 2" in _problems(
         "--step-batch-size-schedule 0:4 320:6 --train-samples 100", world=2)[0]
-    # Megatron-LM's gpt3 175b example: --global-batch-size (its calculator ignores it) and --train-iters with the
-    # schedule; by iterations the data holds train_iters x global batch samples, which the schedule must not overrun
-    t = _validated("--global-batch-size 8 --step-batch-size-schedule 0:2 320:4 640:8 --train-iters 9")
-    assert (t.step_batch_size_schedule, t.global_batch_size, t.max_steps) == ("0:2 320:4 640:8", 8, 9)
-    # steps of 2 at 0..8, of 4 at 10..18, of 8 from 20: 9 steps consume 5x2 + 3x4 + 8 = 30 > 9 x 2 (mbs x dp)
-    assert _problems("--step-batch-size-schedule 0:2 320:4 640:8 --train-iters 9") == [
-        "training.step_batch_size_schedule: max_steps 9 steps of the schedule consume 30 samples, more than the 18 = "
-        "max_steps x 2 (micro batch 2 x data-parallel size 1, Megatron's default global batch) Megatron builds the "
-        "data for, so the data would run out mid-run — train by samples (--train-samples), or give a "
-        "--global-batch-size at least the schedule's largest size"]
-    assert any("needs a length in samples or iterations" in p for p in _problems("--step-batch-size-schedule 0:2"))
-
-
-@pytest.mark.parametrize("schedule,mbs,dp,seq", [("0:2 8:4 20:8", 2, 1, None), ("0:4 1K:8 3K:24", 1, 4, 100),
-                                                 ("0:6 7:12 9:18 50:30", 3, 2, None)])
-def test_samples_after_counts_megatrons_steps(schedule, mbs, dp, seq):
-    """The segment count equals Megatron's loop: consumed += the schedule's batch at consumed, step by step (the
-    thresholds passed inside one step — 7 and 9 in the last case — are skipped as Megatron's lookup skips them)."""
-    steps = parse_step_schedule(schedule, seq)
-    calc = BatchSizeSchedule(global_batch_size=None, micro_batch_size=mbs, data_parallel_size=dp,
-                             step_schedule=schedule, seq_length=seq)
-    consumed = 0
-    for iterations in range(40):
-        assert calc.samples_after(iterations) == consumed, iterations
-        consumed += max(size for threshold, size in steps if threshold <= consumed)
+    with pytest.raises(UsageError) as info:  # Megatron-LM: "Cannot specify both ... and --global-batch-size"
+        translate_megatron(BASE + "--global-batch-size 8 --step-batch-size-schedule 0:8 --train-samples 9".split())
+    assert info.value.messages[0].startswith("--step-batch-size-schedule: Megatron-LM refuses it together with "
+                                             "--global-batch-size")
+    with pytest.raises(UsageError) as info:
+        translate_megatron(BASE + "--step-batch-size-schedule 0:8 --train-iters 9".split())
+    assert "sample-based training" in info.value.messages[0]
