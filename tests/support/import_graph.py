@@ -10,7 +10,7 @@ spelling of torch.distributed in a file and `import_loops` the circles through t
 """
 import ast
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -95,7 +95,6 @@ class Rules:
 
     layers: List[Tuple[str, Tuple[str, ...]]]
     packages: Dict[str, str]  # a package's __init__ → its layer
-    exceptions: Dict[Tuple[str, str], str] = field(default_factory=dict)
     models_may_use: Tuple[str, ...] = ()  # what model code may take from `distributed`
     kernels_may_use: Tuple[str, ...] = ()
 
@@ -106,20 +105,17 @@ class Rules:
         assert layer is not None, f"{module}: in no layer — add it to LAYERS in tests/tools/test_import_layers.py"
         return layer
 
-    def upward_imports(self, sources, edges: Iterable[Edge]) -> Tuple[List[str], set]:
-        """(problems, the exceptions used): imports of a higher layer."""
+    def upward_imports(self, sources, edges: Iterable[Edge]) -> List[str]:
+        """Imports of a higher layer."""
         rank = {name: i for i, (name, _) in enumerate(self.layers)}
-        wrong, used = [], set()
+        wrong = []
         for e in edges:
             here, there = self.layer_of(e.module), self.layer_of(e.target)
             if rank[there] >= rank[here]:
                 continue
-            if (e.module, e.target) in self.exceptions:
-                used.add((e.module, e.target))
-                continue
             wrong.append(f"{sources[e.module].path}:{e.line}: {e.module} ({here}) imports {e.target} ({there}, a "
                          f"higher layer)")
-        return wrong, used
+        return wrong
 
     def models_seeing_a_mesh(self, sources, edges: Iterable[Edge]) -> List[str]:
         return [f"{sources[e.module].path}:{e.line}: {e.module} imports {e.target} — model code takes the device and "

@@ -1,7 +1,7 @@
 """The layers the code keeps, read from its own imports (module-level and inside functions alike).
 
-A module may import its own layer and the layers below it, never one above (the table below, high to low; the
-README's "Where things live" shows the same). The stricter rules: model code never sees a mesh or probes the
+A module may import its own layer and the layers below it, never one above, with no exceptions (the table below,
+high to low; the README's "Where things live" shows the same). The stricter rules: model code never sees a mesh or probes the
 device (from `distributed` only the DTensor unwrap and rank-0 printing) and uses no torch.distributed at all
 (the plan hands it functions), the op library imports nothing of the engine, and validation imports no torch and
 no runtime package. Files import each other in no loop, at module level or through imports inside functions. A
@@ -54,15 +54,6 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
 # A package's own __init__ (imported before any of its modules) sits where its values do, not where its prefix does.
 PACKAGES = {"fsdp2_backend": "base", "fsdp2_backend.config": "base", "megatron_compat": "front"}
 
-# (importing module, imported module): why it may look up. Few, each with its way out.
-EXCEPTIONS: Dict[Tuple[str, str], str] = {
-}
-
-# Loops closed only through an import inside a function, left for their owners (sorted file lists): why, and the
-# way out. Each is reported when it is gone, so the list only shrinks.
-FUNCTION_LEVEL_LOOPS_LEFT: Dict[Tuple[str, ...], str] = {
-}
-
 # What model code may take from `distributed`: tensor-level helpers that know no mesh and no device.
 MODELS_MAY_USE = ("fsdp2_backend.distributed.dtensor", "fsdp2_backend.distributed.console")
 # The op library stands alone: itself and the error type.
@@ -70,7 +61,7 @@ KERNELS_MAY_USE = ("fsdp2_backend.kernels", "fsdp2_backend.usage_errors", "fsdp2
 OURS = ("fsdp2_backend", "megatron_compat")
 
 
-RULES = Rules(LAYERS, PACKAGES, EXCEPTIONS, MODELS_MAY_USE, KERNELS_MAY_USE)
+RULES = Rules(LAYERS, PACKAGES, MODELS_MAY_USE, KERNELS_MAY_USE)
 SOURCES = read_sources(REPO, OURS)
 EDGES = import_edges(SOURCES, OURS)
 layer_of = RULES.layer_of
@@ -83,10 +74,9 @@ def test_every_module_has_a_layer():
 
 
 def test_no_import_from_a_higher_layer():
-    wrong, used = RULES.upward_imports(SOURCES, EDGES)
+    """No exceptions: an import that looks up is moved, not listed."""
+    wrong = RULES.upward_imports(SOURCES, EDGES)
     assert not wrong, "\n".join(wrong)
-    stale = set(EXCEPTIONS) - used
-    assert not stale, f"exceptions no longer needed, remove them from EXCEPTIONS: {sorted(stale)}"
 
 
 def test_models_know_no_mesh_and_probe_no_device():
@@ -113,11 +103,9 @@ def test_no_import_loops_between_files():
 
 def test_no_import_loops_through_function_level_imports():
     """An import inside a function that closes a circle is a loop too: it only runs later."""
-    loops = [tuple(loop) for loop in import_loops(EDGES, ("module", "function"))]
-    new = [loop for loop in loops if loop not in FUNCTION_LEVEL_LOOPS_LEFT]
-    assert not new, "import loops (counting imports inside functions):\n" + "\n".join(" <-> ".join(x) for x in new)
-    gone = set(FUNCTION_LEVEL_LOOPS_LEFT) - set(loops)
-    assert not gone, f"loops no longer there, remove them from FUNCTION_LEVEL_LOOPS_LEFT: {sorted(gone)}"
+    loops = import_loops(EDGES, ("module", "function"))
+    assert not loops, ("import loops (counting imports inside functions):\n"
+                       + "\n".join(" <-> ".join(loop) for loop in loops))
 
 
 def test_no_module_is_reclassified():
@@ -178,7 +166,7 @@ def test_each_rule_fires():
     assert import_loops(edges, ("module",)) == []
     assert import_loops(edges, ("module", "function")) == [["fsdp2_backend.training.a", "fsdp2_backend.training.b"]]
     # upward imports, a mesh in model code, the op library importing the engine
-    wrong, _ = Rules(LAYERS, PACKAGES).upward_imports(tree, edges)
+    wrong = Rules(LAYERS, PACKAGES).upward_imports(tree, edges)
     assert any("fsdp2_backend.models.bad (models) imports fsdp2_backend.training.a (engine" in w for w in wrong), wrong
     assert any("fsdp2_backend.distributed.context" in w for w in RULES.models_seeing_a_mesh(tree, edges))
     assert RULES.models_seeing_a_mesh(tree, [e for e in edges if e.module == "fsdp2_backend.models.good"]) == []
