@@ -1,9 +1,9 @@
 """The layers the code keeps, read from its own imports (module-level and inside functions alike).
 
 A module may import its own layer and the layers below it, never one above, with no exceptions (the table below,
-high to low; the README's "Where things live" shows the same). The stricter rules: model code never sees a mesh or probes the
-device (from `distributed` only the DTensor unwrap and rank-0 printing) and uses no torch.distributed at all
-(the plan hands it functions), the op library imports nothing of the engine, and validation imports no torch and
+high to low; the README's "Where things live" shows the same). The stricter rules: model code never sees a mesh or
+probes the device (from `distributed` only the DTensor unwrap and rank-0 printing) and uses no torch.distributed at
+all (the plan hands it functions), the op library imports nothing of the engine, and validation imports no torch and
 no runtime package. Files import each other in no loop, at module level or through imports inside functions. A
 module sits in its package's layer: only torch-free facts may be placed apart (in base), so no module is
 reclassified to pass. A test that fails names the file, the line and the rule.
