@@ -19,10 +19,10 @@ from fsdp2_backend.config.batch_rules import batch_schedule_errors
 from fsdp2_backend.config.compile_rules import compile_notices
 from fsdp2_backend.config.fim_rules import fim_errors
 from fsdp2_backend.config.optimizer_rules import optimizer_errors
-from fsdp2_backend.config.fault_rules import canonical_config, canonical_key, check_run_inputs
+from fsdp2_backend.config.run_input_rules import canonical_config, canonical_key, check_run_inputs
 from fsdp2_backend.config.layout_rules import check_model_layout
 from fsdp2_backend.config.model_facts import ModelFacts, model_facts
-from fsdp2_backend.config.mindspeed_head_rules import head_field_errors, head_field_notices, normalise_head_fields
+from fsdp2_backend.config.mindspeed_master_field_rules import head_field_errors, head_field_notices, normalise_head_fields
 from fsdp2_backend.config.mindspeed_release_rules import release_readings
 from fsdp2_backend.config.mla_rules import mla_scale_errors
 from fsdp2_backend.config.mup_rules import mup_errors
@@ -233,7 +233,7 @@ def _check_optimizer_schedule(config: Config, errors: List[str]) -> None:
         elif t.start_weight_decay > t.end_weight_decay:
             errors.append(f"training.start_weight_decay: {t.start_weight_decay} exceeds end_weight_decay "
                           f"{t.end_weight_decay} — weight decay can only increase (Megatron's rule)")
-    if t.lr >= 0 and not 0.0 <= t.min_lr <= t.lr:  # a negative lr is reported once, by fault_rules
+    if t.lr >= 0 and not 0.0 <= t.min_lr <= t.lr:  # a negative lr is reported once, by run_input_rules
         errors.append(f"training.min_lr: {t.min_lr} must lie in [0, lr={t.lr}] — lower min_lr (Megatron --min-lr)")
     if t.lr >= 0 and t.lr_warmup_init > t.lr:
         errors.append(f"training.lr_warmup_init: {t.lr_warmup_init} exceeds lr={t.lr} — lower lr_warmup_init")
@@ -314,7 +314,7 @@ def validate_with_notices(config: Config, world_size: int = 1,
     _check_seed_rules(config, errors)
     _check_optimizer_schedule(config, errors)
     errors.extend(optimizer_errors(config))
-    errors.extend(head_field_errors(config))  # MindSpeed c77308a1's fields (mindspeed_head_rules)
+    errors.extend(head_field_errors(config))  # MindSpeed c77308a1's fields (mindspeed_master_field_rules)
     _check_monitoring(config, errors)
     _check_not_yet(config, errors)
     _check_sizes(config, world_size, errors)
