@@ -16,8 +16,6 @@ from megatron_compat.translate import translate_megatron
 from tests.support.launchers import run_pretrain
 from tests.support.tiny_models import tiny_model_dir
 
-pytestmark = pytest.mark.unit
-
 LINE = json.loads((Path(__file__).resolve().parents[1] / "data" / "launch_corpus.json").read_text())[
     "mindspeed-llm:examples/mcore/gemma2/pretrain_gemma2_9b_ptd.sh"]
 SMALL = {"--tensor-model-parallel-size": "1", "--num-layers": "3", "--hidden-size": "64", "--ffn-hidden-size": "96",

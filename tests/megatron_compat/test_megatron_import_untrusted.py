@@ -21,8 +21,6 @@ from tests.support.megatron_checkpoints import megatron_enums, megatron_gpt, sav
 from tests.support.megatron_checkpoints import megatron  # noqa: F401  (pytest fixture)
 from tests.support.megatron_reference import write_corpus
 
-pytestmark = pytest.mark.e2e
-
 
 class _Payload:
     """Unpickling runs os.system(command): what a hostile checkpoint would do."""

@@ -16,12 +16,9 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-import pytest
 
 from tests.support.import_graph import (Rules, Source, import_edges, import_loops, read_sources,
                                         torch_distributed_uses)
-
-pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 

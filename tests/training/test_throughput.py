@@ -18,8 +18,6 @@ import pytest
 from fsdp2_backend.training.throughput import (model_flops_per_token, peak_device_flops,
                                                peak_device_flops_for_name)
 
-pytestmark = pytest.mark.unit
-
 
 def test_gpt3_175b_equals_megatrons_closed_form():
     L, H, V, s, B = 96, 12288, 51200, 2048, 1536
