@@ -1,6 +1,8 @@
 """Start-up: seconds from the command to the first iteration's log line of a 1-rank tiny run, next to the floor
-(`python -c "import torch, transformers"`), measured in the same run, and where the run's time goes; the same
-run with compiled blocks (`--optimization.torch_compile True`) on a warm compile cache (a warm-up run first).
+(`python -c "import torch, transformers"`) and the floor of any FSDP2 loop over a transformers model (that plus
+transformers.modeling_utils, torch.distributed.fsdp and DTensor), measured in the same run, and where the run's
+time goes; the same run with compiled blocks (`--optimization.torch_compile True`) on a warm compile cache (a
+warm-up run first).
 
 The run: `pretrain_fsdp2.py` with Megatron flags, a 2-layer Llama-style model of hidden 64, mock data with the
 NullTokenizer, one iteration, no save. Rounds alternate the commands (this machine is shared: all see the
@@ -34,8 +36,14 @@ FLAGS = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-
          "--disable-bias-linear --position-embedding-type rope --normalization RMSNorm --swiglu --mock-data "
          "--train-iters 1 --lr 1e-4 --log-interval 1 --eval-iters 0 --hidden-dropout 0 --attention-dropout 0").split()
 PHASES_MODE = "--phases"
+# What any FSDP2 loop over a transformers model imports: transformers 5.25's modeling_utils brings torch._dynamo
+# (integrations.deepgemm, via finegrained_fp8) and torchao (quantizers.auto -> quantizer_torchao) whatever the
+# model; fully_shard brings DTensor. ~2.6 CPU-s above `import torch, transformers` here, none of it ours.
+MODEL_FLOOR = "import ... + HF modeling, FSDP2"
 COMMANDS = {
     "import torch, transformers": [sys.executable, "-c", "import torch, transformers"],
+    MODEL_FLOOR: [sys.executable, "-c", "import torch, transformers, transformers.modeling_utils, "
+                  "torch.distributed.fsdp, torch.distributed.tensor"],
     "tiny run, first iteration line": [sys.executable, os.path.join(REPO, "pretrain_fsdp2.py"), *FLAGS],
     # optimization.torch_compile on a rerun: inductor's FX graph cache (and AOT autograd's) from the warm-up run
     # hold the compiled block and loss, so what remains is dynamo's tracing and the cache lookups
@@ -169,10 +177,12 @@ def main() -> None:
     print(f"1-rank start-up, median of {args.rounds} alternating rounds: wall seconds [CPU seconds]; this machine "
           f"may be shared: the CPU seconds are the steadier figure")
     floor = None
+    model_floor = [statistics.median(r[i] for r in results[MODEL_FLOOR]) for i in (0, 1)]
     for name, runs in results.items():
         wall, cpu = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
         floor = floor or (wall, cpu)
-        print(f"  {name:32s}: {wall:6.2f} s [{cpu:6.2f} s]  ({wall / floor[0]:.2f}x [{cpu / floor[1]:.2f}x] the imports)")
+        print(f"  {name:32s}: {wall:6.2f} s [{cpu:6.2f} s]  ({wall / floor[0]:.2f}x [{cpu / floor[1]:.2f}x] the "
+              f"imports; {wall / model_floor[0]:.2f}x [{cpu / model_floor[1]:.2f}x] with HF modeling and FSDP2)")
     print(f"  the warm-up compiled run (before the rounds; cold if the compile cache was empty): {cold[0]:.2f} s "
           f"[{cold[1]:.2f} s]")
     print("where the tiny run's time goes (the same run, stamped; each phase's own seconds, median):")
