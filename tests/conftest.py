@@ -1,17 +1,19 @@
 """Test kinds, as markers, so a quick run is one command:
 
     python -m pytest -m unit tests            # in-process tests (a minute or two)
-    python -m pytest -m distributed tests     # 2-rank gloo tests (mp.spawn)
+    python -m pytest -m distributed tests     # 2-rank gloo tests (forked ranks: tests.support.launchers)
     python -m pytest -m e2e tests             # the real entry point and tools as subprocesses (torchrun)
 
-A test is `e2e` when its code (or a helper it names) starts the entry point or a tool as a subprocess,
-`distributed` when it spawns gloo ranks, `unit` otherwise; an explicit marker in the test file wins.
+A test's kind is where it launches processes, read from the code (tests/support/launch_scan.py): `e2e` when it, or
+a fixture or helper it calls, starts a program (`subprocess`: the entry point, torchrun, a tool), `distributed`
+when it forks gloo ranks (`run_distributed`), `unit` otherwise. A kind written in a test file
+(`pytestmark = pytest.mark.e2e`) is kept, and tests/tools/test_test_layout.py checks that it says what the test does.
 """
 from __future__ import annotations
 
-import inspect
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,8 +24,6 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 KINDS = ("unit", "distributed", "e2e")
-_E2E_WORDS = ("run_pretrain", "subprocess", "torch.distributed.run", "run_cli", "dry_run(", "train(")
-_DISTRIBUTED_WORDS = ("run_distributed", "mp.spawn")
 
 
 def pytest_configure(config):
@@ -33,26 +33,9 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{kind}: {text}")
 
 
-def _source(item) -> str:
-    try:
-        text = inspect.getsource(item.function)
-    except (OSError, TypeError):
-        return ""
-    # fixtures the test uses may do the work (e.g. a module-scoped reference run)
-    module = item.module
-    for name in getattr(item, "fixturenames", ()):
-        fixture = getattr(module, name, None)
-        if fixture is not None and callable(fixture):
-            try:
-                text += inspect.getsource(getattr(fixture, "__wrapped__", fixture))
-            except (OSError, TypeError):
-                pass
-    return text
-
-
 def pytest_unconfigure(config):
-    # The forkserver tests.support.launchers.run_distributed forks its ranks from: stopped and waited for, so that it goes
-    # with the session and its CPU time is counted with the session's.
+    # The forkserver tests.support.launchers.run_distributed forks its ranks from: stopped and waited for, so that it
+    # goes with the session and its CPU time is counted with the session's.
     if "multiprocessing.forkserver" in sys.modules:
         stop = getattr(sys.modules["multiprocessing.forkserver"]._forkserver, "_stop", None)
         if stop is not None:
@@ -60,13 +43,24 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests.support.launch_scan import Scanner, load_modules, marker_for, collected_tests
+
+    modules = load_modules()
+    by_path = {module.path: module for module in modules.values()}
+    scanner = Scanner(modules)
+    tests = {}
     for item in items:
         if any(item.get_closest_marker(kind) for kind in KINDS):
             continue
-        text = _source(item)
-        if any(word in text for word in _E2E_WORDS):
-            item.add_marker(pytest.mark.e2e)
-        elif any(word in text for word in _DISTRIBUTED_WORDS):
-            item.add_marker(pytest.mark.distributed)
-        else:
+        module = by_path.get(Path(str(item.path)).resolve())
+        if module is None:
             item.add_marker(pytest.mark.unit)
+            continue
+        if module.name not in tests:
+            tests[module.name] = dict(collected_tests(module))
+        name = getattr(item, "originalname", None) or item.name
+        if item.cls is not None:
+            name = f"{item.cls.__name__}::{name}"
+        node = tests[module.name].get(name)
+        kind = marker_for(scanner.node_kinds(module, node)) if node is not None else "unit"
+        item.add_marker(getattr(pytest.mark, kind))
