@@ -27,9 +27,9 @@ from fsdp2_backend.config import Config
 from fsdp2_backend.distributed.context import ParallelContext
 from fsdp2_backend.parallel.fsdp import apply_fsdp
 from fsdp2_backend.parallel.kernel_swaps import apply_fused_ops
+from fsdp2_backend.parallel.loss_hooks import register_loss_hooks
 from fsdp2_backend.parallel.model_checks import check_built_model
 from fsdp2_backend.parallel.recompute import apply_recompute
-from fsdp2_backend.parallel.router_groups import set_router_groups
 
 
 def _tensor_parallel(model: nn.Module, config: Config, ctx: ParallelContext) -> Set[nn.Parameter]:
@@ -102,8 +102,9 @@ def apply_parallelism(model: nn.Module, config: Config, ctx: ParallelContext) ->
         enable_packed_attention(model)
     _model_switches(model, config, ctx.device.type)
     check_built_model(model, config)  # the second validation phase: every stage's problems at once
-    set_router_groups(model, ctx, tokens_split_over_tp=parallel.tp_size > 1 and (
-        parallel.ep_size > 1 or parallel.ep_fsdp_size > 1))  # the groups the MoE routers' load-balancing losses reduce over
+    # the model-side loss terms (MoE routers, DSA indexer loss): their sums over ranks and optimizer-step hooks
+    register_loss_hooks(model, ctx, tokens_split_over_tp=parallel.tp_size > 1 and (
+        parallel.ep_size > 1 or parallel.ep_fsdp_size > 1))
     fsdp_ignored: Set[nn.Parameter] = set()
     if parallel.tp_size > 1:
         fsdp_ignored |= _tensor_parallel(model, config, ctx)

@@ -1,29 +1,43 @@
 """Hands the MoE routers (`models/moe/router.py`) the sums over ranks their load-balancing losses and expert
-biases need, as functions (`RouterReductions`), and registers their after-step hook on the optimizer step.
+biases need, as functions (`RouterReductions`: model code sees no process group), and registers their after-step
+hook on the optimizer step (`training.optimizer_step`). `sum_over(group)` turns a group into such a function.
 
-Model code holds no process groups; megatron-core's router sums the token counts of `aux_loss` /
-`seq_aux_loss` over the tensor-and-context-parallel group and those of `global_aux_loss` over the
-tensor-data-and-context-parallel group. Here tensor-parallel ranks see the same tokens (the router is
-replicated), so `sum_sequence` runs over the context-parallel group (this rank alone at cp 1) and `sum_batch`
-over the dp x cp group whose tokens make one global batch (the loss group; this rank alone when it is one rank).
-With expert parallel under tensor parallel the MoE blocks run on each tp rank's own tokens
-(`moe_tensor_parallel`): then the tp ranks join both groups (tp x cp, and every rank), and `tp_split` tells the
-router that tp of its sequence shards are not context-parallel (their gradients are summed, not averaged).
+Megatron-core's router sums the token counts of `aux_loss` / `seq_aux_loss` over the tensor-and-context-parallel
+group and those of `global_aux_loss` over the tensor-data-and-context-parallel group. Here tensor-parallel ranks
+see the same tokens (the router is replicated), so `sum_sequence` runs over the context-parallel group (this rank
+alone at cp 1) and `sum_batch` over the dp x cp group whose tokens make one global batch (the loss group; this rank
+alone when it is one rank). With expert parallel under tensor parallel the MoE blocks run on each tp rank's own
+tokens (`moe_tensor_parallel`): then the tp ranks join both groups (tp x cp, and every rank), and `tp_split` tells
+the router that tp of its sequence shards are not context-parallel (their gradients are summed, not averaged).
 The expert-bias token counts are summed over every rank (`sum_all`), after each step (`finish_router_step`).
-`set_router_groups` is the plan's one call for the model-side loss terms: it registers the DSA indexer loss's
-hooks too (`loss_hooks`), after the routers'.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from fsdp2_backend.distributed.context import ParallelContext
 from fsdp2_backend.models.moe.router import RouterReductions, finish_router_step, routers
-from fsdp2_backend.parallel.loss_hooks import register_indexer_hooks, sum_over
 from fsdp2_backend.training.optimizer_step import step_hooks
+
+
+def sum_over(group: Optional[dist.ProcessGroup]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function that sums a tensor over `group` in place and returns it; the identity for no group or one rank."""
+    if group is None or dist.get_world_size(group) == 1:
+        return _same
+    return lambda tensor: _all_reduce(tensor, group)
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    dist.all_reduce(tensor, group=group)
+    return tensor
 
 
 def _ranks(group: Optional[dist.ProcessGroup]) -> int:
@@ -31,13 +45,6 @@ def _ranks(group: Optional[dist.ProcessGroup]) -> int:
 
 
 def set_router_groups(model: nn.Module, ctx: ParallelContext, tokens_split_over_tp: bool = False) -> None:
-    """The plan's step for the model-side loss terms: the routers' reductions and after-step hook, then the DSA
-    indexer loss's hooks (`loss_hooks`)."""
-    _set_router_reductions(model, ctx, tokens_split_over_tp)
-    register_indexer_hooks(model, ctx)
-
-
-def _set_router_reductions(model: nn.Module, ctx: ParallelContext, tokens_split_over_tp: bool) -> None:
     found = list(routers(model))
     if not found:
         return

@@ -75,7 +75,7 @@ def _cp_step(model, batch, rank, world_size, cp_type, group):
 
     from fsdp2_backend.models.dsa_indexer_loss import finish_indexer_step, set_backward_scale
     from fsdp2_backend.parallel.context_parallel.batch import cp_token_mean, shard_batch_for_cp
-    from fsdp2_backend.parallel.loss_hooks import sum_over
+    from fsdp2_backend.parallel.router_groups import sum_over
 
     set_backward_scale(model, 1.0 / world_size)  # the trainer's 1 / (micro-batches x dp x cp)
     local_sum, local_count = _loss_sum(model, shard_batch_for_cp(batch, rank, world_size, cp_type))

@@ -85,7 +85,7 @@ def _context_parallel(rank, world_size, out_path):
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp2_backend.models.dsa_indexer_loss import finish_indexer_step, set_backward_scale
-    from fsdp2_backend.parallel.loss_hooks import sum_over
+    from fsdp2_backend.parallel.router_groups import sum_over
     from fsdp2_backend.parallel.context_parallel.batch import (cp_token_mean, sequence_indices, shard_batch_for_cp,
                                                                shift_labels)
     from fsdp2_backend.parallel.context_parallel.dsa import enable_dsa_context_parallel
