@@ -11,8 +11,9 @@ refuses the conversion with them. Torch-free, below the checkpoint formats: the 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Dict, List, Tuple
+
+from megatron_compat.argument_tables import MEGATRON_TABLE
 
 
 # How the run trained the model, not what the model is: no checkpoint reader takes them as given (a continuation's own
@@ -20,13 +21,10 @@ from typing import Any, Dict, List, Tuple
 _RUN_SETTINGS = frozenset({"hidden_dropout", "attention_dropout", "init_method_std"})
 
 
-# Megatron-LM's parser table, which the flag parser ships (megatron_compat/parse/arguments.py MEGATRON_TABLE): read
-# by its path here, since this mapping sits below the parser (the checkpoint readers use it too).
-_PARSER_TABLE = Path(__file__).resolve().parents[1] / "parse" / "megatron_lm_arguments.json"
 
 
 def _given(args: Any) -> set:
-    with open(_PARSER_TABLE, encoding="utf-8") as f:
+    with open(MEGATRON_TABLE, encoding="utf-8") as f:
         defaults = {entry["dest"]: entry["default"] for entry in json.load(f)}
     given = set()
     for dest, value in vars(args).items():

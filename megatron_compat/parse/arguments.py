@@ -17,15 +17,11 @@ import json
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from fsdp2_backend.usage_errors import UsageError
 
-_HERE = Path(__file__).resolve().parent
-MEGATRON_TABLE = _HERE / "megatron_lm_arguments.json"
-DIALECT_TABLE = _HERE / "mindspeed_flags.json"
-MINDSPEED_NAMES = _HERE / "mindspeed_llm_flag_names.txt"
+from megatron_compat.argument_tables import DIALECT_TABLE, MEGATRON_TABLE, MINDSPEED_NAMES  # noqa: F401 — re-read here
 
 # Which table an argument came from, for reports and the migration table.
 SOURCE_MEGATRON = "megatron-lm"

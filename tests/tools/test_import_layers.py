@@ -39,6 +39,8 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("kernels", ("fsdp2_backend.kernels",)),
     # what every layer reads: the config's values and torch-free facts, the error type, the package itself
     ("base", ("fsdp2_backend.usage_errors", "fsdp2_backend.known_noise",
+              "megatron_compat.argument_tables",  # where Megatron's argument tables are: the parser's and saved args'
+
               *(f"fsdp2_backend.config.{name}" for name in (
                   "schema", "schema_training", "fields", "layout",  # the Config and its derived parallel sizes
                   "batch_schedule", "signal_names", "tp_cp_checks", "quant_names",  # facts validation and runtime share
