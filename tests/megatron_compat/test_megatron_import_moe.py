@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.megatron_checkpoints import (SEQ, VOCAB, hf_logits, megatron_logits, save_megatron_checkpoint)  # noqa: F401
+from tests.support.megatron_checkpoints import SEQ, VOCAB, hf_logits, megatron_logits, save_megatron_checkpoint
 from tests.support.megatron_checkpoints import megatron  # noqa: F401  (pytest fixture)
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
