@@ -166,7 +166,8 @@ def test_second_depth_takes_the_first_depths_streams():
     """Two depths (a config declaring two): depth 2 gets depth 1's output streams before its hc_head and norm
     (DeepSeek's MTPBlock takes streams), the embedding of token t+2, and its own tensors; the per-depth losses
     equal the chain computed here by hand (the decoder layers' own modules, everything around them in plain ops)."""
-    from fsdp2_backend.models.mtp import attach_mtp, mtp_batch, mtp_forward
+    from fsdp2_backend.models.mtp import attach_mtp, mtp_forward
+    from fsdp2_backend.models.mtp import mtp_batch as with_mtp_targets
     from fsdp2_backend.models.registry import model_spec
 
     config = tiny_newer_config("deepseek_v4")
@@ -177,8 +178,8 @@ def test_second_depth_takes_the_first_depths_streams():
         for name, param in model.mtp.named_parameters():
             param.normal_(1.0 if param.dim() == 1 and "norm" in name else 0.0, 0.3 if param.dim() == 1 else 0.15)
     batch = mtp_batch(config.vocab_size)
-    batch = mtp_batch(dict(input_ids=batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"],
-                           position_ids=batch["position_ids"]), 2)
+    batch = with_mtp_targets(dict(input_ids=batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"],
+                                  position_ids=batch["position_ids"]), 2)
     with torch.no_grad():
         _, sums, counts = mtp_forward(model, batch, 2, lambda s, c: sum(s) * 0)
         seen = {}

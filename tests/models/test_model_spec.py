@@ -16,7 +16,6 @@ from fsdp2_backend.models.registry import model_spec, register_spec, registered_
 from fsdp2_backend.models.spec import ModelSpec
 from tests.support.launchers import run_distributed
 
-pytestmark = pytest.mark.multiprocess
 
 REPO = Path(__file__).resolve().parents[2]
 TOY_ID = "toy_llama"

@@ -6,7 +6,6 @@ description (per-document history, polynomial hash, mean of 1 + k(n-1) embedding
 import pytest
 import torch
 
-
 from tests.support.tiny_models import NEWER_VOCAB, engine_model, save_tiny, tiny_newer_config
 
 
