@@ -8,13 +8,10 @@ the scores of its `--seq-aux` loss under balancing 'none' (`mindspeed_seq_aux_sc
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from fsdp2_backend.models.moe.router import RouterSettings
 
 
 def group_limited_topk(scores: torch.Tensor, top_k: int, num_groups: int, group_topk: int,
@@ -30,9 +27,10 @@ def group_limited_topk(scores: torch.Tensor, top_k: int, num_groups: int, group_
     return torch.topk(scores.masked_fill(~score_mask.bool(), float("-inf")), k=top_k, dim=-1)
 
 
-def topk_routing(logits: torch.Tensor, s: "RouterSettings", expert_bias: Optional[torch.Tensor] = None,
+def topk_routing(logits: torch.Tensor, s: Any, expert_bias: Optional[torch.Tensor] = None,
                  index: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(weights, index), both (tokens, k): the selected experts and their combine weights. `index`, when
+    """(weights, index), both (tokens, k): the selected experts and their combine weights, by the router's settings
+    `s` (`router.RouterSettings`: read by field, so this module needs nothing of the router's). `index`, when
     given, replaces the selection (fix_router) and the weights are computed for it the same way."""
 
     def pick(scores):
