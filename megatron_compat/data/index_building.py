@@ -38,11 +38,12 @@ import numpy
 
 # numba's import and the load of its cached kernels cost 0.4-0.9 s once per process (llvmlite's start-up), and
 # the kernels save ~20-40 ns per entry over numpy (megatron-core's own shuffle; a linear-time numpy sample
-# index): they repay the load only from ~16M entries. Measured in fresh processes, 1M documents and 2M samples
-# (6M document-index entries): 1.5x megatron-core's wall time with numba loaded at 4M, 1.0x in numpy; 11M
-# entries: 1.18x vs 1.02x. So numba is loaded only for arrays of at least NUMBA_FROM entries; once a process
-# has it loaded (a larger data set came first), arrays from NUMBA_LOADED_FROM entries on take it too.
-NUMBA_FROM = 1 << 25
+# index). Fresh processes, 1M documents and 2M samples (`benchmarks/bench_index_build.py --first-use-doc-tokens`),
+# wall time against megatron-core's C++: a 6M-entry document index 1.51x with numba loaded, 0.97x in numpy;
+# 16M entries 0.99x either way; 23M 0.67x with numba, 0.85x in numpy. So numba is loaded only for arrays of at
+# least NUMBA_FROM entries; once a process has it loaded (a larger data set came first), arrays from
+# NUMBA_LOADED_FROM entries on take it too.
+NUMBA_FROM = 1 << 24
 NUMBA_LOADED_FROM = 1 << 22
 
 
