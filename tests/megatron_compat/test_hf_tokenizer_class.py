@@ -37,30 +37,31 @@ def _variant(saved, tmp_path, tokenizer_class, model_type=None, auto_map=False):
     return out
 
 
-# (tokenizer_config class, config.json model_type, whether the files alone settle it)
+# (tokenizer_config class, config.json model_type, whether the files alone settle it, AutoTokenizer's class in
+# transformers 5.25)
 CASES = [
-    ("TokenizersBackend", None, True),  # what transformers 5 saves
-    ("PreTrainedTokenizerFast", None, True),  # what transformers 4 saved
-    ("PreTrainedTokenizerFast", "llama", True),  # Llama-3's repositories
-    ("TokenizersBackend", "qwen3", True),
-    ("TokenizersBackend", "qwen2", False),  # MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS: its own class wins
-    ("PreTrainedTokenizerFast", "mistral", False),  # MistralCommonBackend's type
-    ("Qwen2Tokenizer", "qwen2", False),  # a model-specific class
-    ("GPT2Tokenizer", None, False),
+    ("TokenizersBackend", None, True, "TokenizersBackend"),  # what transformers 5 saves
+    ("PreTrainedTokenizerFast", None, True, "TokenizersBackend"),  # what transformers 4 saved
+    ("PreTrainedTokenizerFast", "llama", True, "TokenizersBackend"),  # Llama-3's repositories
+    ("TokenizersBackend", "qwen3", True, "TokenizersBackend"),
+    # MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS: the model type's own class wins over the file's
+    ("TokenizersBackend", "qwen2", False, "Qwen2Tokenizer"),
+    ("PreTrainedTokenizerFast", "mistral", False, "TokenizersBackend"),  # MistralCommonBackend's type: asked
+    ("Qwen2Tokenizer", "qwen2", False, "Qwen2Tokenizer"),  # a model-specific class
+    ("GPT2Tokenizer", None, False, "GPT2Tokenizer"),
 ]
 
 
-@pytest.mark.parametrize("tokenizer_class,model_type,direct", CASES)
-def test_same_class_and_ids_as_autotokenizer(saved, tmp_path, tokenizer_class, model_type, direct):
+@pytest.mark.parametrize("tokenizer_class,model_type,direct,auto_class", CASES)
+def test_same_class_and_ids_as_autotokenizer(saved, tmp_path, tokenizer_class, model_type, direct, auto_class):
     from transformers import AutoTokenizer
 
     path = _variant(saved, tmp_path, tokenizer_class, model_type)
     assert generic_backend_applies(str(path)) is direct
     reference = AutoTokenizer.from_pretrained(str(path))
+    assert type(reference).__name__ == auto_class
     ours = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(path))
     assert type(ours.hf) is type(reference)
-    if direct:
-        assert type(reference).__name__ == "TokenizersBackend"
     text = stdlib_texts(max_files=25)[21]
     assert ours.tokenize(text) == reference.convert_tokens_to_ids(reference.tokenize(text))
     assert (ours.eod, ours.pad, ours.vocab_size) == (reference.eos_token_id, reference.pad_token_id, len(reference))
