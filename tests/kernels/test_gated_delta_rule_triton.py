@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 CHECK = r"""
 import torch
-from tests.kernels.test_gated_delta_rule import _grads, _inputs, sequential_gated_delta_rule as oracle
+from tests.support.kernel_references import gdn_grads as _grads, gdn_inputs as _inputs
+from tests.support.kernel_references import sequential_gated_delta_rule as oracle
 from fsdp2_backend.kernels.gated_delta_rule_triton import triton_chunk_gated_delta_rule as gdn
 
 def close(a, b, tol, msg=""):

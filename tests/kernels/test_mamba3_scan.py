@@ -7,25 +7,12 @@ lengths that are not a multiple of the chunk; packed documents equal to separate
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from fsdp2_backend.kernels.mamba3_scan import mamba3_chunk_scan
 
-from tests.support.kernel_references import sequential_oracle
-
-
-def _inputs(b, l, r, h, n, p, a, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, l, r, h, n, generator=g)
-    k = torch.randn(b, l, r, h, n, generator=g)
-    v = torch.randn(b, l, r, h, p, generator=g)
-    dt = torch.nn.functional.softplus(torch.randn(b, l, h, generator=g) - 1)
-    adt = -torch.nn.functional.softplus(torch.randn(b, l, h, generator=g)).clamp_min(1e-4) * dt
-    trap = torch.randn(b, l, h, generator=g)
-    angles = 2 * torch.randn(b, l, h, a, generator=g)
-    return [t.requires_grad_() for t in (q, k, v, adt, dt, trap, angles)]
+from tests.support.kernel_references import mamba3_inputs as _inputs, sequential_oracle
 
 
 @pytest.mark.parametrize("rank,chunk,length", [(1, 4, 13), (1, 8, 16), (1, 16, 7), (2, 4, 11), (3, 5, 12)])

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 CHECK = r"""
 import torch
-from tests.kernels.test_mamba3_scan import _inputs, sequential_oracle
+from tests.support.kernel_references import mamba3_inputs as _inputs, sequential_oracle
 from fsdp2_backend.kernels.mamba3_scan import mamba3_chunk_scan
 from fsdp2_backend.kernels.mamba3_scan_triton import triton_mamba3_chunk_scan
 

@@ -30,10 +30,14 @@ def _hf_config(argv):
     return fields, load_hf_config(config.model)
 
 
-def test_the_line_is_declined_for_its_fp8_recipe_only():
-    with pytest.raises(UsageError) as info:
-        translate_megatron(LINE)
-    assert info.value.messages and all(m.startswith("--fp8-") for m in info.value.messages), info.value.messages
+def test_the_line_translates_with_megatrons_delayed_fp8_recipe():
+    """--fp8-format hybrid alone is Transformer Engine's DelayedScaling (Megatron's default recipe), with the
+    line's own amax history (1024) and compute algorithm (max)."""
+    model = translate_megatron(LINE).fields["model"]
+    assert {k: model.get(k) for k in ("quant_recipe_name", "quant_fp8_format", "quant_fp8_amax_history_len",
+                                      "quant_fp8_amax_compute_algo")} == {
+        "quant_recipe_name": "delayed", "quant_fp8_format": "hybrid", "quant_fp8_amax_history_len": 1024,
+        "quant_fp8_amax_compute_algo": "max"}
 
 
 def test_line_minus_fp8_builds_megatrons_gpt_oss():

@@ -222,8 +222,7 @@ def test_a_config_carrying_transformers_experts_choice_builds_our_models_first_i
 
     code = """
 import torch
-from tests.models.test_qwen3_next import tiny_next_config
-from tests.models.test_qwen3_moe import tiny_moe_config
+from tests.support.tiny_models import tiny_moe_config, tiny_next_config
 from fsdp2_backend.models.qwen3_next.modeling import build_qwen3_next
 from fsdp2_backend.models.registry import model_spec
 for build, config in ((build_qwen3_next, tiny_next_config()), (model_spec("qwen3_moe").build, tiny_moe_config())):

@@ -53,6 +53,19 @@ def sequential_oracle(q, k, v, adt, dt, trap, angles, doc_start=None):
     return torch.stack(ys, dim=1)
 
 
+def mamba3_inputs(b, l, r, h, n, p, a, seed=0):
+    """Seeded Mamba-3 scan inputs (q, k, v, adt, dt, trap, angles), each requiring grad."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, l, r, h, n, generator=g)
+    k = torch.randn(b, l, r, h, n, generator=g)
+    v = torch.randn(b, l, r, h, p, generator=g)
+    dt = torch.nn.functional.softplus(torch.randn(b, l, h, generator=g) - 1)
+    adt = -torch.nn.functional.softplus(torch.randn(b, l, h, generator=g)).clamp_min(1e-4) * dt
+    trap = torch.randn(b, l, h, generator=g)
+    angles = 2 * torch.randn(b, l, h, a, generator=g)
+    return [t.requires_grad_() for t in (q, k, v, adt, dt, trap, angles)]
+
+
 def sequential_gated_delta_rule(q, k, v, g, beta, initial_state=None):
     """The token-by-token recurrence in float64; q/k [B, T, H, K] (heads already matched to v), v [B, T, H, V]."""
     q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))

@@ -10,6 +10,7 @@ Each rule is also run on a synthetic source that breaks it, so a rule that stopp
 from __future__ import annotations
 
 import ast
+import textwrap
 from pathlib import Path
 
 from tests.support.launch_scan import (REPO, TESTS, Module, Scanner, is_test_module, load_modules, marker_for,
@@ -32,6 +33,14 @@ def imports_of_test_modules(tree: ast.AST):
             names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.ImportFrom):  # relative: any import that names a test module
             names = [f"tests.{node.module or ''}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "import" in node.value:
+            # code a test runs in a child process (`python -c CODE`) imports too
+            try:
+                code = ast.parse(textwrap.dedent(node.value))
+            except SyntaxError:
+                continue
+            found += [(node.lineno, name) for _, name in imports_of_test_modules(code)]
+            continue
         else:
             continue
         for name in names:
@@ -44,6 +53,7 @@ def imports_of_test_modules(tree: ast.AST):
 def test_no_test_file_imports_another_test_module():
     found = [f"{path.relative_to(REPO)}:{line}: imports {name}"
              for path in sorted(TESTS.rglob("*.py")) if "__pycache__" not in path.parts
+             and path != Path(__file__)  # this file's synthetic sources break the rule on purpose
              for line, name in imports_of_test_modules(ast.parse(path.read_text()))]
     assert not found, "move what they share into tests/support/:\n" + "\n".join(found)
 
@@ -51,9 +61,11 @@ def test_no_test_file_imports_another_test_module():
 def test_the_import_rule_fires_on_a_synthetic_source():
     source = ("from tests.e2e.test_faults_processes import FLAGS\n"
               "def helper():\n    import tests.models.test_qwen3_moe as moe\n"
-              "from tests import conftest\nfrom tests.support.launchers import run_pretrain\n")
+              "from tests import conftest\nfrom tests.support.launchers import run_pretrain\n"
+              "CHECK = \"\"\"\nimport torch\nfrom tests.kernels.test_gated_delta_rule import _grads\n\"\"\"\n")
     assert [name for _, name in imports_of_test_modules(ast.parse(source))] == [
-        "tests.e2e.test_faults_processes", "tests.models.test_qwen3_moe", "tests.conftest"]
+        "tests.e2e.test_faults_processes", "tests.models.test_qwen3_moe", "tests.conftest",
+        "tests.kernels.test_gated_delta_rule"]
 
 
 def test_written_kinds_say_what_the_tests_launch():
