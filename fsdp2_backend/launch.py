@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from fsdp2_backend.config import Config
 from fsdp2_backend.config.loading import build_config, load_yaml, split_native_overrides, to_yaml
 from fsdp2_backend.config.validation import validate_with_notices
-from fsdp2_backend.config.input_files import input_file_errors
+from fsdp2_backend.config.rules.input_files import input_file_errors
 from fsdp2_backend.usage_errors import UsageError, exit_on_usage_error
 
 DRY_RUN_FLAG = "--dry-run"
@@ -113,7 +113,7 @@ def parse_for_world(argv: List[str], world_size: Optional[int],
     """`parse_command_line`, also returning the world size it validated for.
 
     `world_size` None (a dry run without WORLD_SIZE) validates for the smallest world the layout fits.
-    `check_files`: also check the input files (model and data; `config.input_files`), reported with the other
+    `check_files`: also check the input files (model and data; `config.rules.input_files`), reported with the other
     problems — a run and a dry run do (they are looked at, not loaded).
     """
     argv = [a for a in argv if a != DRY_RUN_FLAG]

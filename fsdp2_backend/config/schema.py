@@ -243,7 +243,7 @@ class ParallelArguments:
                                                 "(pinned) host memory until backward (Megatron "
                                                 "--cpu-offloading-num-layers); 0: none, -1: every layer. Not with "
                                                 "recompute.")
-    # MindSpeed-LLM c77308a1 fields (config/mindspeed_master_field_rules.py says what each does here)
+    # MindSpeed-LLM c77308a1 fields (config/rules/mindspeed_master_fields.py says what each does here)
     hook_modules: List[str] = help_field(["model.layers.{*}"], "(MindSpeed) Modules its custom FSDP implementation "
                                          "hooks; no effect here (torch's FSDP2 is the implementation).")
     fsdp_implementation: Literal["native", "custom"] = help_field(
@@ -310,7 +310,7 @@ class OptimizationArguments:
     torch_compile: bool = help_field(False, "Compile each decoder block once with torch.compile (regional "
                                      "compilation, parallel/compile.py); same losses, faster steps after the first. "
                                      "Neither the seed nor MindSpeed has this switch; Megatron has no flag for it.")
-    # MindSpeed-LLM c77308a1 fields (config/mindspeed_master_field_rules.py says what each does here)
+    # MindSpeed-LLM c77308a1 fields (config/rules/mindspeed_master_fields.py says what each does here)
     use_sparse_flash_attn: bool = help_field(False, "(MindSpeed) NPU sparse flash attention for DSA models; this "
                                              "backend computes DSA attention with torch ops.")
     use_fused_lightning_indexer: bool = help_field(False, "(MindSpeed) NPU lightning-indexer kernel (DSA top-k).")

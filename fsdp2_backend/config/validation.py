@@ -5,7 +5,7 @@
 (gradient accumulation from the global batch, packing implied by neat_packing, the dataset as a list).
 `validate_with_notices` also returns the notices to print once: fields with no effect in the chosen mode.
 The rules that need the model (heads, experts, layer types, vocabulary for TP/CP/EP) read its facts without
-torch (`model_facts`) and live in `layout_rules`. Features that do not exist yet are declined here when set,
+torch (`model_facts`) and live in `rules.parallel`. Features that do not exist yet are declined here when set,
 so nothing is accepted and silently ignored. Runtime code may assert; it does not validate.
 """
 from __future__ import annotations
@@ -15,23 +15,20 @@ import re
 from dataclasses import replace
 from typing import List, Optional, Set, Tuple
 
-from fsdp2_backend.config.batch_rules import batch_schedule_errors
-from fsdp2_backend.config.compile_rules import compile_notices
-from fsdp2_backend.config.fim_rules import fim_errors
-from fsdp2_backend.config.optimizer_rules import optimizer_errors
-from fsdp2_backend.config.run_input_rules import canonical_config, canonical_key, check_run_inputs
-from fsdp2_backend.config.layout_rules import check_model_layout
-from fsdp2_backend.config.model_facts import ModelFacts, model_facts
-from fsdp2_backend.config.mindspeed_master_field_rules import head_field_errors, head_field_notices, normalise_head_fields
-from fsdp2_backend.config.mindspeed_release_rules import release_readings
-from fsdp2_backend.config.mla_rules import mla_scale_errors
-from fsdp2_backend.config.mup_rules import mup_errors
-from fsdp2_backend.config.quant_rules import check_quantization, quant_notices
-from fsdp2_backend.config.router_rules import (check_router_model, group_score_notices,
-                                               megatron_router_set, router_errors)
 from fsdp2_backend.config.layout import parallel_layout
+from fsdp2_backend.config.model_facts import ModelFacts, model_facts
+from fsdp2_backend.config.mindspeed_release_rules import release_readings
+from fsdp2_backend.config.mup_rules import mup_errors
+from fsdp2_backend.config.rules.data import check_sft, fim_errors, normalise_sft, sft_notices
+from fsdp2_backend.config.rules.mindspeed_master_fields import (head_field_errors, head_field_notices,
+                                                                normalise_head_fields)
+from fsdp2_backend.config.rules.model import (check_quantization, check_router_model, group_score_notices,
+                                              megatron_router_set, mla_scale_errors, quant_notices, router_errors)
+from fsdp2_backend.config.rules.optimization import compile_notices
+from fsdp2_backend.config.rules.parallel import check_model_layout
+from fsdp2_backend.config.rules.run_inputs import canonical_config, canonical_key, check_run_inputs
+from fsdp2_backend.config.rules.training import batch_schedule_errors, optimizer_errors
 from fsdp2_backend.config.schema import Config, dataset_entries
-from fsdp2_backend.config.sft_rules import check_sft, normalise_sft, sft_notices
 from fsdp2_backend.models import registry
 from fsdp2_backend.models.registry import spec_for_model_type, spec_of
 from fsdp2_backend.usage_errors import UsageError
@@ -233,7 +230,7 @@ def _check_optimizer_schedule(config: Config, errors: List[str]) -> None:
         elif t.start_weight_decay > t.end_weight_decay:
             errors.append(f"training.start_weight_decay: {t.start_weight_decay} exceeds end_weight_decay "
                           f"{t.end_weight_decay} — weight decay can only increase (Megatron's rule)")
-    if t.lr >= 0 and not 0.0 <= t.min_lr <= t.lr:  # a negative lr is reported once, by run_input_rules
+    if t.lr >= 0 and not 0.0 <= t.min_lr <= t.lr:  # a negative lr is reported once, by rules.run_inputs
         errors.append(f"training.min_lr: {t.min_lr} must lie in [0, lr={t.lr}] — lower min_lr (Megatron --min-lr)")
     if t.lr >= 0 and t.lr_warmup_init > t.lr:
         errors.append(f"training.lr_warmup_init: {t.lr_warmup_init} exceeds lr={t.lr} — lower lr_warmup_init")
@@ -251,9 +248,9 @@ def _check_not_yet(config: Config, errors: List[str]) -> None:
     for group, name, why in NOT_YET:
         if getattr(getattr(config, group), name) != getattr(getattr(defaults, group), name):
             errors.append(f"{group}.{name}: {why} — unset it")
-    check_sft(config, errors)  # stage sft / data_manager_type lf (sft_rules)
-    check_quantization(config, errors)  # quant_recipe_name and its fields (quant_rules)
-    errors.extend(fim_errors(config))  # data.fim_* (fim_rules)
+    check_sft(config, errors)  # stage sft / data_manager_type lf (rules.data)
+    check_quantization(config, errors)  # quant_recipe_name and its fields (rules.model)
+    errors.extend(fim_errors(config))  # data.fim_* (rules.data)
     if config.parallel.ep_dispatcher == "mc2" and config.parallel.ep_size > 1:  # ep 1: no dispatch (notices)
         errors.append("parallel.ep_dispatcher: mc2 needs Ascend NPUs (torch_npu MC2 kernels) — use eager or fused")
 
@@ -314,7 +311,7 @@ def validate_with_notices(config: Config, world_size: int = 1,
     _check_seed_rules(config, errors)
     _check_optimizer_schedule(config, errors)
     errors.extend(optimizer_errors(config))
-    errors.extend(head_field_errors(config))  # MindSpeed c77308a1's fields (mindspeed_master_field_rules)
+    errors.extend(head_field_errors(config))  # MindSpeed c77308a1's fields (rules.mindspeed_master_fields)
     _check_monitoring(config, errors)
     _check_not_yet(config, errors)
     _check_sizes(config, world_size, errors)
@@ -323,7 +320,7 @@ def validate_with_notices(config: Config, world_size: int = 1,
     _check_architecture(config, facts, errors)
     check_router_model(config, facts, errors)
     errors.extend(mup_errors(config, facts))  # model.use_mup / mup_* (mup_rules)
-    errors.extend(mla_scale_errors(config, facts))  # model.mla_scale_* (mla_rules)
+    errors.extend(mla_scale_errors(config, facts))  # model.mla_scale_* (rules.model)
     check_run_inputs(config, facts, world_size, errors)
     if not errors:
         check_model_layout(config, facts, world_size, errors)

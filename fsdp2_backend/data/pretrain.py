@@ -81,7 +81,7 @@ def build_pretrain_data(config, tokenizer, dp_rank: int, dp_size: int, consumed_
             # positions running on in Megatron. Documents have one representation here, positions restarting at
             # each (kernels/varlen.py); with rotary (relative) positions a document's outputs do not depend on
             # where its positions start, so restarting them gives Megatron's result (absolute positions are
-            # declined in validation: config/run_input_rules.py).
+            # declined in validation: config/rules/run_inputs.py).
             tokenizer=dataset_tokenizer(tokenizer),
             reset_position_ids=bool(data.reset_position_ids or data.reset_attention_mask),
             reset_attention_mask=bool(data.reset_attention_mask), eod_mask_loss=data.eod_mask_loss,

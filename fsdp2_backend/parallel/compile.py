@@ -20,7 +20,7 @@ trainer that calls it.
 Not fullgraph: a block that hits a graph break (an op dynamo cannot trace) still runs, its traceable pieces
 compiled. Every model id compiles (benchmarks/compile_model_ids.py lists graphs and breaks per id); blocks with
 routed experts compile in pieces around the token dispatch, said once by config validation (config/
-compile_rules.py). Ops that are already hand-fused or data-dependent run eager inside the compiled region
+rules/optimization.py). Ops that are already hand-fused or data-dependent run eager inside the compiled region
 (`torch.compiler.disable`: the experts' grouped GEMM, Gated DeltaNet's CPU scan).
 """
 from __future__ import annotations

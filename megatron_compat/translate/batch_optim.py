@@ -74,7 +74,7 @@ def _step_batch_size_schedule(ctx, value):
                                                 "(\"Cannot specify both --step-batch-size-schedule and "
                                                 "--global-batch-size\": the schedule gives every size) — drop "
                                                 "--global-batch-size")
-    elif "train_iters" in ctx.active:  # config/batch_rules.py: the schedule and data would be sized for the wrong count
+    elif "train_iters" in ctx.active:  # config/rules/training.py: the schedule and data would be sized for the wrong count
         ctx.decline("step_batch_size_schedule", "a growing batch needs sample-based training — replace --train-iters "
                                                 "by --train-samples (and --lr-*-iters by --lr-*-samples)")
     else:  # one quoted string, or its words split by the shell (arguments.py lets the flag take several)

@@ -1,4 +1,4 @@
-"""A newcomer's wrong inputs, found before anything is loaded (config/input_files.py through the command line): a
+"""A newcomer's wrong inputs, found before anything is loaded (config/rules/input_files.py through the command line): a
 blend with an odd number of entries, a .bin named instead of its prefix, a prefix that is not there ("did you
 mean" among the files beside it), a missing --load directory — all in one report — and a read-only data folder
 (the index caches, a raw file's tokenized copy), named with the field that moves the writes. Also the Megatron

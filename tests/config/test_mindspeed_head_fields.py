@@ -1,4 +1,4 @@
-"""MindSpeed-LLM c77308a1's newer YAML fields (config/mindspeed_master_field_rules.py): each accepted and honoured, or
+"""MindSpeed-LLM c77308a1's newer YAML fields (config/rules/mindspeed_master_fields.py): each accepted and honoured, or
 reported once as having no effect here, or refused with MindSpeed's own rule — with non-default values."""
 import pytest
 
@@ -71,7 +71,7 @@ def test_npu_only_ops_and_mindspeeds_refusals(model_dir, tmp_path):
                   "optimization.use_triton_swiglu_limit: for model_id deepseek_v4 only"):
         assert start in text, (start, text)
     # on a DSA model the NPU-only ops are accepted and said to have no effect here
-    from fsdp2_backend.config.mindspeed_master_field_rules import head_field_notices
+    from fsdp2_backend.config.rules.mindspeed_master_fields import head_field_notices
 
     config = build_config([("t", {"model": {"model_id": "glm52"}, "optimization": {
         "use_sparse_flash_attn": True, "use_fused_lightning_indexer": True, "use_fused_lightning_indexer_loss": True}})])
@@ -86,7 +86,7 @@ def test_npu_only_ops_and_mindspeeds_refusals(model_dir, tmp_path):
 
 
 def test_chunk_batch_refuses_megatron_load_balancing_losses(model_dir, tmp_path):
-    from fsdp2_backend.config.mindspeed_master_field_rules import head_field_errors
+    from fsdp2_backend.config.rules.mindspeed_master_fields import head_field_errors
 
     config = build_config([("t", {"parallel": {"enable_chunk_batch": True},
                                   "model": {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.01}})])
@@ -95,7 +95,7 @@ def test_chunk_batch_refuses_megatron_load_balancing_losses(model_dir, tmp_path)
 
 
 def test_transformers_routed_ids_refuse_megatrons_router_options():
-    from fsdp2_backend.config.mindspeed_master_field_rules import head_field_errors
+    from fsdp2_backend.config.rules.mindspeed_master_fields import head_field_errors
 
     for model_id in ("deepseek_v4", "longcat_flash_ngram"):
         config = build_config([("t", {"model": {"model_id": model_id, "moe_router_score_function": "sigmoid"}})])

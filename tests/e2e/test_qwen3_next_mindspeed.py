@@ -104,7 +104,7 @@ def test_context_parallel_layout_rule_accepts_gdn_layers_of_the_model_id_only():
     """Validation lets cp run over Gated DeltaNet layers where the project makes them context parallel (model_id
     qwen3_next, parallel/context_parallel/linear_attention.py), and still declines them for transformers' own
     class, whose GDN layers have no CP."""
-    from fsdp2_backend.config.layout_rules import check_model_layout
+    from fsdp2_backend.config.rules.parallel import check_model_layout
     from fsdp2_backend.config.model_facts import ModelFacts
     from tests.support.configs import pt_config
 

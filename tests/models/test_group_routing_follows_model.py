@@ -1,4 +1,4 @@
-"""Group-limited routing follows the model (models/moe/family_swap.py, config/router_rules.py): GLM-5.2 (`glm52`,
+"""Group-limited routing follows the model (models/moe/family_swap.py, config/rules/model.py): GLM-5.2 (`glm52`,
 transformers' GlmMoeDsa) with 2 expert groups, 1 chosen, top-4 of 16 experts — a case where transformers' group
 score (the sum of a group's top 2) and megatron-core's (the top k / group_topk = 4) pick different groups.
 

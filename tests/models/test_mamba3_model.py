@@ -194,7 +194,7 @@ def test_use_triton_rmsnormgated_switches_the_gated_norms():
 
 @pytest.mark.parametrize("flag", ["tp_size", "cp_size"])
 def test_tensor_and_context_parallel_are_declined(flag):
-    from fsdp2_backend.config.layout_rules import check_model_layout
+    from fsdp2_backend.config.rules.parallel import check_model_layout
     from fsdp2_backend.config.model_facts import ModelFacts
     from fsdp2_backend.config.schema import Config
 

@@ -93,7 +93,7 @@ def test_fused_rotary_leaves_partial_rope_alone():
 
 
 def test_tp_declined():
-    from fsdp2_backend.config.layout_rules import check_model_layout
+    from fsdp2_backend.config.rules.parallel import check_model_layout
     from fsdp2_backend.config.model_facts import ModelFacts
     from tests.support.configs import messages, pt_config
 

@@ -144,7 +144,7 @@ def test_every_spec_names_code_that_exists():
 
 # Literals equal to an id's name that are not the id: (file, value) → what they are.
 NOT_IDS = {("fsdp2_backend/config/mup_rules.py", "qwen3"): "an HF model type µP's name classes cover",
-           ("fsdp2_backend/config/sft_rules.py", "qwen3"): "a chat template's name (data.template)"}
+           ("fsdp2_backend/config/rules/data.py", "qwen3"): "a chat template's name (data.template)"}
 
 
 def _id_literals(path: Path, ids) -> list:

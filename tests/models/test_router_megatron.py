@@ -108,7 +108,7 @@ def test_router_dtype_and_evaluation():
 
 def test_router_fields_checked_as_megatron_core_checks_them():
     from fsdp2_backend.config import ModelArguments
-    from fsdp2_backend.config.router_rules import router_errors as _router_errors
+    from fsdp2_backend.config.rules.model import router_errors as _router_errors
 
     bad = ModelArguments(moe_router_load_balancing_type=["aux_loss", "bogus"], moe_aux_loss_coeff=[0.1],
                          moe_router_num_groups=4, moe_router_enable_expert_bias=True)

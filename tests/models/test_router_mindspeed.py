@@ -262,7 +262,7 @@ def test_corpus_lines_map_to_the_mindspeed_router():
 def test_native_fields_and_their_rules():
     from fsdp2_backend.config import ModelArguments
     from fsdp2_backend.config.loading import build_config
-    from fsdp2_backend.config.router_rules import router_errors
+    from fsdp2_backend.config.rules.model import router_errors
     from fsdp2_backend.usage_errors import UsageError
 
     config = build_config([("test", {"model": {"moe_router_score_function": "sqrtsoftplus",

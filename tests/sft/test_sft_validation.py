@@ -1,4 +1,4 @@
-"""The fine-tuning stage's config rules (config/sft_rules.py): every problem one line naming the field, before
+"""The fine-tuning stage's config rules (config/rules/data.py): every problem one line naming the field, before
 anything is built; notices for fields with no effect; the per-token loss SFT derives."""
 import pytest
 

@@ -21,9 +21,9 @@ Group-limited selection follows the model: a group is scored by the sum of its t
 DeepSeek-V3 and GLM-MoE-DSA do, unless Megatron's group flags (`model.moe_router_num_groups` / `group_topk`,
 --moe-router-num-groups / --moe-router-group-topk) ask for megatron-core's rule, the top (k / group_topk); the two
 agree for DeepSeek-V2/V3's own configs (k 6 / 3 groups, 8 / 4), and config validation says once which one a run
-takes where they differ (`router_rules.group_score_notices`). Difference from transformers, on purpose: Megatron's
-sigmoid routing always renormalises the top-k (a DeepSeek-V3 config with `norm_topk_prob: false` is refused by
-config validation, `router_rules`, unless softmax scores are asked for).
+takes where they differ (`config.rules.model.group_score_notices`). Difference from transformers, on purpose:
+Megatron's sigmoid routing always renormalises the top-k (a DeepSeek-V3 config with `norm_topk_prob: false` is
+refused by config validation, `config.rules.model`, unless softmax scores are asked for).
 
 Per-expert checkpoint keys: DeepSeek-V3 and Qwen2-MoE hold `mlp.experts.{e}.gate_proj/up_proj/down_proj`
 (qwen3_moe's layout, same functions), Mixtral `block_sparse_moe.experts.{e}.w1/w3/w2` (MiniMax-M2's layout).

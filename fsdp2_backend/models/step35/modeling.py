@@ -22,7 +22,7 @@ head-wise gate, so Ulysses / ring (`parallel/context_parallel/attention.py`) see
 shard's global positions (the cp batch carries them), return all heads of the local tokens, and the gate then
 multiplies each head of those tokens; sliding layers keep their window (Ulysses: over the gathered sequence,
 ring: by global positions). Ulysses splits each layer type's own heads: validation checks every type
-(`config/layout_rules.py`).
+(`config/rules/parallel.py`).
 
 Where transformers' Step-3.7 code differs from Step-3.5's own modeling code (stepfun-ai/Step-3.5-Flash
 `modeling_step3p5.py`), this module follows Step-3.5 (see `check_step35_config`): the routed scaling factor is

@@ -1,4 +1,7 @@
-"""The rules that tie the parallel layout and the data shape to the model: checked by validation, torch-free.
+"""Rules of the `parallel.*` layout against the model and the data shape. Torch-free; called once from `validation`; its
+parts, in order:
+
+The rules that tie the parallel layout and the data shape to the model: checked by validation, torch-free.
 
 `check_model_layout(config, facts, world_size, errors)` adds one message per problem:
 - tensor parallel: attention heads and key/value heads divisible by tp (`config.tp_cp_checks`);
@@ -25,6 +28,9 @@ from fsdp2_backend.config.schema import Config
 from fsdp2_backend.config.tp_cp_checks import (context_parallel_problems, sequence_length_problems,
                                                  tensor_parallel_problems)
 from fsdp2_backend.models.registry import spec_for_model_type, spec_of
+
+
+# --- layout ----------------------------------------------------------------------------------------
 
 CP_LAYER_TYPES = {"full_attention"}  # without a model id
 

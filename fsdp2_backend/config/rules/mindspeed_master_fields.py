@@ -73,7 +73,7 @@ def head_field_errors(config) -> List[str]:
     if dsa and not (spec and spec.dsa):
         errors.append(f"optimization.{dsa[0]}: for DSA models only (model_id {' / '.join(dsa_ids)}; "
                       f"MindSpeed's rule), got model_id {m.model_id} — drop it")
-    from fsdp2_backend.config.router_rules import megatron_router_set
+    from fsdp2_backend.config.rules.model import megatron_router_set
 
     if spec and spec.router == "own" and megatron_router_set(m):
         errors.append(spec.note("router"))

@@ -1,4 +1,10 @@
-"""Config rules of the changing global batch (`training.rampup_batch_size`, `step_batch_size_schedule`,
+"""Rules of the `training.*` fields: the optimizer variants and the changing global batch. Torch-free; called once from
+`validation`; its parts, in order:
+
+Config rules of the optimizer variants: MindSpeed's O2 (`training.o2_optimizer`, training/o2_adamw.py) and
+Muon's options (`training.muon_*`, training/muon.py). Torch-free; called once from `validation`.
+
+Config rules of the changing global batch (`training.rampup_batch_size`, `step_batch_size_schedule`,
 `decrease_batch_size_if_needed`), as Megatron-LM / megatron-core check them. Torch-free; called once from
 `validation`. The arithmetic is `batch_schedule.py`'s.
 
@@ -18,6 +24,29 @@ from typing import List
 
 from fsdp2_backend.config.batch_schedule import BatchSizeSchedule, parse_step_schedule
 from fsdp2_backend.config.layout import parallel_layout
+
+
+# --- optimizer -------------------------------------------------------------------------------------
+
+def optimizer_errors(config) -> List[str]:
+    """Every problem of the optimizer-variant fields."""
+    t, p = config.training, config.parallel
+    errors: List[str] = []
+    if t.o2_optimizer and p.param_dtype != "bf16":
+        errors.append(f"training.o2_optimizer: MindSpeed's O2 optimizer supports bf16 training only (parallel."
+                      f"param_dtype is {p.param_dtype}) — train with --bf16, or drop --o2-optimizer")
+    megatron_only = {"muon_nesterov": False, "muon_coefficient_type": "quintic", "muon_num_ns_steps": 5,
+                     "muon_extra_scale_factor": 1.0, "muon_fp32_matmul_prec": "medium"}
+    if t.muon_scale_mode is None:
+        errors += [f"training.{name}: an option of Megatron's Muon, which muon_scale_mode selects (unset: torch.optim."
+                   f"Muon) — set training.muon_scale_mode (e.g. spectral), or drop {name}"
+                   for name, default in megatron_only.items() if getattr(t, name) != default]
+    if t.muon_num_ns_steps < 1:
+        errors.append(f"training.muon_num_ns_steps: must be at least 1, got {t.muon_num_ns_steps}")
+    return errors
+
+
+# --- batch -----------------------------------------------------------------------------------------
 
 _RAMP = "training.rampup_batch_size"
 _STEPS = "training.step_batch_size_schedule"

@@ -1,4 +1,7 @@
-"""What `optimization.torch_compile` (regional compilation, parallel/compile.py) does for the chosen model, said once.
+"""Rules of the `optimization.*` switches: what regional compilation does for the model. Torch-free; called once from
+`validation`; its parts, in order:
+
+What `optimization.torch_compile` (regional compilation, parallel/compile.py) does for the chosen model, said once.
 
 Every model id's decoder blocks compile (each block once, in place, before FSDP). Measured per model id on the
 tiny configs (dynamo's graph-break counters, one forward and backward): the dense blocks (qwen3, mamba3, a
@@ -16,6 +19,8 @@ from typing import List
 from fsdp2_backend.config.model_facts import ModelFacts
 from fsdp2_backend.config.schema import Config
 
+
+# --- compile ---------------------------------------------------------------------------------------
 
 def compile_notices(config: Config, facts: ModelFacts) -> List[str]:
     """The notice for a model whose blocks compile in pieces (routed experts); nothing otherwise."""
