@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.support.launchers import REPO, free_port
-from tests.support.tiny_models import train_bytelevel_tokenizer
+from tests.support.tiny_models import text_parquet_and_tokenizer
 from tests.support.launchers import LOG_LINE_START, failure_report, run_command
 
 YAML = os.path.join(REPO, "tests", "data", "mindspeed_fsdp2", "head",
@@ -24,17 +24,10 @@ LAUNCHER_SWITCHES = ["--optimization.use_fused_rmsnorm", "True", "--optimization
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    from fsdp2_backend.cli.demo_assets import stdlib_texts
-
     root = tmp_path_factory.mktemp("gpt_oss_assets")
-    parquet = root / "train.parquet"
-    pq.write_table(pa.table({"text": stdlib_texts(max_files=32, max_chars=2000)}), str(parquet))
-    model = root / "tiny-gpt-oss"
-    tokenizer = train_bytelevel_tokenizer(model, vocab_size=300)
+    parquet, model, tokenizer = text_parquet_and_tokenizer(root, "tiny-gpt-oss")
     config = GptOssConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                           num_experts_per_tok=2, sliding_window=8, max_position_embeddings=256,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.support.launchers import REPO, free_port
-from tests.support.tiny_models import train_bytelevel_tokenizer
+from tests.support.tiny_models import text_parquet_and_tokenizer
 from tests.support.launchers import LOG_LINE_START, failure_report, run_command
 
 YAML = os.path.join(REPO, "tests", "data", "mindspeed_fsdp2", "head",
@@ -26,17 +26,10 @@ RELEASE_YAML = YAML.replace(os.sep + "head" + os.sep, os.sep + "v26.1.0" + os.se
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
 
-    from fsdp2_backend.cli.demo_assets import stdlib_texts
-
     root = tmp_path_factory.mktemp("minimax_assets")
-    parquet = root / "train.parquet"
-    pq.write_table(pa.table({"text": stdlib_texts(max_files=32, max_chars=2000)}), str(parquet))
-    model = root / "tiny-minimax"
-    tokenizer = train_bytelevel_tokenizer(model, vocab_size=300)
+    parquet, model, tokenizer = text_parquet_and_tokenizer(root, "tiny-minimax")
     config = MiniMaxM2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                              num_experts_per_tok=2, rotary_dim=8, max_position_embeddings=256,

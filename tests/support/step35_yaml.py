@@ -9,7 +9,7 @@ import pytest
 
 from tests.support.launchers import REPO
 from tests.support.step35_reference import step35_config, step35_config_dict, step35_reference, write_step35_checkpoint
-from tests.support.tiny_models import train_bytelevel_tokenizer
+from tests.support.tiny_models import text_parquet_and_tokenizer
 
 DATA = os.path.join(REPO, "tests", "data", "mindspeed_fsdp2")
 
@@ -29,16 +29,8 @@ STEP35_FLASH = dict(
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from fsdp2_backend.cli.demo_assets import stdlib_texts
-
     root = tmp_path_factory.mktemp("step35_assets")
-    parquet = root / "train.parquet"
-    pq.write_table(pa.table({"text": stdlib_texts(max_files=32, max_chars=2000)}), str(parquet))
-    model = root / "tiny-step35"
-    tokenizer = train_bytelevel_tokenizer(model, vocab_size=300)
+    parquet, model, tokenizer = text_parquet_and_tokenizer(root, "tiny-step35")
     vocab = len(tokenizer)
     text, head = step35_reference(step35_config(vocab_size=vocab), large_mlp=False)
     written = write_step35_checkpoint(model, text, head, step35_config_dict(vocab_size=vocab))

@@ -19,6 +19,18 @@ from tests.support.router_reference import E
 from tests.support.step35_reference import step35_config
 
 
+def text_parquet_and_tokenizer(root, model_name: str, vocab_size: int = 300):
+    """(train.parquet of local standard-library texts, the model directory `root/model_name` holding a byte-level
+    tokenizer trained on them, that tokenizer): the assets of the raw-text training tests."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet = root / "train.parquet"
+    pq.write_table(pa.table({"text": stdlib_texts(max_files=32, max_chars=2000)}), str(parquet))
+    model = root / model_name
+    return parquet, model, train_bytelevel_tokenizer(model, vocab_size=vocab_size)
+
+
 def tiny_model_dir(path, seed: int, vocab_size: int = 300, **overrides) -> str:
     """An HF directory holding a locally trained tokenizer and a seeded tiny Qwen3 sized to its vocabulary."""
     tokenizer = train_bytelevel_tokenizer(path, vocab_size=vocab_size)
