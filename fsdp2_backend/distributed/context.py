@@ -26,14 +26,6 @@ from fsdp2_backend.config import ParallelArguments, ParallelLayout, parallel_lay
 from fsdp2_backend.distributed.device import DeviceInfo, resolve_device
 
 
-def _free_local_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def init_process_group(device: DeviceInfo) -> bool:
     """Joins (or creates) the default process group; True when this call created it (and must destroy it)."""
     if dist.is_initialized():
@@ -42,9 +34,9 @@ def init_process_group(device: DeviceInfo) -> bool:
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         dist.init_process_group(device.backend)
     else:
-        # A plain `python pretrain_fsdp2.py`: FSDP2 still needs a group, so make a private one-rank one.
-        dist.init_process_group(device.backend, init_method=f"tcp://127.0.0.1:{_free_local_port()}",
-                                rank=0, world_size=1)
+        # A plain `python pretrain_fsdp2.py`: FSDP2 still needs a group, so make a private one-rank one. Its
+        # store lives in this process (no port: a port picked free and bound later can be taken in between).
+        dist.init_process_group(device.backend, store=dist.HashStore(), rank=0, world_size=1)
     return True
 
 
