@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Checkpoint size, save time (sync vs async) and how long the training loop stalls, on gloo/CPU ranks.
 
-    python benchmarks/bench_checkpoint.py [--world-size 2] [--preset demo|small] [--steps 24] [--every 4]
+    python -m benchmarks.bench_checkpoint [--world-size 2] [--preset demo|small] [--steps 24] [--every 4]
                                           [--repeats 2]
 
 A Qwen3 sharded with FSDP2 and AdamW trains `--steps` steps without saving (the reference), saving

@@ -5,7 +5,7 @@ process, then cp 2 Ulysses and cp 2 ring in two processes each. Each layout runs
 peak resident memory (ru_maxrss) of a rank belongs to that layout alone; "activation peak" subtracts the
 resident memory measured just before the first step. Prints figures and ratios against cp 1.
 
-    python benchmarks/bench_context_parallel.py --seq 4096 --steps 3
+    python -m benchmarks.bench_context_parallel --seq 4096 --steps 3
 """
 from __future__ import annotations
 

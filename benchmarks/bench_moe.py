@@ -1,7 +1,7 @@
 """MoE throughput and memory on CPU: no EP vs EP 2 (eager / fused dispatch) on 2 gloo ranks, and grouped GEMM
 vs the per-expert loop in one process.
 
-    python benchmarks/bench_moe.py [--steps 4] [--seq 256] [--experts 8] [--grouped-gemm] [--skip-ep | --skip-gemm]
+    python -m benchmarks.bench_moe [--steps 4] [--seq 256] [--experts 8] [--grouped-gemm] [--skip-ep | --skip-gemm]
 
 Per layout: training tokens/s over both ranks (best step time after one warm-up step), and the peak RSS of a
 rank process during the timed steps (VmHWM, reset after the warm-up; whole process, imports included) with its

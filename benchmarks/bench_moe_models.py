@@ -1,7 +1,7 @@
 """Per-model MoE training throughput and memory on 2 CPU ranks (no EP vs EP 2), and gpt_oss's attention with
 sinks: ours (SDPA, the sinks as a key column) vs transformers' eager attention at 4k.
 
-    python benchmarks/bench_moe_models.py [--steps 3] [--seq 256] [--attn-seq 4096] [--skip-train | --skip-attn]
+    python -m benchmarks.bench_moe_models [--steps 3] [--seq 256] [--attn-seq 4096] [--skip-train | --skip-attn]
 
 Models: qwen3_moe, gpt_oss, minimax_m27 and step35 (the model ids of this project), tiny configs of the same
 shape (2 layers, both sparse, hidden 128, 8 experts top 2), Megatron's router with an aux loss (`configure_moe`,
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 
-from bench_moe import _reset_peak_rss, _status_mb  # noqa: E402  the same RSS measurement
+from benchmarks.bench_moe import _reset_peak_rss, _status_mb  # the same RSS measurement
 
 EXPERTS = "model.layers.{*}.mlp.experts"
 

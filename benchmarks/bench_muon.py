@@ -1,7 +1,7 @@
 """Optimizer step time on 2 CPU ranks with FSDP2: AdamW, torch.optim.Muon straight on DTensors (implicit
 collectives inside Newton-Schulz, sharding-dependent bf16 rounding) and ShardedMuon (one all-gather per matrix,
 full-matrix Newton-Schulz), plus each Muon's max difference from a 1-rank torch.optim.Muon step.
-Run: python benchmarks/bench_muon.py [--layers 4 --dim 512 --steps 3]
+Run: python -m benchmarks.bench_muon [--layers 4 --dim 512 --steps 3]
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ dequantise + bf16 matmul and the casts are torch code, so MXFP8 is SLOWER here t
 MXFP8 — the 2x GEMM throughput and the halved all-gather time — needs MX hardware (Blackwell-class GPUs with
 MX tensor cores, Ascend NPUs with MX matmul); the byte saving of the low-precision all-gather is real anywhere
 and shows on a network-bound cluster.
-Run: python benchmarks/bench_mxfp8.py [--hidden 256 --layers 4 --steps 6]
+Run: python -m benchmarks.bench_mxfp8 [--hidden 256 --layers 4 --steps 6]
 """
 from __future__ import annotations
 
