@@ -4,12 +4,11 @@ trains a tiny GPT-OSS with the gpt_oss model id: expert parallel 2 on 2 ranks pr
 (f88dd26d's) gives the same losses."""
 import json
 import os
-import sys
 
 import pytest
 import torch
 
-from tests.support.launchers import REPO, free_port
+from tests.support.launchers import REPO, torchrun_command
 from tests.support.tiny_models import text_parquet_and_tokenizer
 from tests.support.launchers import LOG_LINE_START, failure_report, run_command
 
@@ -49,8 +48,7 @@ def _train(assets, out, ranks, ep, yaml_file=YAML):
             "--training.per_device_train_batch_size", "1", "--training.gradient_accumulation_steps", str(3 - ranks),
             "--training.output_dir", str(out), *LAUNCHER_SWITCHES, "--training.max_steps", "4",
             "--data.cutoff_len", "64", "--training.save_steps", "4", "--training.lr", "1e-3"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), yaml_file, *args]
+    command = torchrun_command(ranks, os.path.join(REPO, "pretrain_fsdp2.py"), yaml_file, *args)
     result = run_command(command, {}, timeout=600)
     assert result.returncode == 0, failure_report(result, command)
     log = result.stdout + result.stderr

@@ -4,11 +4,10 @@ load a tiny GPT-OSS and train 3 steps with finite, printed losses."""
 import json
 import math
 import os
-import sys
 
 import pytest
 
-from tests.support.launchers import REPO, free_port
+from tests.support.launchers import REPO, torchrun_command
 from tests.support.tiny_models import train_bytelevel_tokenizer
 from tests.support.launchers import failure_report, run_command, train_lines
 
@@ -61,8 +60,7 @@ def test_tune_yaml_trains_three_steps_on_two_ranks(assets, tmp_path, name):
             "--training.gradient_accumulation_steps", "1", "--training.output_dir", str(tmp_path / "output"),
             "--training.max_steps", "3", "--data.cutoff_len", "64", "--training.save_steps", "0",
             "--training.dataloader_num_workers", "0", "--training.lr", "1e-3"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), os.path.join(HEAD, name), *args]
+    command = torchrun_command(2, os.path.join(REPO, "pretrain_fsdp2.py"), os.path.join(HEAD, name), *args)
     result = run_command(command, {}, timeout=600)
     assert result.returncode == 0, failure_report(result, command)
     lines = train_lines(result.stdout + result.stderr, parse_train_line)

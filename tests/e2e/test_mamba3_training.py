@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.support.launchers import REPO, free_port, run_pretrain
+from tests.support.launchers import REPO, torchrun_command, run_pretrain
 from tests.support.tiny_models import mamba3_mindspeed_dir
 
 YAML = """
@@ -124,8 +123,7 @@ def test_mindspeed_mamba3_yaml_trains_on_two_cpu_ranks(tmp_path, commit, name):
         args += ["--model.tokenizer_name_or_path", model]
     # a CPU-sized run: short sequences, a few steps
     args += ["--data.cutoff_len", "64", "--training.max_steps", "3", "--data.max_samples", "64"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), str(yaml_file), *args]
+    command = torchrun_command(2, os.path.join(REPO, "pretrain_fsdp2.py"), str(yaml_file), *args)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     log = result.stdout + result.stderr

@@ -25,7 +25,7 @@ import sys
 import pytest
 import yaml
 
-from tests.support.launchers import REPO, failure_report, free_port, run_command, train_lines
+from tests.support.launchers import REPO, failure_report, torchrun_command, run_command, train_lines
 from tests.support.mindspeed_yaml import LAUNCHERS, MAPPED, real_model_name, with_paths
 from tests.support.mindspeed_yaml import assets  # noqa: F401  (pytest fixture)
 
@@ -126,8 +126,7 @@ def test_sft_launcher_dry_runs_and_trains_on_two_ranks(assets, tmp_path, commit,
              "--data.cutoff_len", "64", "--training.per_device_train_batch_size", "1",
              "--training.gradient_accumulation_steps", "1", "--training.save_steps", "3",
              "--training.output_dir", output, "--training.dataloader_num_workers", "0"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), str(yaml_file), *args]
+    command = torchrun_command(2, os.path.join(REPO, "pretrain_fsdp2.py"), str(yaml_file), *args)
     result = run_command(command, {}, timeout=600)
     assert result.returncode == 0, failure_report(result, command)
     lines = train_lines(result.stdout + result.stderr, parse_train_line)
@@ -157,8 +156,7 @@ def test_trains_three_steps_on_two_ranks(assets, tmp_path, commit, launcher, ent
              "--training.max_steps", "3", "--data.cutoff_len", "64", "--training.per_device_train_batch_size", "1",
              "--training.gradient_accumulation_steps", "1", "--training.save_steps", "3",
              "--training.output_dir", output]  # the YAML's own data loader workers
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), str(yaml_file), *args]
+    command = torchrun_command(2, os.path.join(REPO, "pretrain_fsdp2.py"), str(yaml_file), *args)
     result = run_command(command, {}, timeout=600)
     assert result.returncode == 0, failure_report(result, command)
     lines = train_lines(result.stdout + result.stderr, parse_train_line)

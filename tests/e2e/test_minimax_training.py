@@ -9,12 +9,11 @@ checkpoint's correction bias. MindSpeed-LLM v26.1.0's copy of the example gives 
 import json
 import os
 import shutil
-import sys
 
 import pytest
 import torch
 
-from tests.support.launchers import REPO, free_port
+from tests.support.launchers import REPO, torchrun_command
 from tests.support.tiny_models import text_parquet_and_tokenizer
 from tests.support.launchers import LOG_LINE_START, failure_report, run_command
 
@@ -53,8 +52,7 @@ def _train(assets, out, ranks, ep, ep_fsdp=1, *extra, accumulate=None, steps=8, 
             str(accumulate or 3 - ranks), "--training.output_dir", str(out), "--optimization.moe_grouped_gemm", "True",
             "--training.max_steps", str(steps), "--data.cutoff_len", "64", "--training.save_steps", "4",
             "--training.lr", "1e-3", *extra]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), yaml_file, *args]
+    command = torchrun_command(ranks, os.path.join(REPO, "pretrain_fsdp2.py"), yaml_file, *args)
     result = run_command(command, {}, timeout=600)
     assert result.returncode == 0, failure_report(result, command)
     log = result.stdout + result.stderr

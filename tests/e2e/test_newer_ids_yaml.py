@@ -9,13 +9,12 @@ run at cp_size 1. MindSpeed-LLM v26.1.0's glm52 and LongCat YAMLs (tests/data/mi
 and its glm52 pipeline YAML (optimization.indexer_loss_coeff 0.1) and LongCat YAML (model_id longcat_flash, experts
 merged offline) train on 2 ranks."""
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support.launchers import LOG_LINE_START, failure_report, run_command
-from tests.support.launchers import REPO, free_port
+from tests.support.launchers import REPO, torchrun_command
 from tests.support.newer_ids_yaml import NEWER_IDS_DATA, NEWER_IDS_EXAMPLES, newer_model_args
 from tests.support.newer_ids_yaml import assets  # noqa: F401  (pytest fixture)
 
@@ -40,9 +39,8 @@ def _losses(log, name="lm loss"):
 def _train(assets, model_id, out, ranks, *extra, yaml_name=None, folder=NEWER_IDS_DATA):
     args = newer_model_args(assets, model_id, out) + ["--parallel.fsdp_size", str(ranks),
                                                  "--training.gradient_accumulation_steps", str(3 - ranks), *extra]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"),
-               str(folder / (yaml_name or NEWER_IDS_EXAMPLES[model_id])), *args]
+    command = torchrun_command(ranks, os.path.join(REPO, "pretrain_fsdp2.py"),
+                               str(folder / (yaml_name or NEWER_IDS_EXAMPLES[model_id])), *args)
     result = run_command(command, {}, timeout=600)
     assert result.returncode == 0, failure_report(result, command)
     log = result.stdout + result.stderr

@@ -8,11 +8,10 @@
 import json
 import math
 import os
-import sys
 
 import pytest
 
-from tests.support.launchers import REPO, free_port, run_pretrain
+from tests.support.launchers import REPO, torchrun_command, run_pretrain
 from tests.support.launchers import failure_report, run_command, train_lines
 from tests.support.mindspeed_yaml import DATA, with_paths, yaml_file_at
 from tests.support.mindspeed_yaml import assets  # noqa: F401  (pytest fixture)
@@ -60,8 +59,7 @@ def test_mindspeed_qwen3_next_yaml_trains_on_two_ranks(assets, tmp_path, commit)
     args += ["--parallel.fsdp_size", "2", "--parallel.ep_size", "2", "--training.max_steps", "3",
              "--data.cutoff_len", "64", "--training.gradient_accumulation_steps", "1", "--training.save_steps", "3",
              "--optimization.chunk_loss_size", "32", "--training.dataloader_num_workers", "0"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), str(yaml_file), *args]
+    command = torchrun_command(2, os.path.join(REPO, "pretrain_fsdp2.py"), str(yaml_file), *args)
     result = run_command(command, {}, timeout=900)
     assert result.returncode == 0, failure_report(result, command)
     log = result.stdout + result.stderr

@@ -10,11 +10,10 @@ The overrides each test appends (sizes scaled down, paths) are listed in the tes
 import json
 import math
 import os
-import sys
 
 import pytest
 
-from tests.support.launchers import REPO, free_port
+from tests.support.launchers import REPO, torchrun_command
 from tests.support.launchers import failure_report, run_command, train_lines
 from tests.support.mindspeed_yaml import DATA, with_paths, yaml_file_at
 from tests.support.mindspeed_yaml import assets  # noqa: F401  (pytest fixture)
@@ -31,8 +30,7 @@ def tiny_next(tmp_path_factory):
 
 
 def _command(yaml_file, args):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-            str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), str(yaml_file), *args]
+    return torchrun_command(2, os.path.join(REPO, "pretrain_fsdp2.py"), str(yaml_file), *args)
 
 
 def _three_steps(result, command):

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tests.support.launchers import REPO, free_port
+from tests.support.launchers import REPO, torchrun_command
 from tests.support.launchers import failure_report, run_command, train_lines
 from tests.support.step35_reference import step35_config_dict
 from tests.support.step35_yaml import DATA, STEP35_EXAMPLES, STEP35_FLASH
@@ -40,8 +40,7 @@ def _train(assets, yaml_file, out, ranks, ep, ep_fsdp, *extra, steps=8):
             # expert gradients, every other gradient equal bit for bit), and AdamW turns that into lr-sized steps
             # on near-zero gradient entries: the layouts then agree to ~1e-4 at step 2 only, drifting after
             "--parallel.param_dtype", "fp32", *extra]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), yaml_file, *args]
+    command = torchrun_command(ranks, os.path.join(REPO, "pretrain_fsdp2.py"), yaml_file, *args)
     result = run_command(command, {}, timeout=900)
     assert result.returncode == 0, failure_report(result, command)
     log = result.stdout + result.stderr

@@ -190,17 +190,16 @@ def _pretrain(assets, out, ranks, *extra):  # noqa: F811
     """MindSpeed's glm52 example YAML (tests/e2e/test_newer_ids_yaml.py's tiny model and data; its recompute on),
     fp32, 2 steps of 2 micro-batches of 2 sequences of 32 tokens through pretrain_fsdp2.py: {iteration: losses}."""
     import os
-    import sys
 
     from fsdp2_backend.training.logging import parse_train_line
     from tests.support.launchers import failure_report, run_command, train_lines
     from tests.support.newer_ids_yaml import NEWER_IDS_DATA, NEWER_IDS_EXAMPLES, newer_model_args
-    from tests.support.launchers import REPO, free_port
+    from tests.support.launchers import REPO, torchrun_command
 
     args = [*newer_model_args(assets, "glm52", out), "--training.gradient_accumulation_steps", "2",
             "--parallel.param_dtype", "fp32", "--parallel.fsdp_size", str(ranks), *extra]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), str(NEWER_IDS_DATA / NEWER_IDS_EXAMPLES["glm52"]), *args]
+    command = torchrun_command(ranks, os.path.join(REPO, "pretrain_fsdp2.py"),
+                               str(NEWER_IDS_DATA / NEWER_IDS_EXAMPLES["glm52"]), *args)
     result = run_command(command, {}, timeout=600)
     assert result.returncode == 0, failure_report(result, command)
     log = result.stdout + result.stderr

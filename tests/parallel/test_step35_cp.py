@@ -15,13 +15,12 @@ cp that does not divide one layer type's heads, naming that layer type.
 """
 import json
 import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.launchers import REPO, free_port, run_distributed
+from tests.support.launchers import REPO, torchrun_command, run_distributed
 from tests.support.step35_reference import step35_config, step35_config_dict, step35_reference
 from tests.support.step35_yaml import STEP35_EXAMPLES
 from tests.support.step35_yaml import assets  # noqa: F401  (pytest fixture)
@@ -173,8 +172,7 @@ def _train(assets, out, ranks, *extra, ep=1):  # noqa: F811
             "--training.max_steps", str(STEPS), "--data.cutoff_len", "32", "--training.save_steps", "0",
             "--training.lr", "1e-3", "--training.lr_scheduler_type", "constant", "--parallel.param_dtype", "fp32",
             *extra]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-               str(free_port()), os.path.join(REPO, "pretrain_fsdp2.py"), STEP35_EXAMPLES, *args]
+    command = torchrun_command(ranks, os.path.join(REPO, "pretrain_fsdp2.py"), STEP35_EXAMPLES, *args)
     result = run_command(command, {}, timeout=900)
     assert result.returncode == 0, failure_report(result, command)
     log = result.stdout + result.stderr

@@ -1,6 +1,11 @@
-"""How tests start processes: the 2-rank gloo launcher (`run_distributed`, forked ranks) and the entry point run
-as a subprocess (`run_pretrain`, under torchrun for several ranks; `run_command` for any command line), with the
-repository root, a free port and the readers of the runs' logs.
+"""How tests start processes: the 2-rank gloo launcher (`run_distributed`, forked ranks), the in-process 1-rank
+group (`init_one_rank_group`), torchrun's command line (`torchrun_command`) and the entry point run as a subprocess
+(`run_pretrain`, under torchrun for several ranks; `run_command` for any command line), with the repository root and
+the readers of the runs' logs.
+
+No test picks a port for a process group: a port found free here and bound later by another process could be taken
+in between (a CI run's torchrun died with EADDRINUSE that way). The forked ranks meet in a FileStore, the 1-rank
+group uses an in-memory store, and torchrun binds and holds its own (`--standalone`).
 
 A test module that launches processes marks itself (tests/conftest.py lists the markers; tests/tools/test_test_layout.py
 checks that the marker and the launch go together)."""
@@ -8,9 +13,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,15 +28,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn_entry(rank, world_size, port, fn, args, environ=None):
+def init_one_rank_group(backend: str = "gloo") -> None:
+    """The default process group as one rank on an in-memory store (no port, no MASTER_ADDR/MASTER_PORT)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def torchrun_command(ranks, *entry) -> list:
+    """torchrun (this interpreter's) starting `ranks` workers on this host that run `entry` (a script and its
+    arguments). `--standalone`: torchrun binds its rendezvous store on a port the kernel gives it (localhost:0) and
+    holds it; the workers' env:// process group joins that store (torchrun hands them its address as
+    MASTER_ADDR/MASTER_PORT, with TORCHELASTIC_USE_AGENT_STORE), so no port is picked before it is bound."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+            *map(str, entry)]
+
+
+def _spawn_entry(rank, world_size, store_file, fn, args, environ=None):
     import torch.distributed as dist
 
     if environ is not None:  # the forkserver's copy is from when it started: take the caller's current one
         os.environ.clear()
         os.environ.update(environ)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # the group below has no address: nothing may join by one
+        os.environ.pop(name, None)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
         # Every rank finishes its work before any tears the group down: a rank that destroyed its group (and
@@ -56,8 +81,13 @@ def run_distributed(fn, world_size: int, *args) -> None:
     import torch.multiprocessing as mp
 
     multiprocessing.set_forkserver_preload(_FORKSERVER_PRELOAD)
-    mp.start_processes(_spawn_entry, args=(world_size, free_port(), fn, args, dict(os.environ)),
-                       nprocs=world_size, join=True, start_method="forkserver")
+    store_dir = tempfile.mkdtemp(prefix="gloo-store-")  # a fresh FileStore per launch: the ranks meet in it
+    try:
+        mp.start_processes(_spawn_entry, args=(world_size, os.path.join(store_dir, "store"), fn, args,
+                                               dict(os.environ)),
+                           nprocs=world_size, join=True, start_method="forkserver")
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
 
 
 # Imported once by the forkserver (it forks the ranks); a module that fails to import there is only skipped.
@@ -80,8 +110,7 @@ def run_pretrain(flags, save_dir, *extra, ranks: int = 1):
         env.pop("WORLD_SIZE", None)
         command = [sys.executable, *entry]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                   "--master_port", str(free_port()), *entry]
+        command = torchrun_command(ranks, *entry)
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-3000:]
@@ -124,8 +153,7 @@ def entry_command(args, ranks):
     entry = [os.path.join(REPO, "pretrain_fsdp2.py"), *map(str, args)]
     if ranks == 1:
         return [sys.executable, *entry]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-            str(free_port()), *entry]
+    return torchrun_command(ranks, *entry)
 
 
 def start_entry(args, log: Path, ranks=1) -> subprocess.Popen:

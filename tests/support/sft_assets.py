@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from fsdp2_backend.cli.demo_assets import build_tiny_model_dir, stdlib_texts
-from tests.support.launchers import MEGATRON_LINE, REPO, free_port
+from tests.support.launchers import MEGATRON_LINE, REPO, torchrun_command
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 QWEN3_TEMPLATE = os.path.join(HERE, "data", "sft", "qwen3_chat_template.jinja")
@@ -107,8 +107,7 @@ def run_sft(yaml_path, output_dir, ranks=1):
         env.pop("WORLD_SIZE", None)
         command = [sys.executable, *entry]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-                   str(free_port()), *entry]
+        command = torchrun_command(ranks, *entry)
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-3000:]
