@@ -29,7 +29,7 @@ class _State:
     consumed_samples: int = 0
 
 
-def train_loop(save_dir: str, port: int) -> None:
+def train_loop(save_dir: str) -> None:
     """The job: resume if a checkpoint exists, train to TOTAL_STEPS saving every step, write final.pt."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -39,10 +39,11 @@ def train_loop(save_dir: str, port: int) -> None:
 
     from fsdp2_backend.training.checkpoint import CheckpointManager, load_checkpoint
     from fsdp2_backend.checkpoint.resume_point import resume_point
+    from tests.support.launchers import init_one_rank_group
     from tests.support.tiny_models import tiny_qwen3_config
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    init_one_rank_group()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_qwen3_config(attention_dropout=0.2))
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
@@ -69,9 +70,7 @@ def train_loop(save_dir: str, port: int) -> None:
 
 
 def _start(save_dir: Path) -> subprocess.Popen:
-    from tests.support.launchers import free_port
-
-    code = f"from tests.e2e.test_checkpoint_kill import train_loop; train_loop({str(save_dir)!r}, {free_port()})"
+    code = f"from tests.e2e.test_checkpoint_kill import train_loop; train_loop({str(save_dir)!r})"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.launchers import free_port
+from tests.support.launchers import init_one_rank_group
 
 VOCAB, SEQ = 128, 12
 
@@ -22,9 +22,7 @@ def megatron():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.cuda, "current_device", lambda: "cpu")
         mp.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-        mp.setenv("MASTER_ADDR", "127.0.0.1")
-        mp.setenv("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        init_one_rank_group()
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 

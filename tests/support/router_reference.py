@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from fsdp2_backend.models.moe.family_swap import GROUPED_CLASSES
 from fsdp2_backend.models.moe.router import RouterSettings, TopKRouter
-from tests.support.launchers import free_port
+from tests.support.launchers import init_one_rank_group
 
 E, H = 16, 8
 
@@ -20,9 +20,7 @@ def megatron():
     """megatron-core's modules on a 1-rank gloo group (torn down after the module's tests)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.cuda, "current_device", lambda: "cpu")
-        mp.setenv("MASTER_ADDR", "127.0.0.1")
-        mp.setenv("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        init_one_rank_group()
         from megatron.core import parallel_state
         from megatron.core.process_groups_config import ProcessGroupCollection
 

@@ -16,7 +16,7 @@ import torch
 
 from fsdp2_backend.config import Config
 from fsdp2_backend.inference import generate
-from tests.support.launchers import free_port
+from tests.support.launchers import init_one_rank_group, torchrun_command
 from tests.support.tiny_models import stdlib_texts, tiny_qwen3_config, train_bytelevel_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,8 +129,7 @@ def _save_checkpoints(save_dir: Path, models, tokenizer) -> None:
 
     from fsdp2_backend.training.checkpoint import CheckpointManager
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    init_one_rank_group()
     try:
         manager = CheckpointManager(save_dir)
         for number, model in enumerate(models, 1):
@@ -176,8 +175,7 @@ def test_cli_two_ranks_generate_once_printed(model_dir, tmp_path):
     config_file = tmp_path / "gen.yaml"
     config_file.write_text(f"model:\n  model_name_or_path: {model_dir}\ninference:\n  max_new_tokens: 4\n")
     result = _cli(str(config_file), "--inference.max_new_tokens", "5", "--prompt", PROMPTS[0], "--prompt",
-                  PROMPTS[1], launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                        "--master_port", str(free_port())))
+                  PROMPTS[1], launcher=torchrun_command(2))
     assert result.returncode == 0, result.stderr
     expected = generate(_config(model_dir, max_new_tokens=5), PROMPTS)
     assert result.stdout == "".join(f"=== {n} ===\n{text}\n" for n, text in enumerate(expected, 1))
