@@ -6,12 +6,16 @@ activations offloaded to the host. The lm losses equal one rank's (no HSDP, no o
 from every rank (shards + index) that transformers loads. One test: four processes are what CI can afford.
 """
 import os
+import random
+import signal
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.support.launchers import MEGATRON_LINE, REPO, free_port, run_pretrain
+from tests.support.launchers import MEGATRON_LINE, REPO, run_pretrain, signal_tree
 
 pytestmark = pytest.mark.e2e
 
@@ -25,22 +29,55 @@ ACROSS_NODES = ("--num-distributed-optimizer-instances 2 --optimizer-cpu-offload
                 "--save-interval 2 --exit-interval 2").split()
 
 
+def _unclaimed_port() -> int:
+    """A port free now, outside the kernel's ephemeral range (ip_local_port_range).
+
+    The one port a test still picks: static rendezvous needs its --master_port before either agent starts, and
+    node 0's agent binds it only seconds later (torchrun has no way to be handed a bound socket, and the other
+    node could not learn a port node 0 chose itself). Outside the ephemeral range nothing that binds port 0 or
+    connects out (every other test: torchrun --standalone, gloo) can be given it in between; only a process naming
+    this very port could, and `_two_nodes` starts over once if that happened."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    candidates = [port for port in range(10000, 65536) if not low <= port <= high]
+    pick = random.SystemRandom()  # not the test session's seeded generator: two sessions at once differ
+    for _ in range(100):
+        port = pick.choice(candidates)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))  # the agent's store listens on every address
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no free port outside the ephemeral range")
+
+
 def _two_nodes(save_dir):
     """Both agents of one launch; returns their logs together (rank 0 prints the run's lines, the last rank the
-    training lines, as in Megatron)."""
-    port = free_port()
+    training lines, as in Megatron). Started over once if node 0's agent found its port taken (EADDRINUSE)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
-                                str(node), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-                                str(port), os.path.join(REPO, "pretrain_fsdp2.py"), *FLAGS, *ACROSS_NODES,
-                                "--save", str(save_dir)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-              for node in (0, 1)]
-    logs = [agent.communicate(timeout=600)[0] for agent in agents]
-    for agent, log in zip(agents, logs):
-        assert agent.returncode == 0, log[-3000:]
-    return "\n".join(logs)
+    for attempt in (1, 2):
+        port = _unclaimed_port()
+        logs = [save_dir.parent / f"{save_dir.name}-node{node}.log" for node in (0, 1)]
+        agents = []
+        for node, log in zip((0, 1), logs):
+            with open(log, "w") as out:  # files, not pipes: node 0 is waited for first
+                agents.append(subprocess.Popen(
+                    [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                     "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                     os.path.join(REPO, "pretrain_fsdp2.py"), *FLAGS, *ACROSS_NODES, "--save", str(save_dir)],
+                    stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO))
+        agents[0].wait(timeout=600)  # node 0 hosts the rendezvous: it ends first if it could not bind the port
+        if agents[0].returncode != 0:
+            signal_tree(agents[1].pid, signal.SIGKILL)  # it would wait for node 0 (or talk to the port's taker)
+            agents[1].wait()
+            if attempt == 1 and "EADDRINUSE" in logs[0].read_text():
+                continue
+        agents[1].wait(timeout=600)
+        texts = [log.read_text() for log in logs]
+        for agent, text in zip(agents, texts):
+            assert agent.returncode == 0, text[-3000:]
+        return "\n".join(texts)
 
 
 def test_two_nodes_hsdp_offload_match_one_rank_save_resume_and_export(tmp_path):
