@@ -8,7 +8,9 @@ with labels, backward, step). The engine sides run `Trainer.train_step` (forward
 loss accounting, clipping, optimizer and scheduler step). The three alternate iteration by iteration, the order
 rotating each iteration, so the machine's load falls on all of them alike (the machine is shared: medians, and
 ratios measured in the same run). The compiled side's first step (dynamo + inductor compile of the block,
-forward and backward) is timed on its own and left out of the medians.
+forward and backward) is timed on its own and left out of the medians. One more step per side runs under
+torch.profiler: the share of its time in GEMMs and the fused attention, which compiled code calls unchanged
+(inductor's extern kernels on CPU), bounds what compiling can gain on this model.
 
     python -m benchmarks.bench_compile [--steps 8] [--ranks 1] [--models dense,moe]   (from the repository root)
 
@@ -90,6 +92,24 @@ def _timed(fn):
     return time.process_time() - cpu, time.perf_counter() - wall
 
 
+# Kernels compiled code calls unchanged (inductor's extern kernels on CPU): the GEMMs and the fused attention.
+# Their share of a step bounds what compiling can gain: eager / compiled <= eager step / their time.
+EXTERN_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm",
+                  "aten::_scaled_dot_product_flash_attention_for_cpu",
+                  "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def _extern_share(step):
+    """(seconds of one profiled `step` in EXTERN_KERNELS, seconds of the whole step), self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    return sum(e.self_cpu_time_total for e in events if e.key in EXTERN_KERNELS) / 1e6, total / 1e6
+
+
 def _worker(rank, world_size, model_name, steps, out_path):
     import torch.distributed as dist
     from torch._dynamo.utils import counters
@@ -109,6 +129,8 @@ def _worker(rank, world_size, model_name, steps, out_path):
     result = {side: dict(cpu_ms=1000 * statistics.median(t[0] for t in times[side]),
                          wall_ms=1000 * statistics.median(t[1] for t in times[side]),
                          first_cpu_s=first[side][0], first_wall_s=first[side][1]) for side in SIDES}
+    for side in ("eager", "compiled"):
+        result[side]["extern_s"], result[side]["profiled_s"] = _extern_share(steps_of[side])
     result["cache"] = {k: v for k, v in counters["inductor"].items() if "fxgraph_cache" in k}
     result["cache"].update({k: v for k, v in counters["aot_autograd"].items() if "autograd_cache" in k})
     result["graphs"] = counters["stats"]["unique_graphs"]
@@ -150,6 +172,10 @@ def main():
                 eager, compiled, bare = (slowest(side, key) for side in SIDES)
                 print(f"  {key[:-3]:4s}: eager / compiled = {eager / compiled:.3f}x (goal >= 1.15 dense), "
                       f"bare / compiled = {bare / compiled:.3f}x, eager / bare = {eager / bare:.3f}")
+            shares = {side: ranks[0][side]["extern_s"] / ranks[0][side]["profiled_s"] for side in ("eager", "compiled")}
+            print(f"  GEMM + attention kernels (called unchanged by compiled code), one profiled step on rank 0: "
+                  f"{100 * shares['eager']:.1f}% of eager, {100 * shares['compiled']:.1f}% of compiled; "
+                  f"eager / compiled could reach at most {1 / shares['eager']:.2f}x if compiling removed all else")
             print(f"  compile: {ranks[0]['graphs']} graph(s) on rank 0; cache counters {ranks[0]['cache']}")
 
 

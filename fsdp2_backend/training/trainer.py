@@ -42,6 +42,7 @@ from fsdp2_backend.training.exit_conditions import ExitTimer
 from fsdp2_backend.training.exit_signal import ExitSignal
 from fsdp2_backend.usage_errors import RunStopped, UsageError
 from fsdp2_backend.training.grad_clip import clip_grad_norm
+from fsdp2_backend.training.compiled_loss import compiled_masked_loss_sum
 from fsdp2_backend.training.loss import GlobalBatchLoss, masked_loss_sum
 from fsdp2_backend.training.logging import TrainLogger
 from fsdp2_backend.training.loss_scaler import LossScaler
@@ -106,9 +107,9 @@ class Trainer:
         self.train_batches, self.valid_batches, self.test_batches = (job.train_batches, job.valid_batches,
                                                                      job.test_batches)
         self.train_iters, self.micro_batches = job.train_iters, job.micro_batches
-        # optimization.torch_compile: the loss head compiled once too (cross entropy's log-softmax, gather and mask
-        # and their backward fused into fewer passes over the logits: 2.1x on CPU at a 32k vocabulary)
-        loss_fn = torch.compile(masked_loss_sum) if config.optimization.torch_compile else masked_loss_sum
+        # optimization.torch_compile: the loss head compiled too, one kernel forward and one backward that writes
+        # the logits' gradient over the logits (training/compiled_loss.py)
+        loss_fn = compiled_masked_loss_sum if config.optimization.torch_compile else masked_loss_sum
         self.loss_fn = job.loss_fn or loss_fn
         self.profiler, self.checkpointer = job.profiler, job.checkpointer
         self.epoch_save_interval = job.epoch_save_interval
