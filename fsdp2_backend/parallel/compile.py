@@ -14,8 +14,8 @@ is a graph break at that piece, which then runs eager.
 In place: `nn.Module.compile()` keeps the module where it was, so parameter names, state-dict keys, checkpoints
 and every later plan pattern are unchanged (a `torch.compile(block)` wrapper would add `_orig_mod.` to them).
 
-The loss head (cross entropy over the logits, `training.loss.masked_loss_sum`) is compiled once as well, by the
-trainer that calls it.
+The loss head (cross entropy over the logits) is compiled as well, by the trainer that calls it: two kernels,
+the backward written over the logits (`training/compiled_loss.py`).
 
 Not fullgraph: a block that hits a graph break (an op dynamo cannot trace) still runs, its traceable pieces
 compiled. Every model id compiles (benchmarks/compile_model_ids.py lists graphs and breaks per id); blocks with
