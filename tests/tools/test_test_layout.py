@@ -22,21 +22,34 @@ def _is_test_module_name(dotted: str) -> bool:
     return dotted.split(".")[0] == "tests" and (last.startswith("test_") or last == "conftest")
 
 
+def _string_text(node: ast.AST):
+    """A string constant's text; an f-string's with each {value} as None; else None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(part.value if isinstance(part, ast.Constant) else "None" for part in node.values)
+    return None
+
+
 def imports_of_test_modules(tree: ast.AST):
     """(line, module) of every import in `tree` of a test module or a conftest, at any depth (function-level too),
     in line order."""
     found = []
+    # an f-string's literal pieces are read once, as the whole string with each {value} taken as None
+    in_fstrings = {id(part) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for part in node.values}
     for node in ast.walk(tree):
+        if id(node) in in_fstrings:
+            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.ImportFrom):  # relative: any import that names a test module
             names = [f"tests.{node.module or ''}.{alias.name}" for alias in node.names]
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "import" in node.value:
+        elif _string_text(node) is not None and "import" in _string_text(node):
             # code a test runs in a child process (`python -c CODE`) imports too
             try:
-                code = ast.parse(textwrap.dedent(node.value))
+                code = ast.parse(textwrap.dedent(_string_text(node)))
             except SyntaxError:
                 continue
             found += [(node.lineno, name) for _, name in imports_of_test_modules(code)]
@@ -62,10 +75,11 @@ def test_the_import_rule_fires_on_a_synthetic_source():
     source = ("from tests.e2e.test_faults_processes import FLAGS\n"
               "def helper():\n    import tests.models.test_qwen3_moe as moe\n"
               "from tests import conftest\nfrom tests.support.launchers import run_pretrain\n"
-              "CHECK = \"\"\"\nimport torch\nfrom tests.kernels.test_gated_delta_rule import _grads\n\"\"\"\n")
+              "CHECK = \"\"\"\nimport torch\nfrom tests.kernels.test_gated_delta_rule import _grads\n\"\"\"\n"
+              "CODE = f\"from tests.e2e.test_checkpoint_kill import job; job({str(path)!r})\"\n")
     assert [name for _, name in imports_of_test_modules(ast.parse(source))] == [
         "tests.e2e.test_faults_processes", "tests.models.test_qwen3_moe", "tests.conftest",
-        "tests.kernels.test_gated_delta_rule"]
+        "tests.kernels.test_gated_delta_rule", "tests.e2e.test_checkpoint_kill"]
 
 
 def test_written_kinds_say_what_the_tests_launch():
