@@ -24,7 +24,7 @@ from fsdp2_backend.config.rules.mindspeed_master_fields import (head_field_error
                                                                 normalise_head_fields)
 from fsdp2_backend.config.rules.model import (check_quantization, check_router_model, group_score_notices,
                                               megatron_router_set, mla_scale_errors, quant_notices, router_errors)
-from fsdp2_backend.config.rules.optimization import compile_notices
+from fsdp2_backend.config.rules.optimization import compile_errors, compile_notices
 from fsdp2_backend.config.rules.parallel import check_model_layout
 from fsdp2_backend.config.rules.run_inputs import canonical_config, canonical_key, check_run_inputs
 from fsdp2_backend.config.rules.training import batch_schedule_errors, optimizer_errors
@@ -311,6 +311,7 @@ def validate_with_notices(config: Config, world_size: int = 1,
     _check_seed_rules(config, errors)
     _check_optimizer_schedule(config, errors)
     errors.extend(optimizer_errors(config))
+    errors.extend(compile_errors(config))  # optimization.torch_compile with MXFP8 weights (rules.optimization)
     errors.extend(head_field_errors(config))  # MindSpeed c77308a1's fields (rules.mindspeed_master_fields)
     _check_monitoring(config, errors)
     _check_not_yet(config, errors)

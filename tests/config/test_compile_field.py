@@ -35,3 +35,19 @@ def test_megatron_argv_takes_the_native_switch():
     assert config.optimization.torch_compile is True
     config, _ = parse_command_line(argv[:-2], 1)
     assert config.optimization.torch_compile is False
+
+
+def test_mxfp8_weights_are_declined_and_the_float8_recipes_compile():
+    """MXFP8 weights (a tensor subclass) do not trace: one error naming both fields; a float8 recipe passes."""
+    import pytest
+
+    from fsdp2_backend.usage_errors import UsageError
+
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+            "--micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data --tokenizer-type "
+            "NullTokenizer --vocab-size 128 --bf16 --fp8-format e4m3 --optimization.torch_compile True").split()
+    with pytest.raises(UsageError) as error:
+        parse_command_line(argv + ["--fp8-recipe", "mxfp8"], 1)
+    assert "optimization.torch_compile: model.quant_converters quantize.linear.mx" in str(error.value)
+    config, _ = parse_command_line(argv + ["--fp8-recipe", "tensorwise"], 1)
+    assert config.model.quant_recipe_name == "tensorwise" and config.optimization.torch_compile is True

@@ -1,8 +1,9 @@
 """`optimization.torch_compile` (each decoder block compiled once, parallel/compile.py) trains as eager does, in every
 layout: the same layout run eager and compiled gives the same lm losses and gradient norms per step within 1e-5
 relative (fp32), on 1 rank and on 2 gloo ranks for FSDP2, TP + sequence parallel, CP (Ulysses, ring), recompute
-(full and selective) and EP with grouped experts. Inductor's CPU backend compiles here (a C++ compiler is on the
-machine), so this runs the real compiled kernels.
+(full and selective), EP with grouped experts, float8 (tensorwise) linears and MTP. Inductor's CPU backend compiles
+here (a C++ compiler is on the machine), so this runs the real compiled kernels. HSDP (a 2-D FSDP mesh) needs 4
+ranks: not run here.
 
 Compiling costs tens of seconds on CPU, so the layouts share one 2-rank launch (the FX graph cache is shared by
 the runs of one process) and each run is 3 steps. The eager run of each layout is the reference; that compiling
@@ -29,6 +30,11 @@ LAYOUTS = {  # name: (model, parallel fields)
     "recompute_full": ("dense", dict(fsdp_size=2, recompute=True)),
     "recompute_selective": ("dense", dict(fsdp_size=2, recompute=True, recompute_modules=["*.self_attn"])),
     "ep2": ("moe", dict(ep_size=2)),
+    # (model, parallel fields, model fields): float8 linears (scaled matmul inside the compiled block) and MTP (its
+    # loss attached to the logits the compiled loss head writes its gradient over)
+    "float8_fsdp2": ("dense", dict(fsdp_size=2), dict(quant_recipe_name="tensorwise",
+                                                     quant_converters=["quantize.linear.float8"])),
+    "mtp_fsdp2": ("dense", dict(fsdp_size=2), dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.3)),
 }
 
 
@@ -41,10 +47,10 @@ def _compiled(block):
     return block._compiled_call_impl is not None or hasattr(inner, "_torchdynamo_orig_callable")
 
 
-def _train(model_dir, compiled, model_id=None, **parallel):
+def _train(model_dir, compiled, model_id=None, model_fields=None, **parallel):
     from torch._dynamo.utils import counters
 
-    from fsdp2_backend.build import TrainJob
+    from fsdp2_backend.build import TrainJob, _with_mtp
     from fsdp2_backend.distributed.context import ParallelContext
     from fsdp2_backend.models.loading import create_model, load_hf_config
     from fsdp2_backend.parallel.apply import apply_parallelism
@@ -62,6 +68,8 @@ def _train(model_dir, compiled, model_id=None, **parallel):
         config.optimization.moe_grouped_gemm = True
     for name, value in parallel.items():
         setattr(config.parallel, name, value)
+    for name, value in (model_fields or {}).items():
+        setattr(config.model, name, value)
     ctx = ParallelContext.create(config.parallel)
     # each layout starts as its own process would: dynamo's per-frame caches empty (the runs of one process share
     # transformers' layer wrapper, whose cache would otherwise fill up with every layout's variant); inductor's FX
@@ -69,7 +77,7 @@ def _train(model_dir, compiled, model_id=None, **parallel):
     torch._dynamo.reset()
     graphs_before = counters["stats"]["unique_graphs"]
     model = create_model(config.model, load_hf_config(config.model), seed=0, device=ctx.device.torch_device,
-                         parallelize=lambda m: apply_parallelism(m, config, ctx))
+                         parallelize=lambda m: apply_parallelism(*_with_mtp(m, config), ctx))
     blocks = decoder_blocks(model)
     assert blocks and all(_compiled(b) == compiled for _, b in blocks)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
@@ -86,9 +94,9 @@ def _train(model_dir, compiled, model_id=None, **parallel):
 def _worker(rank, world_size, dirs, layouts, out_path):
     results = {}
     for name in layouts:
-        kind, parallel = LAYOUTS[name] if world_size > 1 else ("dense", {})
+        kind, parallel, *model_fields = LAYOUTS[name] if world_size > 1 else ("dense", {})
         model_id = "qwen3_moe" if kind == "moe" else None
-        results[name] = {mode: _train(dirs[kind], mode == "compiled", model_id, **parallel)
+        results[name] = {mode: _train(dirs[kind], mode == "compiled", model_id, *model_fields, **parallel)
                          for mode in ("eager", "compiled")}
     if rank == 0:
         with open(out_path, "w") as handle:

@@ -1,7 +1,8 @@
 """Rules of the `optimization.*` switches: what regional compilation does for the model. Torch-free; called once from
 `validation`; its parts, in order:
 
-What `optimization.torch_compile` (regional compilation, parallel/compile.py) does for the chosen model, said once.
+What `optimization.torch_compile` (regional compilation, parallel/compile.py) cannot run with (MXFP8 weights), and
+what it does for the chosen model, said once.
 
 Every model id's decoder blocks compile (each block once, in place, before FSDP). Measured per model id on the
 tiny configs (dynamo's graph-break counters, one forward and backward): the dense blocks (qwen3, mamba3, a
@@ -17,10 +18,23 @@ from __future__ import annotations
 from typing import List
 
 from fsdp2_backend.config.model_facts import ModelFacts
+from fsdp2_backend.config.quant_names import FLOAT8_LINEAR_CONVERTER, LINEAR_CONVERTER
 from fsdp2_backend.config.schema import Config
 
 
 # --- compile ---------------------------------------------------------------------------------------
+
+def compile_errors(config: Config) -> List[str]:
+    """What `optimization.torch_compile` cannot run with: MXFP8 linear weights (`quantize.linear.mx`) — a tensor
+    subclass holding its cached quantisations, which dynamo cannot trace ("mixing fake modes" at the first
+    compiled block). The float8 recipes (`quantize.linear.float8`) compile."""
+    m = config.model
+    if config.optimization.torch_compile and m.quant_recipe_name and LINEAR_CONVERTER in m.quant_converters:
+        return [f"optimization.torch_compile: model.quant_converters {LINEAR_CONVERTER} (MXFP8 weights, a tensor "
+                f"subclass dynamo cannot trace) does not compile — turn torch_compile off for MXFP8, or use a float8 "
+                f"recipe ({FLOAT8_LINEAR_CONVERTER}), which compiles"]
+    return []
+
 
 def compile_notices(config: Config, facts: ModelFacts) -> List[str]:
     """The notice for a model whose blocks compile in pieces (routed experts); nothing otherwise."""
