@@ -2,8 +2,8 @@
 layout: the same layout run eager and compiled gives the same lm losses and gradient norms per step within 1e-5
 relative (fp32), on 1 rank and on 2 gloo ranks for FSDP2, TP + sequence parallel, CP (Ulysses, ring), recompute
 (full and selective), EP with grouped experts, float8 (tensorwise) linears and MTP. Inductor's CPU backend compiles
-here (a C++ compiler is on the machine), so this runs the real compiled kernels. HSDP (a 2-D FSDP mesh) needs 4
-ranks: not run here.
+here (a C++ compiler is on the machine), so this runs the real compiled kernels; HSDP (2 replicas x FSDP 2) on 4
+ranks.
 
 Compiling costs tens of seconds on CPU, so the layouts share one 2-rank launch (the FX graph cache is shared by
 the runs of one process) and each run is 3 steps. The eager run of each layout is the reference; that compiling
@@ -15,6 +15,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from fsdp2_backend.config import Config
 from tests.support.launchers import run_distributed
@@ -36,6 +37,7 @@ LAYOUTS = {  # name: (model, parallel fields)
                                                      quant_converters=["quantize.linear.float8"])),
     "mtp_fsdp2": ("dense", dict(fsdp_size=2), dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.3)),
 }
+FOUR_RANK_LAYOUTS = {"hsdp_2x2": ("dense", dict(fsdp_size=2))}  # 2 replicas of a 2-rank FSDP group
 
 
 
@@ -57,6 +59,7 @@ def _train(model_dir, compiled, model_id=None, model_fields=None, **parallel):
     from fsdp2_backend.parallel.compile import decoder_blocks
     from fsdp2_backend.training.trainer import Trainer
 
+    gbs = GBS * max(1, dist.get_world_size() // 2) if dist.is_initialized() else GBS  # a micro-batch per dp rank
     config = Config()
     config.model.model_name_or_path = model_dir
     config.model.model_id = model_id
@@ -82,9 +85,9 @@ def _train(model_dir, compiled, model_id=None, model_fields=None, **parallel):
     assert blocks and all(_compiled(b) == compiled for _, b in blocks)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     trainer = Trainer(TrainJob(config=config, ctx=ctx, model=model, optimizer=optimizer, scheduler=ConstantLR(),
-                               train_batches=rank_micro_batches(masked_samples(GBS * STEPS, SEQ, seed=17), ctx.dp_size,
+                               train_batches=rank_micro_batches(masked_samples(gbs * STEPS, SEQ, seed=17), ctx.dp_size,
                                                                 ctx.dp_rank, MBS),
-                               train_iters=STEPS, micro_batches=GBS // (MBS * ctx.dp_size)))
+                               train_iters=STEPS, micro_batches=gbs // (MBS * ctx.dp_size)))
     result = trainer.train()
     ctx.close()
     return {"losses": result.losses, "grad_norms": result.grad_norms,
@@ -94,7 +97,7 @@ def _train(model_dir, compiled, model_id=None, model_fields=None, **parallel):
 def _worker(rank, world_size, dirs, layouts, out_path):
     results = {}
     for name in layouts:
-        kind, parallel, *model_fields = LAYOUTS[name] if world_size > 1 else ("dense", {})
+        kind, parallel, *model_fields = {**LAYOUTS, **FOUR_RANK_LAYOUTS}[name] if world_size > 1 else ("dense", {})
         model_id = "qwen3_moe" if kind == "moe" else None
         results[name] = {mode: _train(dirs[kind], mode == "compiled", model_id, *model_fields, **parallel)
                          for mode in ("eager", "compiled")}
@@ -137,4 +140,12 @@ def test_compiled_blocks_train_as_eager_in_every_two_rank_layout(model_dirs, tmp
     run_distributed(_worker, 2, model_dirs, list(LAYOUTS), str(out))
     results = json.loads(out.read_text())
     assert sorted(results) == sorted(LAYOUTS)
+    _assert_same(results)
+
+
+def test_compiled_blocks_train_as_eager_under_hsdp(model_dirs, tmp_path):
+    out = tmp_path / "four.json"
+    run_distributed(_worker, 4, model_dirs, list(FOUR_RANK_LAYOUTS), str(out))
+    results = json.loads(out.read_text())
+    assert sorted(results) == sorted(FOUR_RANK_LAYOUTS)
     _assert_same(results)
