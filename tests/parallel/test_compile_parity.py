@@ -135,17 +135,11 @@ def test_compiled_blocks_train_as_eager_on_one_rank(model_dirs, tmp_path):
     _assert_same(json.loads(out.read_text()))
 
 
-def test_compiled_blocks_train_as_eager_in_every_two_rank_layout(model_dirs, tmp_path):
-    out = tmp_path / "two.json"
-    run_distributed(_worker, 2, model_dirs, list(LAYOUTS), str(out))
+@pytest.mark.parametrize("ranks", [2, 4])  # 4: HSDP
+def test_compiled_blocks_train_as_eager_in_every_multi_rank_layout(model_dirs, tmp_path, ranks):
+    layouts = LAYOUTS if ranks == 2 else FOUR_RANK_LAYOUTS
+    out = tmp_path / "runs.json"
+    run_distributed(_worker, ranks, model_dirs, list(layouts), str(out))
     results = json.loads(out.read_text())
-    assert sorted(results) == sorted(LAYOUTS)
-    _assert_same(results)
-
-
-def test_compiled_blocks_train_as_eager_under_hsdp(model_dirs, tmp_path):
-    out = tmp_path / "four.json"
-    run_distributed(_worker, 4, model_dirs, list(FOUR_RANK_LAYOUTS), str(out))
-    results = json.loads(out.read_text())
-    assert sorted(results) == sorted(FOUR_RANK_LAYOUTS)
+    assert sorted(results) == sorted(layouts)
     _assert_same(results)
