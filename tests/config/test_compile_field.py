@@ -1,7 +1,7 @@
 """`optimization.torch_compile`: read from a YAML-style override and Megatron argv, and said once (a notice) for a
 model whose blocks compile in pieces (routed experts); a dense model gets no notice."""
 from fsdp2_backend.config import Config
-from fsdp2_backend.config.validation import validate_with_notices
+from fsdp2_backend.config.validation import validate, validate_with_notices
 from fsdp2_backend.launch import parse_command_line
 
 ARCH = dict(model_type="qwen3", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -38,7 +38,8 @@ def test_megatron_argv_takes_the_native_switch():
 
 
 def test_mxfp8_weights_are_declined_and_the_float8_recipes_compile():
-    """MXFP8 weights (a tensor subclass) do not trace: one error naming both fields; a float8 recipe passes."""
+    """MXFP8 weights (a tensor subclass) and MXFP8 grouped experts (data-sized blocks) do not trace: one error naming
+    both fields; a float8 recipe passes."""
     import pytest
 
     from fsdp2_backend.usage_errors import UsageError
@@ -49,5 +50,10 @@ def test_mxfp8_weights_are_declined_and_the_float8_recipes_compile():
     with pytest.raises(UsageError) as error:
         parse_command_line(argv + ["--fp8-recipe", "mxfp8"], 1)
     assert "optimization.torch_compile: model.quant_converters quantize.linear.mx" in str(error.value)
+    config, _ = parse_command_line(argv + ["--fp8-recipe", "mxfp8", "--optimization.torch_compile", "False"], 1)
+    config.model.quant_converters = ["quantize.moe.mx"]  # the native field: MXFP8 grouped experts only
+    config.optimization.torch_compile = True
+    with pytest.raises(UsageError, match="quant_converters quantize.moe.mx "):
+        validate(config, 1)
     config, _ = parse_command_line(argv + ["--fp8-recipe", "tensorwise"], 1)
     assert config.model.quant_recipe_name == "tensorwise" and config.optimization.torch_compile is True

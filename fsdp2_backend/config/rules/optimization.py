@@ -18,21 +18,23 @@ from __future__ import annotations
 from typing import List
 
 from fsdp2_backend.config.model_facts import ModelFacts
-from fsdp2_backend.config.quant_names import FLOAT8_LINEAR_CONVERTER, LINEAR_CONVERTER
+from fsdp2_backend.config.quant_names import EXPERTS_CONVERTER, FLOAT8_LINEAR_CONVERTER, LINEAR_CONVERTER
 from fsdp2_backend.config.schema import Config
 
 
 # --- compile ---------------------------------------------------------------------------------------
 
 def compile_errors(config: Config) -> List[str]:
-    """What `optimization.torch_compile` cannot run with: MXFP8 linear weights (`quantize.linear.mx`) — a tensor
-    subclass holding its cached quantisations, which dynamo cannot trace ("mixing fake modes" at the first
-    compiled block). The float8 recipes (`quantize.linear.float8`) compile."""
+    """What `optimization.torch_compile` cannot run with: the MXFP8 converters. MXFP8 linear weights
+    (`quantize.linear.mx`) are a tensor subclass holding its cached quantisations, which dynamo cannot trace ("mixing
+    fake modes" at the first compiled block); the MXFP8 grouped experts (`quantize.moe.mx`) size their blocks by
+    the tokens each expert got, data dynamo cannot guard on. The float8 recipes (`quantize.linear.float8`) compile."""
     m = config.model
-    if config.optimization.torch_compile and m.quant_recipe_name and LINEAR_CONVERTER in m.quant_converters:
-        return [f"optimization.torch_compile: model.quant_converters {LINEAR_CONVERTER} (MXFP8 weights, a tensor "
-                f"subclass dynamo cannot trace) does not compile — turn torch_compile off for MXFP8, or use a float8 "
-                f"recipe ({FLOAT8_LINEAR_CONVERTER}), which compiles"]
+    mx = [c for c in (LINEAR_CONVERTER, EXPERTS_CONVERTER) if c in m.quant_converters]
+    if config.optimization.torch_compile and m.quant_recipe_name and mx:
+        return [f"optimization.torch_compile: model.quant_converters {', '.join(mx)} (MXFP8, which dynamo cannot "
+                f"trace here) does not compile — turn torch_compile off for MXFP8, or use a float8 recipe "
+                f"({FLOAT8_LINEAR_CONVERTER}), which compiles"]
     return []
 
 
