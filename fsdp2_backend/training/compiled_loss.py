@@ -21,6 +21,7 @@ only where there is no backward.
 """
 from __future__ import annotations
 
+import functools
 from typing import Tuple
 
 import torch
@@ -53,15 +54,16 @@ def _backward_into(logits: Tensor, labels: Tensor, loss_mask: Tensor, lse: Tenso
     logits.copy_(grad.reshape(logits.shape).to(logits.dtype))
 
 
-_compiled_forward = torch.compile(_forward)
-_compiled_backward_into = torch.compile(_backward_into)
-_compiled_masked_loss_sum = torch.compile(masked_loss_sum)
+@functools.cache
+def _compiled(fn):
+    """`fn` compiled, made on first use: importing the trainer compiles nothing and imports no dynamo."""
+    return torch.compile(fn)
 
 
 class _CrossEntropyOverLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, labels: Tensor, loss_mask: Tensor):
-        loss_sum, count, lse = _compiled_forward(logits, labels, loss_mask)
+        loss_sum, count, lse = _compiled(_forward)(logits, labels, loss_mask)
         ctx.save_for_backward(logits, labels, loss_mask, lse)
         ctx.used = False
         return loss_sum, count
@@ -73,12 +75,12 @@ class _CrossEntropyOverLogits(torch.autograd.Function):
                                "logits (retain_graph is not supported with optimization.torch_compile)")
         ctx.used = True
         logits, labels, loss_mask, lse = ctx.saved_tensors
-        _compiled_backward_into(logits, labels, loss_mask, lse, grad_sum)
+        _compiled(_backward_into)(logits, labels, loss_mask, lse, grad_sum)
         return logits, None, None
 
 
 def compiled_masked_loss_sum(logits: Tensor, labels: Tensor, loss_mask: Tensor) -> Tuple[Tensor, Tensor]:
     """`masked_loss_sum`, compiled, with the backward written over the logits where that applies (module doc)."""
     if type(logits) is not Tensor or not (logits.requires_grad and torch.is_grad_enabled()):
-        return _compiled_masked_loss_sum(logits, labels, loss_mask)
+        return _compiled(masked_loss_sum)(logits, labels, loss_mask)
     return _CrossEntropyOverLogits.apply(logits, labels, loss_mask)
